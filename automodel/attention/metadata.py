@@ -1,0 +1,91 @@
+"""The THD attention metadata handed from the data path to the model.
+
+Attention backends read only this object, so the data path and the backends meet in one place.
+Under context parallelism every field describes the GLOBAL batch (all CP ranks' tokens), as
+Transformer Engine requires; the local tokens are this rank's share in
+``thd_get_partitioned_indices`` order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from automodel.distributed.cp_sharding import thd_get_partitioned_indices
+from automodel.distributed.thd_checks import check_cu_seqlens_padded
+
+
+@dataclass(frozen=True)
+class ThdAttentionMetadata:
+    """Layout of a packed THD batch.
+
+    Attributes:
+        cu_seqlens: ``[N+1]`` int32, cumulative REAL lengths of the N sequences.
+        cu_seqlens_padded: ``[N+1]`` int32, cumulative padded lengths (memory offsets); the last
+            entry is the global token count T.
+        max_seqlen: longest padded sequence.
+        cp_size, cp_rank: context-parallel size and this rank's index in the CP group.
+        cp_group: the CP process group (None when cp_size == 1).
+    """
+
+    cu_seqlens: torch.Tensor
+    cu_seqlens_padded: torch.Tensor
+    max_seqlen: int
+    cp_size: int = 1
+    cp_rank: int = 0
+    cp_group: dist.ProcessGroup | None = None
+
+    def __post_init__(self) -> None:
+        total = int(self.cu_seqlens_padded[-1]) if self.cu_seqlens_padded.numel() else 0
+        check_cu_seqlens_padded(self.cu_seqlens_padded, total, self.cp_size)
+        if self.cu_seqlens.shape != self.cu_seqlens_padded.shape or self.cu_seqlens.dtype != torch.int32:
+            raise ValueError(
+                f"cu_seqlens must be int32 shaped like cu_seqlens_padded {tuple(self.cu_seqlens_padded.shape)}, "
+                f"got {self.cu_seqlens.dtype} {tuple(self.cu_seqlens.shape)}"
+            )
+        if self.cp_size > 1 and self.cp_group is None:
+            raise ValueError(f"cp_size={self.cp_size} needs a cp_group")
+
+    @classmethod
+    def from_batch(cls, batch: dict[str, Any], cp_group: dist.ProcessGroup | None = None) -> ThdAttentionMetadata:
+        """From the output of ``make_cp_batch_for_te`` (single chunk)."""
+        return cls(
+            cu_seqlens=batch["cu_seqlens"],
+            cu_seqlens_padded=batch["cu_seqlens_padded"],
+            max_seqlen=int(batch["max_seqlen"]),
+            cp_size=int(batch.get("cp_size", 1)),
+            cp_rank=int(batch.get("cp_rank", 0)),
+            cp_group=cp_group,
+        )
+
+    @property
+    def total_tokens(self) -> int:
+        """Global token count T (all CP ranks)."""
+        return int(self.cu_seqlens_padded[-1])
+
+    @cached_property
+    def real_lens(self) -> torch.Tensor:
+        """``[N]`` int64 real length of each sequence (CPU)."""
+        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).to("cpu", torch.int64)
+
+    @cached_property
+    def padded_lens(self) -> torch.Tensor:
+        """``[N]`` int64 padded length of each sequence (CPU)."""
+        return (self.cu_seqlens_padded[1:] - self.cu_seqlens_padded[:-1]).to("cpu", torch.int64)
+
+    @cached_property
+    def pad_between_seqs(self) -> bool:
+        """True when some sequence has padding slots (TE's ``pad_between_seqs``)."""
+        return bool((self.real_lens != self.padded_lens).any())
+
+    @cached_property
+    def partition_indices(self) -> torch.Tensor:
+        """``[cp_size, T / cp_size]`` int64 (CPU): row r = global indices of CP rank r's local tokens."""
+        cu = self.cu_seqlens_padded.to("cpu")
+        return torch.stack(
+            [thd_get_partitioned_indices(cu, self.total_tokens, self.cp_size, r).long() for r in range(self.cp_size)]
+        )

@@ -1,0 +1,360 @@
+"""``pack_dataset``: tokenized SFT samples -> fixed-size packs for the THD data path.
+
+Reads the token columns straight from Arrow (no per-sample Python), plans with
+:mod:`automodel.data.planning`, and writes the packed columns into preallocated arrays that become
+Arrow list columns without a copy.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import datasets
+import numba
+import numpy as np
+import pyarrow as pa
+from datasets.fingerprint import Hasher
+from datasets.table import InMemoryTable
+from tqdm.auto import tqdm
+
+from automodel.data.planning import PACKING_ALGORITHMS, PackPlan, lower_bound_packs, plan_packs
+
+logger = logging.getLogger(__name__)
+
+CROSS_ENTROPY_IGNORE_INDEX = -100
+_INT32 = np.iinfo(np.int32)
+
+
+@dataclass(frozen=True)
+class PackingReport:
+    algorithm: str
+    packed_sequence_size: int
+    num_samples: int
+    num_too_long: int  # longer than a pack (after CP padding): dropped
+    num_over_max_packs: int  # fit, but left out because max_packs was reached
+    num_packs: int
+    lower_bound: int  # ceil(padded tokens of all samples that fit / packed_sequence_size)
+    real_tokens: int
+
+    @property
+    def num_packed(self) -> int:
+        return self.num_samples - self.num_too_long - self.num_over_max_packs
+
+    @property
+    def fill(self) -> float:
+        """Share of pack slots holding real tokens."""
+        return self.real_tokens / max(1, self.num_packs * self.packed_sequence_size)
+
+    @property
+    def packs_over_lower_bound(self) -> float:
+        return self.num_packs / max(1, self.lower_bound) - 1.0
+
+    def __str__(self) -> str:
+        text = (
+            f"packed {self.num_packed:,} of {self.num_samples:,} samples into {self.num_packs:,} packs of "
+            f"{self.packed_sequence_size} tokens ({self.algorithm}): fill {self.fill:.2%}"
+        )
+        if not self.num_over_max_packs:
+            text += f", {self.packs_over_lower_bound:+.3%} packs over the lower bound {self.lower_bound:,}"
+        return text
+
+
+def pack_dataset(
+    dataset,
+    split,
+    packed_sequence_size,
+    max_packs=None,
+    padding_idx=0,
+    drop_long_samples=True,
+    cp_size=1,
+    *,
+    algorithm="bfd",
+    seed=0,
+) -> datasets.Dataset:
+    """Pack tokenized samples into rows of exactly ``packed_sequence_size`` tokens.
+
+    Args:
+        dataset: ``datasets.Dataset`` or ``DatasetDict`` with list columns ``input_ids``, ``labels``
+            (already aligned targets) and optionally ``loss_mask`` (0 turns the label into -100).
+        split: the split to pack when ``dataset`` is a ``DatasetDict``.
+        packed_sequence_size: S, tokens per pack.
+        max_packs: keep only the first ``max_packs`` packs; samples left out are reported.
+        padding_idx: token id of padding.
+        drop_long_samples: drop (and report) samples longer than S after CP padding; with False
+            such a sample raises ValueError.
+        cp_size: context-parallel size W. With W > 1 each sample is padded at its end to a
+            multiple of 2W, and S must be a multiple of 2W.
+        algorithm: ``"bfd"`` (best-fit decreasing, packs shuffled by ``seed``) or ``"sequential"``
+            (next-fit in dataset order, pack for pack what NeMo AutoModel produces).
+        seed: shuffles the packs of ``"bfd"``.
+
+    Returns:
+        A ``datasets.Dataset`` with one row per pack (int32 list columns):
+
+        - ``input_ids``, ``labels``, ``position_ids``: ``[S]``. Positions restart at 0 for every
+          sample and count through its CP padding; CP padding and tail padding hold
+          ``padding_idx`` / -100; tail positions continue from the last one (clamped to S-1).
+        - ``seq_lens``: ``[D]`` real lengths of the D samples in the pack.
+        - ``seq_lens_padded``: ``[D]`` CP-padded lengths, the tail padding added to the last entry,
+          so they sum to S and each is a multiple of 2W.
+
+    Example (S=16, W=2, samples [1 2 3] and [4 5 6 7 8])::
+
+        input_ids       [1 2 3 0 4 5 6 7 8 0 0 0 0 0 0 0]
+        position_ids    [0 1 2 3 0 1 2 3 4 5 6 7 8 9 10 11]
+        seq_lens        [3 5]
+        seq_lens_padded [4 12]
+    """
+    _check_arguments(packed_sequence_size, max_packs, padding_idx, drop_long_samples, cp_size, algorithm, seed)
+    dataset = _select_split(dataset, split)
+    columns = _TokenColumns.read(dataset)
+
+    multiple = 2 * cp_size if cp_size > 1 else 1
+    padded_lens = -(-columns.lengths // multiple) * multiple
+    too_long = padded_lens > packed_sequence_size
+    if too_long.any() and not drop_long_samples:
+        i = int(np.flatnonzero(too_long)[0])
+        raise ValueError(
+            f"sample {i} has {columns.lengths[i]} tokens ({padded_lens[i]} after padding to a multiple of "
+            f"2*cp_size={multiple}), more than packed_sequence_size={packed_sequence_size}. Increase "
+            "packed_sequence_size, shorten the sample, or set drop_long_samples=True to drop such samples."
+        )
+    fitting = np.flatnonzero(~too_long)
+    plan = plan_packs(padded_lens[fitting], packed_sequence_size, algorithm, seed)
+    lower_bound = lower_bound_packs(padded_lens[fitting], packed_sequence_size)
+    if max_packs is not None:
+        plan = plan.truncate(max_packs)
+    if plan.num_packs == 0:
+        raise ValueError(
+            f"no sample fits packed_sequence_size={packed_sequence_size} (all {len(too_long)} are longer "
+            f"after padding to a multiple of {multiple}); increase packed_sequence_size"
+        )
+    plan = PackPlan(fitting[plan.sample_order], plan.pack_offsets)  # index the input rows
+
+    report = PackingReport(
+        algorithm=algorithm,
+        packed_sequence_size=packed_sequence_size,
+        num_samples=len(columns.lengths),
+        num_too_long=int(too_long.sum()),
+        num_over_max_packs=len(fitting) - len(plan.sample_order),
+        num_packs=plan.num_packs,
+        lower_bound=lower_bound,
+        real_tokens=int(columns.lengths[plan.sample_order].sum()),
+    )
+    _warn_about_left_out_samples(report, multiple, max_packs)
+    table = _build_table(columns, plan, padded_lens, packed_sequence_size, padding_idx)
+    logger.info("pack_dataset: %s", report)
+    fingerprint = Hasher.hash(
+        (getattr(dataset, "_fingerprint", None), packed_sequence_size, max_packs, padding_idx,
+         drop_long_samples, cp_size, algorithm, seed)
+    )
+    return datasets.Dataset(InMemoryTable(table), fingerprint=fingerprint)
+
+
+def _check_arguments(packed_sequence_size, max_packs, padding_idx, drop_long_samples, cp_size, algorithm, seed):
+    def is_int(x):
+        return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+    if not is_int(packed_sequence_size) or packed_sequence_size < 1:
+        raise ValueError(f"packed_sequence_size must be a positive int, got {packed_sequence_size!r}")
+    if max_packs is not None and (not is_int(max_packs) or max_packs < 1):
+        raise ValueError(f"max_packs must be None or a positive int, got {max_packs!r}")
+    if not is_int(padding_idx) or not _INT32.min <= padding_idx <= _INT32.max:
+        raise ValueError(f"padding_idx must be an int32 token id, got {padding_idx!r}")
+    if not isinstance(drop_long_samples, bool):
+        raise ValueError(f"drop_long_samples must be True or False, got {drop_long_samples!r}")
+    if not is_int(cp_size) or cp_size < 1:
+        raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
+    if cp_size > 1 and packed_sequence_size % (2 * cp_size):
+        raise ValueError(
+            f"packed_sequence_size={packed_sequence_size} must be a multiple of 2*cp_size={2 * cp_size} so that "
+            "every padded sequence (the tail padding included) splits into 2*cp_size equal chunks; use e.g. "
+            f"packed_sequence_size={packed_sequence_size // (2 * cp_size) * (2 * cp_size) or 2 * cp_size}"
+        )
+    if algorithm not in PACKING_ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {PACKING_ALGORITHMS}, got {algorithm!r}")
+    if not is_int(seed):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+
+
+def _select_split(dataset, split) -> datasets.Dataset:
+    if isinstance(dataset, datasets.DatasetDict):
+        if split not in dataset:
+            raise ValueError(f"split {split!r} is not in the DatasetDict; available splits: {list(dataset)}")
+        dataset = dataset[split]
+    if isinstance(dataset, (datasets.IterableDataset, datasets.IterableDatasetDict)):
+        raise TypeError(
+            "pack_dataset needs a map-style datasets.Dataset (lengths are planned over the whole dataset); "
+            "pack an IterableDataset with automodel.data.streaming instead"
+        )
+    if not isinstance(dataset, datasets.Dataset):
+        raise TypeError(f"dataset must be a datasets.Dataset or DatasetDict, got {type(dataset).__name__}")
+    if len(dataset) == 0:
+        raise ValueError("dataset is empty: nothing to pack")
+    return dataset
+
+
+@dataclass
+class _TokenColumns:
+    """Flat token values and per-row start offsets of the input list columns (views, no copies)."""
+
+    input_ids: np.ndarray
+    input_ids_starts: np.ndarray
+    labels: np.ndarray
+    labels_starts: np.ndarray
+    loss_mask: np.ndarray  # bool; a 1-element dummy when the dataset has no loss_mask
+    loss_mask_starts: np.ndarray
+    has_loss_mask: bool
+    lengths: np.ndarray  # [R] int64
+
+    @classmethod
+    def read(cls, dataset: datasets.Dataset) -> _TokenColumns:
+        missing = [c for c in ("input_ids", "labels") if c not in dataset.column_names]
+        if missing:
+            raise ValueError(
+                f"dataset lacks column(s) {missing}; pack_dataset needs input_ids and labels (and optionally "
+                f"loss_mask), found {dataset.column_names}"
+            )
+        names = ["input_ids", "labels"] + (["loss_mask"] if "loss_mask" in dataset.column_names else [])
+        table = dataset.select_columns(names).with_format("arrow")[:]
+        ids, ids_starts, lengths = _list_column(table, "input_ids")
+        empty = np.flatnonzero(lengths == 0)
+        if len(empty):
+            raise ValueError(f"sample {empty[0]} has an empty input_ids; remove empty samples before packing")
+        labels, labels_starts, label_lengths = _list_column(table, "labels")
+        _check_same_lengths("labels", label_lengths, lengths)
+        if "loss_mask" in names:
+            mask, mask_starts, mask_lengths = _list_column(table, "loss_mask")
+            _check_same_lengths("loss_mask", mask_lengths, lengths)
+            mask = mask != 0
+        else:
+            mask, mask_starts = np.ones(1, np.bool_), np.zeros(len(lengths), np.int64)
+        return cls(ids, ids_starts, labels, labels_starts, mask, mask_starts, "loss_mask" in names, lengths)
+
+
+def _list_column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Values, row starts and row lengths of an integer list column."""
+    column = table.column(name)
+    array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+    if pa.types.is_fixed_size_list(array.type):
+        array = array.cast(pa.list_(array.type.value_type))
+    if not (pa.types.is_list(array.type) or pa.types.is_large_list(array.type)):
+        raise ValueError(f"column {name!r} must hold lists of token ids, got Arrow type {array.type}")
+    value_type = array.type.value_type
+    if not (pa.types.is_integer(value_type) or pa.types.is_boolean(value_type)):
+        raise ValueError(f"column {name!r} must hold integers, got lists of {value_type}")
+    if array.null_count:
+        row = int(np.flatnonzero(~np.asarray(array.is_valid()))[0])
+        raise ValueError(f"sample {row} has no {name} (null)")
+    offsets = array.offsets.to_numpy().astype(np.int64, copy=False)
+    values_array = array.values
+    if values_array.null_count:
+        raise ValueError(f"column {name!r} contains null token ids")
+    values = values_array.to_numpy(zero_copy_only=False)
+    if values.dtype not in (np.int32, np.int64, np.bool_):
+        values = values.astype(np.int64)
+    return values, offsets[:-1], np.diff(offsets)
+
+
+def _check_same_lengths(name: str, lengths: np.ndarray, reference: np.ndarray) -> None:
+    bad = np.flatnonzero(lengths != reference)
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(f"sample {i}: {name} has {lengths[i]} entries but input_ids has {reference[i]}")
+
+
+def _warn_about_left_out_samples(report: PackingReport, multiple: int, max_packs: int | None) -> None:
+    if report.num_too_long:
+        logger.warning(
+            "pack_dataset dropped %d of %d samples (%.3f%%) longer than packed_sequence_size=%d%s",
+            report.num_too_long, report.num_samples, 100 * report.num_too_long / report.num_samples,
+            report.packed_sequence_size, f" after padding to a multiple of 2*cp_size={multiple}" if multiple > 1 else "",
+        )
+    if report.num_over_max_packs:
+        logger.warning(
+            "pack_dataset left out %d of %d samples (%.3f%%): max_packs=%d was reached",
+            report.num_over_max_packs, report.num_samples, 100 * report.num_over_max_packs / report.num_samples,
+            max_packs,
+        )
+
+
+def _build_table(
+    columns: _TokenColumns, plan: PackPlan, padded_lens: np.ndarray, pack_size: int, padding_idx: int
+) -> pa.Table:
+    num_packs = plan.num_packs
+    num_slots = num_packs * pack_size
+    token_dtype = np.int32 if _fits_int32(columns.input_ids) and _fits_int32(columns.labels) else np.int64
+    out_ids = np.empty(num_slots, token_dtype)
+    out_labels = np.empty(num_slots, token_dtype)
+    out_positions = np.empty(num_slots, np.int32)
+    step = max(1, num_packs // 100)
+    with tqdm(total=num_packs, desc="Packing", unit="pack", disable=None, leave=False) as progress:
+        for first in range(0, num_packs, step):
+            last = min(num_packs, first + step)
+            _fill_packs(
+                first, last, plan.pack_offsets, plan.sample_order, columns.lengths, padded_lens,
+                columns.input_ids, columns.input_ids_starts, columns.labels, columns.labels_starts,
+                columns.loss_mask, columns.loss_mask_starts, columns.has_loss_mask,
+                pack_size, padding_idx, CROSS_ENTROPY_IGNORE_INDEX, out_ids, out_labels, out_positions,
+            )
+            progress.update(last - first)
+
+    seq_lens = columns.lengths[plan.sample_order].astype(np.int32)
+    seq_lens_padded = padded_lens[plan.sample_order].astype(np.int32)
+    used = np.add.reduceat(seq_lens_padded.astype(np.int64), plan.pack_offsets[:-1])
+    seq_lens_padded[plan.pack_offsets[1:] - 1] += (pack_size - used).astype(np.int32)
+
+    token_offsets = np.arange(num_packs + 1, dtype=np.int64) * pack_size
+    return pa.table(
+        {
+            "input_ids": _list_array(token_offsets, out_ids),
+            "labels": _list_array(token_offsets, out_labels),
+            "position_ids": _list_array(token_offsets, out_positions),
+            "seq_lens": _list_array(plan.pack_offsets, seq_lens),
+            "seq_lens_padded": _list_array(plan.pack_offsets, seq_lens_padded),
+        }
+    )
+
+
+def _fits_int32(values: np.ndarray) -> bool:
+    if values.dtype != np.int64 or len(values) == 0:
+        return True
+    return _INT32.min <= values.min() and values.max() <= _INT32.max
+
+
+def _list_array(offsets: np.ndarray, values: np.ndarray) -> pa.Array:
+    """A list column over ``values`` without copying them (large_list past 2**31 - 1 values)."""
+    if offsets[-1] <= _INT32.max:
+        return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values))
+    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))
+
+
+@numba.njit(cache=True)
+def _fill_packs(
+    first_pack, last_pack, pack_offsets, sample_order, lengths, padded_lens,
+    input_ids, input_ids_starts, labels, labels_starts, loss_mask, loss_mask_starts, has_loss_mask,
+    pack_size, padding_idx, ignore_index, out_ids, out_labels, out_positions,
+):  # fmt: skip
+    for pack in range(first_pack, last_pack):
+        slot = pack * pack_size
+        for k in range(pack_offsets[pack], pack_offsets[pack + 1]):
+            sample = sample_order[k]
+            length = lengths[sample]
+            ids_at, labels_at, mask_at = input_ids_starts[sample], labels_starts[sample], loss_mask_starts[sample]
+            for t in range(length):
+                out_ids[slot + t] = input_ids[ids_at + t]
+                keep = not has_loss_mask or loss_mask[mask_at + t]
+                out_labels[slot + t] = labels[labels_at + t] if keep else ignore_index
+                out_positions[slot + t] = t
+            for t in range(length, padded_lens[sample]):  # CP padding: positions count through it
+                out_ids[slot + t] = padding_idx
+                out_labels[slot + t] = ignore_index
+                out_positions[slot + t] = t
+            slot += padded_lens[sample]
+        # Tail padding continues the last position, clamped to pack_size - 1 (NeMo AutoModel's rule).
+        last_position = out_positions[slot - 1]
+        for t in range(slot, (pack + 1) * pack_size):
+            out_ids[t] = padding_idx
+            out_labels[t] = ignore_index
+            out_positions[t] = min(last_position + 1 + t - slot, pack_size - 1)

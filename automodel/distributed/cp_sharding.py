@@ -1,0 +1,155 @@
+"""Context-parallel sharding of a THD batch, with Transformer Engine's dual-chunk layout.
+
+Each padded sequence is cut into ``2 * cp_size`` equal chunks; CP rank ``r`` keeps chunks ``r`` and
+``2 * cp_size - 1 - r``, which balances causal attention work across ranks. Example, one sequence
+of 8 tokens, cp_size 2 (chunks of 2)::
+
+    global   [0 1 | 2 3 | 4 5 | 6 7]
+    rank 0   [0 1 6 7]      rank 1   [2 3 4 5]
+
+Shape legend: T = tokens in the batch, W = cp_size, N = sequences, C = num_chunks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from automodel.distributed.thd import SEQ_LENS_PADDING_VALUE, process_input_for_thd
+from automodel.distributed.thd_checks import check_cp_rank, check_cp_size, check_cu_seqlens_padded
+from automodel.te_support import te_extension
+
+_SHARDED_KEYS = ("input_ids", "labels", "position_ids", "padding_mask")
+
+
+def thd_get_partitioned_indices(
+    cu_seqlens_padded: torch.Tensor, total_tokens: int, world_size: int, rank: int
+) -> torch.Tensor:
+    """Global token indices ``[T / W]`` (int32) that CP rank ``rank`` holds, in TE's order.
+
+    Order: sequence by sequence; inside a sequence chunk ``rank`` then chunk ``2W-1-rank``;
+    ascending inside a chunk. Runs TE's kernel (``transformer_engine_torch``) for CUDA tensors when
+    TE is importable, else an equivalent vectorized torch computation. Inputs are validated on the
+    host first (TE leaves most of them to device asserts that release builds compile out).
+
+    Args:
+        cu_seqlens_padded: ``[N+1]`` int32 cumulative padded sequence offsets.
+        total_tokens: T, must equal ``cu_seqlens_padded[-1]``.
+        world_size: W, the context-parallel size.
+        rank: this rank's index in the CP group.
+    """
+    check_cp_size(world_size, name="world_size")
+    check_cp_rank(rank, world_size)
+    check_cu_seqlens_padded(cu_seqlens_padded, total_tokens, world_size)
+    tex = te_extension()
+    if tex is not None and cu_seqlens_padded.is_cuda:
+        return tex.thd_get_partitioned_indices(cu_seqlens_padded, total_tokens, world_size, rank)
+    return _partitioned_indices(cu_seqlens_padded, world_size, rank)
+
+
+def _partitioned_indices(cu_seqlens_padded: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
+    cu = cu_seqlens_padded.to(torch.int64)
+    seq_lens = cu[1:] - cu[:-1]
+    local_lens = seq_lens // world_size  # tokens of each sequence on one rank
+    chunk = seq_lens // (2 * world_size)
+    seq_of_token = torch.repeat_interleave(torch.arange(seq_lens.numel(), device=cu.device), local_lens)
+    local_starts = local_lens.cumsum(0) - local_lens
+    index_in_local = torch.arange(seq_of_token.numel(), device=cu.device) - local_starts[seq_of_token]
+    chunk_of_token = torch.where(
+        index_in_local < chunk[seq_of_token], rank, 2 * world_size - 2 - rank
+    )  # the second chunk's offset already counts the first chunk's tokens, hence 2W-2-r
+    global_index = cu[:-1][seq_of_token] + chunk[seq_of_token] * chunk_of_token + index_in_local
+    return global_index.to(torch.int32)
+
+
+def make_cp_batch_for_te(
+    cp_mesh,
+    batch: dict[str, Any],
+    qkv_format: str = "thd",
+    padding_token_id: int = 0,
+    num_chunks: int = 1,
+    seq_lens_padding_value: int = SEQ_LENS_PADDING_VALUE,
+    *,
+    cp_size: int | None = None,
+    cp_rank: int | None = None,
+) -> dict[str, Any]:
+    """Convert a collated batch to THD and keep this CP rank's tokens.
+
+    Args:
+        cp_mesh: 1-D ``DeviceMesh`` of the context-parallel group, or None.
+        batch: output of :func:`packed_sequence_thd_collater` (``[B, S]`` tensors).
+        qkv_format: only ``"thd"``.
+        padding_token_id: passed to :func:`process_input_for_thd`.
+        num_chunks: C; splits the B packs into C pipeline chunks of ``B / C`` packs each.
+        seq_lens_padding_value: sentinel in ``seq_lens``; also right-pads stacked ``cu_seqlens``.
+        cp_size, cp_rank: given instead of ``cp_mesh`` to run without a process group.
+
+    Returns:
+        With C == 1: ``input_ids``, ``labels``, ``position_ids``, ``padding_mask`` ``[T / W]`` holding
+        this rank's tokens (gathered with :func:`thd_get_partitioned_indices`), and the GLOBAL
+        ``cu_seqlens``, ``cu_seqlens_padded`` ``[N+1]`` and ``max_seqlen``, plus ``cp_size`` and
+        ``cp_rank``. With C > 1 every tensor gains a leading ``[C]`` dimension; ``cu_seqlens`` rows are
+        right-padded with ``seq_lens_padding_value`` to the chunk with the most sequences.
+    """
+    if qkv_format != "thd":
+        raise ValueError(f"make_cp_batch_for_te: qkv_format must be 'thd', got {qkv_format!r}")
+    cp_size, cp_rank = _resolve_cp(cp_mesh, cp_size, cp_rank)
+    num_packs = batch["input_ids"].shape[0] if "input_ids" in batch else 0
+    if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1 or num_packs % num_chunks:
+        raise ValueError(f"num_chunks={num_chunks!r} must be a positive int dividing the batch size {num_packs}")
+
+    def shard(rows: dict[str, Any]) -> dict[str, Any]:
+        thd = process_input_for_thd(rows, seq_lens_padding_value, padding_token_id)
+        if cp_size > 1:
+            total = int(thd["cu_seqlens_padded"][-1])
+            indices = thd_get_partitioned_indices(thd["cu_seqlens_padded"], total, cp_size, cp_rank)
+            for key in _SHARDED_KEYS:
+                thd[key] = thd[key].index_select(0, indices.to(thd[key].device))
+        thd.update(cp_size=cp_size, cp_rank=cp_rank)
+        return thd
+
+    if num_chunks == 1:
+        return shard(batch)
+    rows_per_chunk = num_packs // num_chunks
+    chunks = [
+        shard({k: v[c * rows_per_chunk : (c + 1) * rows_per_chunk] if torch.is_tensor(v) else v for k, v in batch.items()})
+        for c in range(num_chunks)
+    ]
+    stacked = dict(chunks[0])
+    for key, value in chunks[0].items():
+        if not torch.is_tensor(value):
+            continue
+        values = [chunk[key] for chunk in chunks]
+        if key in ("cu_seqlens", "cu_seqlens_padded"):
+            stacked[key] = _right_pad_stack(values, seq_lens_padding_value)
+        else:
+            stacked[key] = torch.stack(values)
+    return stacked
+
+
+def _resolve_cp(cp_mesh, cp_size: int | None, cp_rank: int | None) -> tuple[int, int]:
+    if cp_mesh is not None:
+        mesh_size, mesh_rank = cp_mesh.size(), cp_mesh.get_local_rank()
+        if (cp_size is not None and cp_size != mesh_size) or (cp_rank is not None and cp_rank != mesh_rank):
+            raise ValueError(
+                f"cp_size/cp_rank ({cp_size}, {cp_rank}) contradict cp_mesh ({mesh_size}, {mesh_rank}); pass one or the other"
+            )
+        return mesh_size, mesh_rank
+    if cp_size is None:
+        if cp_rank not in (None, 0):
+            raise ValueError(f"cp_rank={cp_rank} given without cp_size")
+        return 1, 0
+    check_cp_size(cp_size)
+    if cp_rank is None:
+        raise ValueError(f"cp_size={cp_size} given without cp_rank; pass both, or a cp_mesh")
+    check_cp_rank(cp_rank, cp_size, name="cp_rank")
+    return cp_size, cp_rank
+
+
+def _right_pad_stack(rows: list[torch.Tensor], pad_value: int) -> torch.Tensor:
+    width = max(row.numel() for row in rows)
+    out = rows[0].new_full((len(rows), width), pad_value)
+    for i, row in enumerate(rows):
+        out[i, : row.numel()] = row
+    return out
