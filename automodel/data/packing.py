@@ -8,6 +8,7 @@ Arrow list columns without a copy.
 from __future__ import annotations
 
 import logging
+import mmap
 from dataclasses import dataclass
 
 import datasets
@@ -115,10 +116,11 @@ def pack_dataset(
     too_long = padded_lens > packed_sequence_size
     if too_long.any() and not drop_long_samples:
         i = int(np.flatnonzero(too_long)[0])
+        padded = f" ({padded_lens[i]} after padding to a multiple of 2*cp_size={multiple})" if multiple > 1 else ""
         raise ValueError(
-            f"sample {i} has {columns.lengths[i]} tokens ({padded_lens[i]} after padding to a multiple of "
-            f"2*cp_size={multiple}), more than packed_sequence_size={packed_sequence_size}. Increase "
-            "packed_sequence_size, shorten the sample, or set drop_long_samples=True to drop such samples."
+            f"sample {i} has {columns.lengths[i]} tokens{padded}, more than packed_sequence_size="
+            f"{packed_sequence_size}. Increase packed_sequence_size, shorten the sample, or set "
+            "drop_long_samples=True to drop such samples."
         )
     fitting = np.flatnonzero(~too_long)
     plan = plan_packs(padded_lens[fitting], packed_sequence_size, algorithm, seed)
@@ -285,9 +287,9 @@ def _build_table(
     num_packs = plan.num_packs
     num_slots = num_packs * pack_size
     token_dtype = np.int32 if _fits_int32(columns.input_ids) and _fits_int32(columns.labels) else np.int64
-    out_ids = np.empty(num_slots, token_dtype)
-    out_labels = np.empty(num_slots, token_dtype)
-    out_positions = np.empty(num_slots, np.int32)
+    out_ids = _prefaulted_empty(num_slots, token_dtype)
+    out_labels = _prefaulted_empty(num_slots, token_dtype)
+    out_positions = _prefaulted_empty(num_slots, np.int32)
     step = max(1, num_packs // 100)
     with tqdm(total=num_packs, desc="Packing", unit="pack", disable=None, leave=False) as progress:
         for first in range(0, num_packs, step):
@@ -317,6 +319,16 @@ def _build_table(
     )
 
 
+def _prefaulted_empty(size: int, dtype) -> np.ndarray:
+    """``np.empty`` whose pages the kernel maps up front (Linux): faulting hundreds of MB in one page
+    at a time during the copy costs more than the copy itself."""
+    nbytes = size * np.dtype(dtype).itemsize
+    if not hasattr(mmap, "MAP_POPULATE") or nbytes < 1 << 26:
+        return np.empty(size, dtype)
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+    return np.frombuffer(buffer, dtype)
+
+
 def _fits_int32(values: np.ndarray) -> bool:
     if values.dtype != np.int64 or len(values) == 0:
         return True
@@ -325,36 +337,41 @@ def _fits_int32(values: np.ndarray) -> bool:
 
 def _list_array(offsets: np.ndarray, values: np.ndarray) -> pa.Array:
     """A list column over ``values`` without copying them (large_list past 2**31 - 1 values)."""
+    values_array = pa.Array.from_buffers(pa.from_numpy_dtype(values.dtype), len(values), [None, pa.py_buffer(values)])
     if offsets[-1] <= _INT32.max:
-        return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values))
-    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))
+        return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), values_array)
+    return pa.LargeListArray.from_arrays(pa.array(offsets), values_array)
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, parallel=True)
 def _fill_packs(
     first_pack, last_pack, pack_offsets, sample_order, lengths, padded_lens,
     input_ids, input_ids_starts, labels, labels_starts, loss_mask, loss_mask_starts, has_loss_mask,
     pack_size, padding_idx, ignore_index, out_ids, out_labels, out_positions,
 ):  # fmt: skip
-    for pack in range(first_pack, last_pack):
+    for pack in numba.prange(first_pack, last_pack):  # packs own disjoint slots
         slot = pack * pack_size
         for k in range(pack_offsets[pack], pack_offsets[pack + 1]):
             sample = sample_order[k]
-            length = lengths[sample]
-            ids_at, labels_at, mask_at = input_ids_starts[sample], labels_starts[sample], loss_mask_starts[sample]
-            for t in range(length):
-                out_ids[slot + t] = input_ids[ids_at + t]
-                keep = not has_loss_mask or loss_mask[mask_at + t]
-                out_labels[slot + t] = labels[labels_at + t] if keep else ignore_index
+            length, padded = lengths[sample], padded_lens[sample]
+            ids_at, labels_at = input_ids_starts[sample], labels_starts[sample]
+            out_ids[slot : slot + length] = input_ids[ids_at : ids_at + length]
+            out_labels[slot : slot + length] = labels[labels_at : labels_at + length]
+            if has_loss_mask:
+                mask_at = loss_mask_starts[sample]
+                for t in range(length):
+                    if not loss_mask[mask_at + t]:
+                        out_labels[slot + t] = ignore_index
+            # CP padding; positions count through it
+            out_ids[slot + length : slot + padded] = padding_idx
+            out_labels[slot + length : slot + padded] = ignore_index
+            for t in range(padded):
                 out_positions[slot + t] = t
-            for t in range(length, padded_lens[sample]):  # CP padding: positions count through it
-                out_ids[slot + t] = padding_idx
-                out_labels[slot + t] = ignore_index
-                out_positions[slot + t] = t
-            slot += padded_lens[sample]
+            slot += padded
         # Tail padding continues the last position, clamped to pack_size - 1 (NeMo AutoModel's rule).
+        end = (pack + 1) * pack_size
         last_position = out_positions[slot - 1]
-        for t in range(slot, (pack + 1) * pack_size):
-            out_ids[t] = padding_idx
-            out_labels[t] = ignore_index
+        out_ids[slot:end] = padding_idx
+        out_labels[slot:end] = ignore_index
+        for t in range(slot, end):
             out_positions[t] = min(last_position + 1 + t - slot, pack_size - 1)
