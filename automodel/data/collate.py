@@ -13,6 +13,8 @@ import torch
 
 from automodel.distributed.thd import SEQ_LENS_PADDING_VALUE
 
+CROSS_ENTROPY_IGNORE_INDEX = -100
+
 _TOKEN_KEYS = ("input_ids", "labels", "position_ids")
 _LAYOUT_KEYS = ("seq_lens", "seq_lens_padded")
 
@@ -65,3 +67,38 @@ def _right_pad(rows: list[np.ndarray], pad_value: int) -> torch.Tensor:
     for i, row in enumerate(rows):
         out[i, : len(row)] = row
     return torch.from_numpy(out)
+
+
+def padded_sequence_thd_collater(
+    batch: Sequence[dict[str, Any]], padding_idx: int = 0, pad_to_multiple_of: int = 1
+) -> dict[str, Any]:
+    """Classic padded batches (``packing: none``) in the same output contract as packed ones.
+
+    Each sample (``input_ids``, ``labels``, optional ``loss_mask``) fills one row, padded at its end
+    to the longest sample rounded up to ``pad_to_multiple_of``; its padding is a padded tail of its
+    only sequence, so the THD path and attention treat it exactly as pack padding.
+
+    Example (samples of 3 and 1 tokens, pad_to_multiple_of=2)::
+
+        input_ids [[5 6 7 0], [8 0 0 0]]   seq_lens [[3], [1]]   seq_lens_padded [[4], [4]]
+    """
+    if len(batch) == 0:
+        return {}
+    lengths = [len(sample["input_ids"]) for sample in batch]
+    width = -(-max(lengths) // pad_to_multiple_of) * pad_to_multiple_of
+    input_ids = np.full((len(batch), width), padding_idx, dtype=np.int64)
+    labels = np.full((len(batch), width), CROSS_ENTROPY_IGNORE_INDEX, dtype=np.int64)
+    for row, (sample, length) in enumerate(zip(batch, lengths)):
+        input_ids[row, :length] = sample["input_ids"]
+        sample_labels = np.asarray(sample["labels"])
+        if "loss_mask" in sample:
+            sample_labels = np.where(np.asarray(sample["loss_mask"]) != 0, sample_labels, CROSS_ENTROPY_IGNORE_INDEX)
+        labels[row, :length] = sample_labels
+    return {
+        "input_ids": torch.from_numpy(input_ids),
+        "labels": torch.from_numpy(labels),
+        "position_ids": torch.arange(width).expand(len(batch), width).contiguous(),
+        "seq_lens": torch.tensor(lengths).unsqueeze(1),
+        "seq_lens_padded": torch.full((len(batch), 1), width),
+        "qkv_format": "thd",
+    }

@@ -19,11 +19,11 @@ from datasets.fingerprint import Hasher
 from datasets.table import InMemoryTable
 from tqdm.auto import tqdm
 
+from automodel.data.collate import CROSS_ENTROPY_IGNORE_INDEX
 from automodel.data.planning import PACKING_ALGORITHMS, PackPlan, lower_bound_packs, plan_packs
 
 logger = logging.getLogger(__name__)
 
-CROSS_ENTROPY_IGNORE_INDEX = -100
 _INT32 = np.iinfo(np.int32)
 
 

@@ -1,0 +1,5 @@
+import sys
+
+from automodel.cli import main
+
+sys.exit(main())

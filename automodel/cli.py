@@ -1,0 +1,61 @@
+"""``automodel``: finetune | bench | check-gpu."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+USAGE = """automodel <command> [...]
+
+  finetune RECIPE [OVERRIDES...]   train from a recipe (name or .yaml path); overrides like trainer.max_steps=10
+                                   (under torchrun for several processes or nodes)
+  bench packing [...]              packing speed, memory and tightness
+  bench throughput [...]           real tokens/s of packed THD against padded batches (CPU)
+  check-gpu [...]                  Transformer Engine against the portable attention on this machine's GPUs
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "finetune":
+        return _finetune(rest)
+    if command == "bench" and rest and rest[0] == "packing":
+        from automodel.bench.packing import main as bench_packing
+
+        return bench_packing(rest[1:])
+    if command == "bench" and rest and rest[0] == "throughput":
+        from automodel.bench.throughput import main as bench_throughput
+
+        return bench_throughput(rest[1:])
+    if command == "check-gpu":
+        from automodel.attention.check_gpu import main as check_gpu
+
+        return check_gpu(rest)
+    print(f"automodel: unknown command {' '.join(argv[:2])!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+def _finetune(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="automodel finetune", description="Fine-tune from a Hydra recipe.")
+    parser.add_argument("recipe", help="recipe name (e.g. tiny_llama_sft) or path to a recipe .yaml")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. trainer.max_steps=10 parallel.cp_size=2")
+    args = parser.parse_args(argv)
+
+    from automodel.config import ConfigError, load_recipe
+    from automodel.training.finetune import run
+
+    try:
+        cfg = load_recipe(args.recipe, args.overrides)
+        run(cfg)
+    except ConfigError as error:
+        print(f"automodel finetune: config error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

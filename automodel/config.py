@@ -1,0 +1,124 @@
+"""Recipe configs: Hydra composition of ``recipes/`` over the ``configs/`` groups, checked up front.
+
+A recipe is a YAML file with a defaults list over the config groups (model, data, packing,
+parallel, optim, trainer). Every section names its component with ``_target_``; before anything
+runs, each key is checked against that component's signature, so a typo fails at once with the key
+named instead of after minutes of tokenization.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+from pathlib import Path
+from typing import Any
+
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+SECTIONS = ("model", "data", "packing", "parallel", "optim", "trainer")
+_HYDRA_KEYS = {"_target_", "_recursive_", "_convert_", "_partial_", "_args_"}
+
+
+class ConfigError(ValueError):
+    """A recipe that cannot run: unknown key, bad value, missing file."""
+
+
+def _package_or_repo_dir(name: str) -> Path:
+    """``configs``/``recipes`` ship inside the wheel as ``automodel/_<name>``; a source checkout has
+    them at the repository root."""
+    package = Path(__file__).resolve().parent
+    installed = package / f"_{name}"
+    return installed if installed.is_dir() else package.parent / name
+
+
+CONFIGS_DIR = _package_or_repo_dir("configs")
+RECIPES_DIR = _package_or_repo_dir("recipes")
+
+
+def resolve_recipe(recipe: str) -> Path:
+    """A recipe given as a YAML path, or as a name found under ``recipes/`` (``tiny_llama_sft``)."""
+    path = Path(recipe)
+    if path.suffix in (".yaml", ".yml"):
+        if not path.is_file():
+            raise ConfigError(f"recipe file {recipe!r} does not exist")
+        return path.resolve()
+    matches = sorted(RECIPES_DIR.rglob(f"{recipe}.yaml"))
+    if not matches:
+        known = sorted(p.stem for p in RECIPES_DIR.rglob("*.yaml"))
+        raise ConfigError(f"no recipe named {recipe!r}; known recipes: {known} (or pass a path to a .yaml file)")
+    return matches[0]
+
+
+def load_recipe(recipe: str, overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+    """Compose a recipe with command-line overrides (``trainer.max_steps=10``), resolve it and check
+    every key against the components' signatures."""
+    path = resolve_recipe(recipe)
+    try:
+        with initialize_config_dir(config_dir=str(path.parent), version_base="1.3"):
+            cfg = compose(
+                config_name=path.stem,
+                overrides=[f"hydra.searchpath=[file://{CONFIGS_DIR}]", *overrides],
+            )
+        OmegaConf.resolve(cfg)
+    except (HydraException, OmegaConfBaseException) as error:
+        raise ConfigError(f"recipe {path.name}: {error}") from None
+    check_config(cfg)
+    return cfg
+
+
+def check_config(cfg: DictConfig) -> None:
+    unknown = [key for key in cfg if key not in SECTIONS]
+    if unknown:
+        raise ConfigError(f"unknown top-level key(s) {unknown}; a recipe has the sections {list(SECTIONS)}")
+    missing = [key for key in SECTIONS if key not in cfg]
+    if missing:
+        raise ConfigError(f"recipe lacks section(s) {missing}; add them to its defaults list")
+    for section in SECTIONS:
+        _check_node(cfg[section], section)
+
+
+def _check_node(node: Any, where: str) -> None:
+    if isinstance(node, ListConfig):
+        for i, item in enumerate(node):
+            _check_node(item, f"{where}[{i}]")
+        return
+    if not isinstance(node, DictConfig):
+        return
+    if "_target_" in node:
+        parameters = _parameters(node["_target_"], where)
+        if parameters is not None:
+            for key in node:
+                if key not in _HYDRA_KEYS and key not in parameters:
+                    close = difflib.get_close_matches(str(key), parameters, n=1)
+                    hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {sorted(parameters)}"
+                    raise ConfigError(f"unknown key '{where}.{key}' for {node['_target_']}{hint}")
+    for key in node:
+        if key not in _HYDRA_KEYS:
+            _check_node(node[key], f"{where}.{key}")
+
+
+def _parameters(target: str, where: str) -> list[str] | None:
+    """Keyword parameters of ``target``, or None when it takes ``**kwargs``."""
+    module_name, _, attribute = str(target).rpartition(".")
+    try:
+        component = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError, ValueError):
+        raise ConfigError(f"{where}._target_: cannot import {target!r}") from None
+    parameters = inspect.signature(component).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    return [p.name for p in parameters if p.kind is not inspect.Parameter.VAR_POSITIONAL]
+
+
+def build_section(cfg: DictConfig, section: str) -> Any:
+    """Instantiate one section; a bad value raises ConfigError naming the section."""
+    try:
+        return instantiate(cfg[section], _convert_="all")
+    except Exception as error:  # Hydra wraps the component's own error; surface its message
+        cause = error.__cause__ or error
+        raise ConfigError(f"{section}: {cause}") from None

@@ -1,0 +1,117 @@
+"""Process group, device mesh and FSDP2: the one place that owns parallel degrees.
+
+The world is a ``(dp, cp)`` mesh. Ranks of one CP group share micro-batches and split their tokens;
+DP ranks see disjoint micro-batches. FSDP2 shards parameters over the flattened ``dp x cp`` mesh
+(every rank holds a shard; CP ranks compute on different tokens, so their gradients add up).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+
+
+@dataclass
+class ParallelConfig:
+    """The ``parallel`` section. The DP size is the world size divided by ``cp_size``.
+
+    Attributes:
+        cp_size: context-parallel size (ranks that split each micro-batch's tokens).
+        cp_comm_type: Transformer Engine's CP communication: ``p2p``, ``all_gather`` or ``a2a``.
+        timeout_minutes: collective timeout (packing on one rank while others wait counts here).
+    """
+
+    cp_size: int = 1
+    cp_comm_type: str = "p2p"
+    timeout_minutes: int = 30
+
+    def __post_init__(self) -> None:
+        if isinstance(self.cp_size, bool) or not isinstance(self.cp_size, int) or self.cp_size < 1:
+            raise ValueError(f"cp_size must be a positive int, got {self.cp_size!r}")
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(f"cp_comm_type must be one of {CP_COMM_TYPES}, got {self.cp_comm_type!r}")
+
+
+@dataclass
+class ParallelDims:
+    """The running job's ranks, degrees and meshes."""
+
+    rank: int
+    world_size: int
+    dp_size: int
+    cp_size: int
+    device: torch.device
+    mesh: DeviceMesh  # ("dp", "cp")
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh["dp"].get_local_rank()
+
+    @property
+    def cp_rank(self) -> int:
+        return self.mesh["cp"].get_local_rank()
+
+    @property
+    def cp_mesh(self) -> DeviceMesh:
+        return self.mesh["cp"]
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh["cp"].get_group() if self.cp_size > 1 else None
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        return self.mesh["dp", "cp"]._flatten("dp_cp")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(config: ParallelConfig) -> ParallelDims:
+    """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR... in the
+    environment), or form a one-process group without torchrun. nccl on CUDA, gloo on CPU."""
+    use_cuda = torch.cuda.is_available()
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world_size = int(os.environ["WORLD_SIZE"]) if launched else 1
+    if world_size % config.cp_size:
+        raise ValueError(
+            f"parallel.cp_size={config.cp_size} must divide the world size {world_size} "
+            f"(processes launched); use cp_size in {[d for d in range(1, world_size + 1) if world_size % d == 0]}"
+        )
+    if use_cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        timeout = datetime.timedelta(minutes=config.timeout_minutes)
+        backend = "nccl" if use_cuda else "gloo"
+        if launched:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    dp_size = world_size // config.cp_size
+    mesh = init_device_mesh(device.type, (dp_size, config.cp_size), mesh_dim_names=("dp", "cp"))
+    return ParallelDims(dist.get_rank(), world_size, dp_size, config.cp_size, device, mesh)
+
+
+def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh) -> None:
+    """FSDP2 over ``mesh``: each decoder layer is its own unit, the rest (embeddings, final norm,
+    output head) the root unit.
+
+    Gradients are summed, not averaged, across ranks: the loss is already divided by the global
+    number of label tokens, so the sum is the gradient of the global token-mean loss.
+    """
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.set_gradient_divide_factor(1.0)

@@ -1,0 +1,92 @@
+"""The ``optim`` and ``trainer`` sections of a recipe."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+RESUME_MODES = ("auto", "never")
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup then cosine decay to ``min_lr_ratio * lr``; gradient clipping."""
+
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+    max_grad_norm: float | None = 1.0
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, f"optim.lr must be positive, got {self.lr}")
+        _check(len(self.betas) == 2, f"optim.betas must have two values, got {self.betas}")
+        _check(self.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        _check(0 <= self.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        _check(self.max_grad_norm is None or self.max_grad_norm > 0,
+               f"optim.max_grad_norm must be positive or null, got {self.max_grad_norm}")
+
+    def build(self, model: torch.nn.Module, max_steps: int):
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=self.lr, betas=tuple(self.betas), eps=self.eps, weight_decay=self.weight_decay
+        )
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_factor_schedule(max_steps))
+
+    def lr_factor_schedule(self, max_steps: int):
+        def factor(step: int) -> float:
+            if step < self.warmup_steps:
+                return (step + 1) / self.warmup_steps
+            progress = min(1.0, (step - self.warmup_steps) / max(1, max_steps - self.warmup_steps))
+            return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        return factor
+
+
+@dataclass
+class TrainerConfig:
+    """Attributes:
+        max_steps: optimizer steps (the LR schedule spans them).
+        grad_accum_steps: micro-batches per optimizer step on each data-parallel rank.
+        seed: seeds model init, data order and packing.
+        output_dir: run directory (config, metrics, checkpoints, exported model, loss curve).
+        checkpoint_every: save a checkpoint every N steps (and always at the end); null: only at the end.
+        keep_last: checkpoints kept on disk.
+        resume: ``auto`` continues from the newest checkpoint in output_dir; ``never`` starts fresh.
+        stop_at_step: stop after this step as a preempted job would (checkpoint, no export); the LR
+            schedule still follows max_steps.
+        export_hf: write the final model as a Hugging Face checkpoint (output_dir/hf).
+        bf16_autocast: bf16 autocast on CUDA (ignored on CPU).
+        progress_bar: a tqdm bar on rank 0.
+    """
+
+    max_steps: int = 100
+    grad_accum_steps: int = 1
+    seed: int = 1234
+    output_dir: str = "runs/default"
+    log_every: int = 1
+    checkpoint_every: int | None = None
+    keep_last: int = 2
+    resume: str = "auto"
+    stop_at_step: int | None = None
+    export_hf: bool = True
+    bf16_autocast: bool = True
+    progress_bar: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "grad_accum_steps", "log_every", "keep_last"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and value >= 1, f"trainer.{name} must be a positive int, got {value!r}")
+        _check(self.checkpoint_every is None or self.checkpoint_every >= 1,
+               f"trainer.checkpoint_every must be a positive int or null, got {self.checkpoint_every!r}")
+        _check(self.resume in RESUME_MODES, f"trainer.resume must be one of {RESUME_MODES}, got {self.resume!r}")
+        _check(self.stop_at_step is None or 1 <= self.stop_at_step <= self.max_steps,
+               f"trainer.stop_at_step must be null or in [1, max_steps={self.max_steps}], got {self.stop_at_step!r}")

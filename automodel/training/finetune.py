@@ -1,0 +1,244 @@
+"""``automodel finetune``: supervised fine-tuning on packed THD batches, one process or many.
+
+The recipe wires the stages in order: SFT data -> batching mode (packing) -> micro-batches ->
+``make_cp_batch_for_te`` -> decoder -> cross-entropy summed and divided by the global label-token
+count -> FSDP2 gradient reduction -> AdamW step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+from tqdm.auto import tqdm
+
+from automodel.attention import ThdAttentionMetadata
+from automodel.config import build_section
+from automodel.data.loader import LoaderEnv
+from automodel.distributed import make_cp_batch_for_te
+from automodel.distributed.parallel import apply_fsdp, init_distributed
+from automodel.loss import count_label_tokens, cross_entropy_sum
+from automodel.models import DecoderForCausalLM, save_hf_checkpoint
+from automodel.training.checkpoint import Checkpointer
+from automodel.training.metrics import MetricsLog, plot_loss_curve, read_metrics
+
+logger = logging.getLogger("automodel")
+
+_DEVICE_KEYS = ("input_ids", "labels", "position_ids", "padding_mask", "cu_seqlens", "cu_seqlens_padded")
+
+
+class FinetuneRecipe:
+    """Builds every component from a resolved recipe config, then trains.
+
+    All sections are instantiated in ``__init__`` (cheap, and it validates every value) before any
+    process group, data or model work starts.
+    """
+
+    def __init__(self, cfg: DictConfig):
+        self.cfg = cfg
+        self.trainer = build_section(cfg, "trainer")
+        self.optim_config = build_section(cfg, "optim")
+        self.parallel_config = build_section(cfg, "parallel")
+        self.model_spec = build_section(cfg, "model")
+        self.data = build_section(cfg, "data")
+        self.batching = build_section(cfg, "packing")
+        self.output_dir = Path(self.trainer.output_dir)
+
+    def setup(self) -> None:
+        self.dims = init_distributed(self.parallel_config)
+        _configure_logging(self.dims.is_main)
+        if self.dims.is_main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            resolved = OmegaConf.to_yaml(self.cfg)
+            (self.output_dir / "config.yaml").write_text(resolved)
+            logger.info("resolved config:\n%s", resolved)
+        logger.info(
+            "world %d = dp %d x cp %d on %s", self.dims.world_size, self.dims.dp_size, self.dims.cp_size,
+            self.dims.device,
+        )
+        torch.manual_seed(self.trainer.seed)
+
+        self.tokenizer = self.data.load_tokenizer()
+        with _main_rank_first(self.dims.is_main):  # rank 0 fills the datasets cache, the others read it
+            dataset = self.data.build(self.tokenizer)
+            padding_idx = self.tokenizer.pad_token_id
+            env = LoaderEnv(
+                dp_rank=self.dims.dp_rank, dp_size=self.dims.dp_size, seed=self.trainer.seed,
+                padding_idx=padding_idx if padding_idx is not None else 0,
+            )
+            self.stream = self.batching.build(dataset, env)
+        logger.info("%d micro-batches per epoch on each data-parallel rank", self.stream.batches_per_epoch)
+
+        self.model = self._build_model()
+        self.optimizer, self.scheduler = self.optim_config.build(self.model, self.trainer.max_steps)
+        self.checkpointer = Checkpointer(self.output_dir, self.trainer.keep_last, self.dims.rank, self.dims.world_size)
+        self.step = 0
+        latest = self.checkpointer.latest() if self.trainer.resume == "auto" else None
+        if latest is not None:
+            self.step = self.checkpointer.load(latest, self.model, self.optimizer, self.scheduler, self.stream)
+            logger.info("resumed from %s at step %d", latest, self.step)
+        self.metrics = MetricsLog(self.output_dir / "metrics.jsonl", self.step) if self.dims.is_main else None
+
+    def _build_model(self) -> DecoderForCausalLM:
+        config = self.model_spec.decoder_config()
+        if len(self.tokenizer) > config.vocab_size:
+            raise ValueError(
+                f"the tokenizer has {len(self.tokenizer)} tokens but model vocab_size is {config.vocab_size}"
+            )
+        with torch.device("meta"):
+            model = DecoderForCausalLM(config).to(self.model_spec.torch_dtype)
+        apply_fsdp(model, self.dims.fsdp_mesh)
+        model.to_empty(device=self.dims.device)
+        state_dict = self.model_spec.pretrained_state_dict() if self.dims.is_main else {}
+        if state_dict is None:
+            model.init_weights(seed=self.trainer.seed)
+        else:
+            set_model_state_dict(
+                model, state_dict, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            )
+        parameters = sum(p.numel() for p in model.parameters())
+        logger.info("model: %s, %.2fM parameters", config.family, parameters / 1e6)
+        return model
+
+    def train(self) -> None:
+        last_step = self.trainer.stop_at_step or self.trainer.max_steps
+        progress = tqdm(
+            total=self.trainer.max_steps, initial=self.step, desc="training", unit="step",
+            disable=not (self.dims.is_main and self.trainer.progress_bar),
+        )
+        while self.step < last_step:
+            record = self._train_step()
+            self.step += 1
+            progress.update(1)
+            progress.set_postfix(loss=f"{record['loss']:.4f}")
+            if self.metrics is not None and (self.step % self.trainer.log_every == 0 or self.step == last_step):
+                self.metrics.write(record)
+                logger.info(
+                    "step %d/%d  loss %.4f  lr %.3g  grad_norm %.3f  %.0f real tok/s  fill %.1f%%",
+                    self.step, self.trainer.max_steps, record["loss"], record["lr"], record["grad_norm"],
+                    record["tokens_per_s"], 100 * record["fill"],
+                )
+            every = self.trainer.checkpoint_every
+            if (every and self.step % every == 0) or self.step == last_step:
+                self.checkpointer.save(self.step, self.model, self.optimizer, self.scheduler, self.stream)
+        progress.close()
+        if self.step == self.trainer.max_steps:
+            self._finish()
+
+    def _train_step(self) -> dict[str, Any]:
+        start = time.perf_counter()
+        micro_batches = [self._shard(next(self.stream)) for _ in range(self.trainer.grad_accum_steps)]
+        label_tokens = self._all_reduce_sum([count_label_tokens(b["labels"]) for b in micro_batches])
+        if sum(label_tokens) == 0:
+            raise ValueError(f"step {self.step + 1} has no label token on any rank; check the loss masks of the data")
+        normalizer = float(sum(label_tokens))
+
+        loss_sum = torch.zeros((), device=self.dims.device)
+        for i, batch in enumerate(micro_batches):
+            self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # reduce once per step
+            with self._autocast():
+                logits = self.model(batch["input_ids"], batch["position_ids"], batch["attn_meta"])
+            micro_loss = cross_entropy_sum(logits, batch["labels"])
+            (micro_loss / normalizer).backward()
+            loss_sum += micro_loss.detach()
+        grad_norm = self._clip_gradients()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+        real = sum(int((~b["padding_mask"]).sum()) for b in micro_batches)
+        slots = sum(b["padding_mask"].numel() for b in micro_batches)
+        loss_total, real, slots = self._all_reduce_sum([loss_sum, real, slots], dtype=torch.float64)
+        seconds = time.perf_counter() - start
+        return {
+            "step": self.step + 1,
+            "epoch": self.stream.epoch,
+            "loss": loss_total / normalizer,
+            "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": grad_norm,
+            "label_tokens": int(normalizer),
+            "real_tokens": int(real),
+            "fill": real / slots,
+            "tokens_per_s": real / seconds,
+            "step_time_s": seconds,
+        }
+
+    def _shard(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """This CP rank's share of a collated micro-batch, on the device, with its attention metadata."""
+        thd = make_cp_batch_for_te(self.dims.cp_mesh if self.dims.cp_size > 1 else None, batch)
+        for key in _DEVICE_KEYS:
+            thd[key] = thd[key].to(self.dims.device, non_blocking=True)
+        thd["attn_meta"] = ThdAttentionMetadata.from_batch(thd, cp_group=self.dims.cp_group)
+        return thd
+
+    def _clip_gradients(self) -> float:
+        max_norm = self.optim_config.max_grad_norm
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm if max_norm else float("inf"))
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    def _all_reduce_sum(self, values: list, dtype: torch.dtype = torch.int64) -> list:
+        """Sum a few numbers (python or 0-dim tensors) over all ranks with one collective."""
+        packed = torch.stack([torch.as_tensor(v, dtype=dtype, device=self.dims.device) for v in values])
+        dist.all_reduce(packed)
+        return packed.tolist()
+
+    def _autocast(self):
+        if self.dims.device.type == "cuda" and self.trainer.bf16_autocast:
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _finish(self) -> None:
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not self.dims.is_main:
+            return
+        if self.trainer.export_hf:
+            save_hf_checkpoint(state, self.model.config, self.output_dir / "hf")
+            self.tokenizer.save_pretrained(self.output_dir / "hf")
+        metrics_path = self.output_dir / "metrics.jsonl"
+        plot_loss_curve(metrics_path, self.output_dir / "loss_curve.png")
+        records = read_metrics(metrics_path)
+        logger.info(
+            "done: loss %.4f (step %d) -> %.4f (step %d); outputs in %s", records[0]["loss"], records[0]["step"],
+            records[-1]["loss"], records[-1]["step"], self.output_dir,
+        )
+
+    def cleanup(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _main_rank_first(is_main: bool):
+    if not is_main:
+        dist.barrier()
+    yield
+    if is_main:
+        dist.barrier()
+
+
+def _configure_logging(is_main: bool) -> None:
+    logging.basicConfig(
+        level=logging.INFO if is_main else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", force=True,
+    )
+
+
+def run(cfg: DictConfig) -> FinetuneRecipe:
+    recipe = FinetuneRecipe(cfg)
+    try:
+        recipe.setup()
+        recipe.train()
+    finally:
+        recipe.cleanup()
+    return recipe
