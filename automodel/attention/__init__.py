@@ -1,20 +1,60 @@
-"""Attention over THD batches behind one interface; the backend is chosen by config."""
+"""Attention over THD batches behind one interface; the backend is chosen by config.
 
+Backends: ``"te"`` (Transformer Engine, CUDA), ``"portable"`` (SDPA per sequence, any device), and
+``"auto"``: TE when a CUDA device is present and TE imports, else portable. Both compute the same
+function of q, k, v and :class:`ThdAttentionMetadata`, with and without context parallelism.
+"""
+
+import torch
 from torch import nn
 
+from automodel.attention.checks import CP_COMM_TYPES, check_cp_comm_type
 from automodel.attention.metadata import ThdAttentionMetadata
 from automodel.attention.portable import PortableAttention
+from automodel.attention.te import TransformerEngineAttention
+from automodel.te_support import te_pytorch
 
 ATTENTION_BACKENDS = ("auto", "te", "portable")
 
 
-def build_attention(
-    backend: str, num_heads: int, num_kv_heads: int, head_dim: int, softmax_scale: float | None = None
-) -> nn.Module:
-    """A module mapping q ``[t, h, d]``, k/v ``[t, h_kv, d]`` and a ThdAttentionMetadata to ``[t, h*d]``."""
+def resolve_attention_backend(backend: str) -> str:
+    """``"te"`` or ``"portable"``: the backend that ``backend`` means on this machine."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "te" if torch.cuda.is_available() and te_pytorch() is not None else "portable"
+    return backend
+
+
+def build_attention(
+    backend: str,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    softmax_scale: float | None = None,
+    cp_comm_type: str = "p2p",
+) -> nn.Module:
+    """A module mapping q ``[t, h, d]``, k/v ``[t, h_kv, d]`` and a ThdAttentionMetadata to ``[t, h*d]``.
+
+    Args:
+        backend: one of ``ATTENTION_BACKENDS``.
+        num_heads: h. num_kv_heads: h_kv, dividing h. head_dim: d.
+        softmax_scale: None means ``1 / sqrt(d)``.
+        cp_comm_type: TE's context-parallel exchange, one of ``CP_COMM_TYPES``; validated for every
+            backend so a config error shows on any machine (the portable backend always all-gathers).
+    """
+    check_cp_comm_type(cp_comm_type)
+    if resolve_attention_backend(backend) == "te":
+        return TransformerEngineAttention(num_heads, num_kv_heads, head_dim, softmax_scale, cp_comm_type)
     return PortableAttention(num_heads, num_kv_heads, head_dim, softmax_scale)
 
 
-__all__ = ["ATTENTION_BACKENDS", "PortableAttention", "ThdAttentionMetadata", "build_attention"]
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "CP_COMM_TYPES",
+    "PortableAttention",
+    "ThdAttentionMetadata",
+    "TransformerEngineAttention",
+    "build_attention",
+    "resolve_attention_backend",
+]

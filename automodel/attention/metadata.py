@@ -47,6 +47,20 @@ class ThdAttentionMetadata:
                 f"cu_seqlens must be int32 shaped like cu_seqlens_padded {tuple(self.cu_seqlens_padded.shape)}, "
                 f"got {self.cu_seqlens.dtype} {tuple(self.cu_seqlens.shape)}"
             )
+        if int(self.cu_seqlens[0]) != 0:
+            raise ValueError(f"cu_seqlens must start at 0, got {int(self.cu_seqlens[0])}")
+        bad = torch.nonzero((self.real_lens < 0) | (self.real_lens > self.padded_lens))
+        if bad.numel():
+            i = int(bad[0])
+            raise ValueError(
+                f"sequence {i}: its real length {int(self.real_lens[i])} (from cu_seqlens) must lie in "
+                f"[0, {int(self.padded_lens[i])}], its padded length (from cu_seqlens_padded)"
+            )
+        longest = int(self.padded_lens.max())
+        if isinstance(self.max_seqlen, bool) or not isinstance(self.max_seqlen, int) or self.max_seqlen < longest:
+            raise ValueError(
+                f"max_seqlen must be a python int >= the longest padded sequence ({longest}), got {self.max_seqlen!r}"
+            )
         if self.cp_size > 1 and self.cp_group is None:
             raise ValueError(f"cp_size={self.cp_size} needs a cp_group")
 

@@ -1,25 +1,46 @@
 """Portable THD attention: exact causal attention inside each sequence, on any device.
 
-Shape legend: t = local tokens, h = query heads, h_kv = key/value heads, d = head dim.
+The rule, with and without context parallelism: a real token attends causally to the real tokens
+of its own sequence; a padding slot attends causally to the padding slots of its own sequence only.
+So padding never reaches a real token, and every output row is finite.
+
+Without context parallelism each of those spans is one ``scaled_dot_product_attention`` call with
+``is_causal=True``. Under context parallelism (CP) the keys and values of all ranks are all-gathered
+over ``meta.cp_group`` (any backend, gloo included; the backward reduce-scatters their gradients to
+their owners), put back in global order with ``meta.partition_indices``, and each local query
+attends at its global position. Masks are per sequence, ``[local tokens of s, tokens of s]``; there
+is never a ``[T, T]`` mask.
+
+Example, one sequence of 6 real tokens and 2 padding slots, cp_size 2 (chunks of 2): rank 0 holds
+global tokens ``[0 1 6 7]``; token 1 attends to ``{0, 1}``, padding slot 6 to ``{6}``, slot 7 to
+``{6, 7}``.
+
+Shape legend: t = this rank's tokens (T / cp), T = tokens of the global batch, h = query heads,
+h_kv = key/value heads, d = head dim, L = one sequence's padded length.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from automodel.attention.checks import check_head_config, check_qkv
 from automodel.attention.metadata import ThdAttentionMetadata
+
+# torch 2.13 renamed the single-tensor collectives (the old names warn); torch < 2.13 has only those.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def causal_segments(meta: ThdAttentionMetadata) -> list[tuple[int, int]]:
-    """``(start, end)`` spans that attend only within themselves: each sequence's real tokens, and
-    separately its padding slots (so padding never reaches real tokens)."""
-    starts = meta.cu_seqlens_padded[:-1].tolist()
-    real = meta.real_lens.tolist()
-    padded = meta.padded_lens.tolist()
+    """``(start, end)`` spans of the global batch that attend only within themselves: each
+    sequence's real tokens, and separately its padding slots."""
     spans = []
-    for start, n_real, n_padded in zip(starts, real, padded):
+    for start, n_real, n_padded in _sequences(meta):
         if n_real:
             spans.append((start, start + n_real))
         if n_padded > n_real:
@@ -28,20 +49,137 @@ def causal_segments(meta: ThdAttentionMetadata) -> list[tuple[int, int]]:
 
 
 class PortableAttention(nn.Module):
+    """THD attention with ``torch.nn.functional.scaled_dot_product_attention``; any device and dtype.
+
+    Args:
+        num_heads: h. num_kv_heads: h_kv, dividing h (query head j uses key/value head
+            ``j // (h // h_kv)``, as in Transformer Engine). head_dim: d.
+        softmax_scale: scale of ``q . k``; None means ``1 / sqrt(d)``.
+    """
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, softmax_scale: float | None = None):
         super().__init__()
+        check_head_config(num_heads, num_kv_heads, head_dim, softmax_scale)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.softmax_scale = softmax_scale
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: ThdAttentionMetadata) -> torch.Tensor:
-        """q ``[t, h, d]``, k/v ``[t, h_kv, d]`` -> ``[t, h*d]``."""
-        if meta.cp_size > 1:
-            raise NotImplementedError("context parallelism in the portable backend")
-        pieces = []
-        for start, end in causal_segments(meta):
-            out = F.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1), k[start:end].transpose(0, 1), v[start:end].transpose(0, 1),
-                is_causal=True, scale=self.softmax_scale, enable_gqa=self.num_kv_heads != self.num_heads,
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: ThdAttentionMetadata
+    ) -> torch.Tensor:
+        """q ``[t, h, d]``, k/v ``[t, h_kv, d]`` (this rank's tokens) -> ``[t, h*d]``."""
+        check_qkv(q, k, v, meta, self.num_heads, self.num_kv_heads, self.head_dim)
+        if meta.cp_size == 1:
+            out = self._segments(q, k, v, meta)
+        else:
+            kv_local = torch.cat([k, v], dim=-1)  # one collective for both
+            order = inverse_permutation(meta.partition_indices.flatten()).to(q.device)
+            kv = gather_tokens(kv_local, meta.cp_group)[order]
+            k_global, v_global = kv.split(self.head_dim, dim=-1)
+            positions = meta.partition_indices[meta.cp_rank]
+            out = local_query_attention(
+                q, k_global, v_global, positions, meta, meta.cp_size, self.softmax_scale
             )
-            pieces.append(out.transpose(0, 1))
-        return torch.cat(pieces).reshape(q.shape[0], self.num_heads * self.head_dim)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def _segments(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: ThdAttentionMetadata
+    ) -> torch.Tensor:
+        pieces = [
+            _sdpa(q[start:end], k[start:end], v[start:end], None, self.softmax_scale)
+            for start, end in causal_segments(meta)
+        ]
+        return torch.cat(pieces)
+
+
+def local_query_attention(
+    q: torch.Tensor,
+    k_global: torch.Tensor,
+    v_global: torch.Tensor,
+    positions: torch.Tensor,
+    meta: ThdAttentionMetadata,
+    cp_size: int,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of a CP rank's queries against the keys and values of the whole batch.
+
+    Args:
+        q: ``[t, h, d]`` this rank's queries, in ``thd_get_partitioned_indices`` order (sequence by
+            sequence, ``L / cp`` tokens of each).
+        k_global, v_global: ``[T, h_kv, d]`` in global token order.
+        positions: ``[t]`` int64 (CPU) global index of each local query.
+        meta: the batch's global layout (only its real and padded lengths are read).
+        cp_size: the number of ranks the batch is sharded over.
+        softmax_scale: None means ``1 / sqrt(d)``.
+
+    Returns:
+        ``[t, h, d]``.
+    """
+    pieces = []
+    local_start = 0
+    for seq_start, n_real, n_padded in _sequences(meta):
+        n_local = n_padded // cp_size
+        if n_local == 0:
+            continue
+        rows = slice(local_start, local_start + n_local)
+        local_start += n_local
+        i = (positions[rows] - seq_start).to(q.device)[:, None]  # [n_local, 1] query index in sequence
+        n_keys = int(positions[rows].max()) - seq_start + 1  # causal: no query sees past its own slot
+        j = torch.arange(n_keys, device=q.device)[None, :]
+        mask = (j <= i) & ((i < n_real) == (j < n_real))  # [n_local, n_keys]; real and padding never mix
+        keys = slice(seq_start, seq_start + n_keys)
+        pieces.append(_sdpa(q[rows], k_global[keys], v_global[keys], mask, softmax_scale))
+    return torch.cat(pieces)
+
+
+def _sequences(meta: ThdAttentionMetadata) -> Iterator[tuple[int, int, int]]:
+    """``(offset, real length, padded length)`` of each sequence, as python ints."""
+    starts = (meta.padded_lens.cumsum(0) - meta.padded_lens).tolist()  # CPU: no device sync
+    return zip(starts, meta.real_lens.tolist(), meta.padded_lens.tolist(), strict=True)
+
+
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None
+) -> torch.Tensor:
+    """q ``[n, h, d]``, k/v ``[m, h_kv, d]``, mask ``[n, m]`` bool (True = attend) or None for
+    top-left causal -> ``[n, h, d]``."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )
+    return out.transpose(0, 1)
+
+
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    """``inv`` with ``inv[perm[i]] == i``; ``x_gathered[inv]`` restores global order when row ``i``
+    of ``x_gathered`` holds global token ``perm[i]``."""
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inv
+
+
+def gather_tokens(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """All-gather ``[t, ...]`` over ``group`` into ``[group_size * t, ...]`` (rank-major), with a
+    backward that sums each rank's gradient back to the rank that owns the rows."""
+    return _GatherTokens.apply(x, group)
+
+
+class _GatherTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        x = x.contiguous()
+        out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
+        _all_gather_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()
+        out = grad.new_empty((grad.shape[0] // dist.get_world_size(ctx.group), *grad.shape[1:]))
+        _reduce_scatter_single(out, grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return out, None

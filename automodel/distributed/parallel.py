@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+from automodel.attention.checks import check_cp_comm_type
 
 
 @dataclass
@@ -36,8 +36,7 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if isinstance(self.cp_size, bool) or not isinstance(self.cp_size, int) or self.cp_size < 1:
             raise ValueError(f"cp_size must be a positive int, got {self.cp_size!r}")
-        if self.cp_comm_type not in CP_COMM_TYPES:
-            raise ValueError(f"cp_comm_type must be one of {CP_COMM_TYPES}, got {self.cp_comm_type!r}")
+        check_cp_comm_type(self.cp_comm_type)
 
 
 @dataclass

@@ -8,6 +8,7 @@ count -> FSDP2 gradient reduction -> AdamW step.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -24,12 +25,12 @@ from torch.distributed.checkpoint.state_dict import (
 from tqdm.auto import tqdm
 
 from automodel.attention import ThdAttentionMetadata
-from automodel.config import build_section
+from automodel.config import ConfigError, build_section
 from automodel.data.loader import LoaderEnv
 from automodel.distributed import make_cp_batch_for_te
 from automodel.distributed.parallel import apply_fsdp, init_distributed
 from automodel.loss import count_label_tokens, cross_entropy_sum
-from automodel.models import DecoderForCausalLM, save_hf_checkpoint
+from automodel.models import DecoderForCausalLM, read_hf_config, save_hf_checkpoint
 from automodel.training.checkpoint import Checkpointer
 from automodel.training.metrics import MetricsLog, plot_loss_curve, read_metrics
 
@@ -56,7 +57,10 @@ class FinetuneRecipe:
         self.output_dir = Path(self.trainer.output_dir)
 
     def setup(self) -> None:
-        self.dims = init_distributed(self.parallel_config)
+        try:
+            self.dims = init_distributed(self.parallel_config)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
         _configure_logging(self.dims.is_main)
         if self.dims.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -91,7 +95,7 @@ class FinetuneRecipe:
         self.metrics = MetricsLog(self.output_dir / "metrics.jsonl", self.step) if self.dims.is_main else None
 
     def _build_model(self) -> DecoderForCausalLM:
-        config = self.model_spec.decoder_config()
+        config = dataclasses.replace(self.model_spec.decoder_config(), cp_comm_type=self.parallel_config.cp_comm_type)
         if len(self.tokenizer) > config.vocab_size:
             raise ValueError(
                 f"the tokenizer has {len(self.tokenizer)} tokens but model vocab_size is {config.vocab_size}"
@@ -203,7 +207,7 @@ class FinetuneRecipe:
         if not self.dims.is_main:
             return
         if self.trainer.export_hf:
-            save_hf_checkpoint(state, self.model.config, self.output_dir / "hf")
+            save_hf_checkpoint(state, self.model.config, self.output_dir / "hf", extra_config=self._hf_extra_config())
             self.tokenizer.save_pretrained(self.output_dir / "hf")
         metrics_path = self.output_dir / "metrics.jsonl"
         plot_loss_curve(metrics_path, self.output_dir / "loss_curve.png")
@@ -212,6 +216,14 @@ class FinetuneRecipe:
             "done: loss %.4f (step %d) -> %.4f (step %d); outputs in %s", records[0]["loss"], records[0]["step"],
             records[-1]["loss"], records[-1]["step"], self.output_dir,
         )
+
+    def _hf_extra_config(self) -> dict[str, Any]:
+        """config.json fields beyond the architecture: the source checkpoint's, with the tokenizer's ids."""
+        extra = read_hf_config(self.model_spec.pretrained_path) if self.model_spec.pretrained_path else {}
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if getattr(self.tokenizer, name, None) is not None:
+                extra.setdefault(name, getattr(self.tokenizer, name))
+        return extra
 
     def cleanup(self) -> None:
         if dist.is_initialized():

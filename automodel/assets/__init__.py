@@ -1,0 +1,9 @@
+"""Files shipped with the package: the tiny SFT dataset and its tokenizer (see ``build_tiny_assets``)."""
+
+from pathlib import Path
+
+ASSETS_DIR = Path(__file__).resolve().parent
+TINY_SFT_PATH = ASSETS_DIR / "tiny_sft.jsonl"
+TINY_TOKENIZER_DIR = ASSETS_DIR / "tiny_tokenizer"
+
+__all__ = ["ASSETS_DIR", "TINY_SFT_PATH", "TINY_TOKENIZER_DIR"]

@@ -1,0 +1,220 @@
+"""Build the tiny SFT dataset and tokenizer shipped in ``automodel/assets`` (deterministic).
+
+``python -m automodel.assets.build_tiny_assets`` rewrites these files byte for byte::
+
+    tiny_sft.jsonl                          NUM_ROWS rows with columns prompt, completion, messages
+    tiny_tokenizer/tokenizer.json           byte-level BPE with VOCAB_SIZE ids, trained on the rows
+    tiny_tokenizer/tokenizer_config.json    bos/eos/pad tokens and the chat template
+
+Every row is one instance of a templated task that a model of a few million parameters starts to
+learn within a hundred CPU steps (copy, reverse, sort, add, look up, count, capitalize). Task sizes
+are drawn log-uniformly, so samples spread from about 10 to 300 tokens and packing has work to do.
+
+One row in both forms (the prompt ends in a cue, the completion starts with its space)::
+
+    prompt      "What is 12 plus 30?\\nAnswer:"
+    completion  " 42"
+    messages    [{"role": "user", "content": "What is 12 plus 30?"},
+                 {"role": "assistant", "content": "42"}]
+
+The chat template renders it as ``<|bos|><|user|>What is 12 plus 30?<|eos|><|assistant|>42<|eos|>``
+with ``{% generation %}`` around the assistant content and its eos, so
+``return_assistant_tokens_mask=True`` marks exactly the tokens to learn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+SEED = 20260
+NUM_ROWS = 3000
+VOCAB_SIZE = 512
+PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
+SPECIAL_TOKENS = (PAD, BOS, EOS, *ROLE_TOKENS)  # ids 0..5 in this order: padding is id 0
+
+CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
+    "{{- raise_exception('role must be system, user or assistant, got ' + message['role']) -}}"
+    "{%- endif -%}"
+    "{{- '<|' + message['role'] + '|>' -}}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{%- generation -%}{{- message['content'] + eos_token -}}{%- endgeneration -%}"
+    "{%- else -%}"
+    "{{- message['content'] + eos_token -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|assistant|>' -}}{%- endif -%}"
+)
+
+# Short everyday words: the tasks only need distinct, frequent, BPE-friendly tokens.
+WORDS = (
+    "apple bread chair cloud dance eagle field glass horse island juice kite lemon music night "
+    "ocean paper queen river stone table umbrella voice water yellow zebra actor basket candle "
+    "desert engine forest garden hammer insect jacket kettle ladder mirror needle orange pencil "
+    "rabbit saddle tiger violin wagon window butter cotton dinner finger ginger honey letter "
+    "market number pepper rocket silver summer winter spring autumn bridge castle dragon feather "
+    "flower guitar helmet jungle monkey planet pocket puzzle shadow spider sugar tomato travel "
+    "valley wallet blue green red black white brown quick slow happy quiet bright small large "
+    "warm cold soft loud early late"
+).split()
+KEYS = WORDS[:40]  # lookup keys must be unique within a row
+
+
+def _log_uniform_int(rng: random.Random, low: int, high: int) -> int:
+    """An int in [low, high], log-uniform: short samples are common, long ones still appear."""
+    return min(high, int(math.exp(rng.uniform(math.log(low), math.log(high + 1)))))
+
+
+def _words(rng: random.Random, n: int) -> list[str]:
+    return [rng.choice(WORDS) for _ in range(n)]
+
+
+def _reverse_word(rng: random.Random) -> tuple[str, str]:
+    word = rng.choice(WORDS)
+    question = rng.choice(("Reverse the letters of the word {}.", "Spell {} backwards."))
+    return question.format(word), word[::-1]
+
+
+def _spell(rng: random.Random) -> tuple[str, str]:
+    word = rng.choice(WORDS)
+    return f"Spell the word {word} with dashes.", "-".join(word)
+
+
+def _add(rng: random.Random) -> tuple[str, str]:
+    a, b = rng.randrange(1000), rng.randrange(1000)
+    question = rng.choice(("What is {} plus {}?", "Add {} and {}."))
+    return question.format(a, b), str(a + b)
+
+
+def _capitalize(rng: random.Random) -> tuple[str, str]:
+    text = " ".join(_words(rng, _log_uniform_int(rng, 1, 30)))
+    return f"Rewrite in capital letters: {text}", text.upper()
+
+
+def _sort_numbers(rng: random.Random) -> tuple[str, str]:
+    numbers = [rng.randrange(100) for _ in range(_log_uniform_int(rng, 2, 40))]
+    question = "Sort these numbers from smallest to largest: " + ", ".join(map(str, numbers))
+    return question, ", ".join(map(str, sorted(numbers)))
+
+
+def _repeat(rng: random.Random) -> tuple[str, str]:
+    text = " ".join(_words(rng, _log_uniform_int(rng, 1, 60)))
+    return f"Repeat this list exactly: {text}", text
+
+
+def _reverse_order(rng: random.Random) -> tuple[str, str]:
+    words = _words(rng, _log_uniform_int(rng, 2, 50))
+    return "Write these words in reverse order: " + " ".join(words), " ".join(reversed(words))
+
+
+def _count(rng: random.Random) -> tuple[str, str]:
+    words = _words(rng, _log_uniform_int(rng, 1, 40))
+    return "How many words are in this list? " + " ".join(words), str(len(words))
+
+
+def _lookup(rng: random.Random) -> tuple[str, str]:
+    keys = rng.sample(KEYS, _log_uniform_int(rng, 2, len(KEYS)))
+    values = {key: rng.randrange(100) for key in keys}
+    facts = "\n".join(f"{key} = {value}" for key, value in values.items())
+    asked = rng.choice(keys)
+    return f"Here is a table:\n{facts}\nWhat is the value of {asked}?", str(values[asked])
+
+
+TASKS: tuple[Callable[[random.Random], tuple[str, str]], ...] = (
+    _reverse_word, _spell, _add, _capitalize, _sort_numbers, _repeat, _reverse_order, _count, _lookup,
+)  # fmt: skip
+
+
+def make_rows(seed: int = SEED, num_rows: int = NUM_ROWS) -> list[dict]:
+    """Rows of the tiny SFT dataset, the same for the same arguments.
+
+    Example row (task "add")::
+
+        {"prompt": "What is 12 plus 30?\\nAnswer:", "completion": " 42",
+         "messages": [{"role": "user", "content": "What is 12 plus 30?"},
+                      {"role": "assistant", "content": "42"}]}
+    """
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(num_rows):
+        question, answer = rng.choice(TASKS)(rng)
+        rows.append(
+            {
+                "prompt": f"{question}\nAnswer:",
+                "completion": f" {answer}",
+                "messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}],
+            }
+        )
+    return rows
+
+
+def train_tokenizer(texts: list[str], vocab_size: int = VOCAB_SIZE) -> Tokenizer:
+    """A byte-level BPE over ``texts``; ``SPECIAL_TOKENS`` take ids 0..5 and bos is prepended on encode."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodable, even unseen ones
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    # Like Llama tokenizers: encode(text) adds bos; the chat template writes bos itself.
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, SPECIAL_TOKENS.index(BOS))]
+    )
+    return tokenizer
+
+
+def tokenizer_config() -> dict:
+    """``tokenizer_config.json`` for ``transformers.AutoTokenizer`` (no ``config.json`` needed)."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "additional_special_tokens": list(ROLE_TOKENS),
+        "model_max_length": 4096,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+def build_tiny_assets(out_dir: Path, seed: int = SEED) -> list[Path]:
+    """Write the dataset and tokenizer under ``out_dir``; returns the written paths."""
+    rows = make_rows(seed)
+    tokenizer = train_tokenizer([row["prompt"] + row["completion"] for row in rows])
+    tokenizer_dir = out_dir / "tiny_tokenizer"
+    tokenizer_dir.mkdir(parents=True, exist_ok=True)
+    paths = {
+        out_dir / "tiny_sft.jsonl": "".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows),
+        tokenizer_dir / "tokenizer.json": tokenizer.to_str(pretty=True) + "\n",
+        tokenizer_dir / "tokenizer_config.json": json.dumps(tokenizer_config(), indent=2) + "\n",
+    }
+    for path, text in paths.items():
+        path.write_text(text, encoding="utf-8", newline="\n")
+    return list(paths)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent)
+    parser.add_argument("--seed", type=int, default=SEED)
+    args = parser.parse_args()
+    for path in build_tiny_assets(args.out_dir, args.seed):
+        print(f"wrote {path} ({path.stat().st_size:,} bytes)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from automodel.te_support import te_extension, te_pytorch
+
+TE_STANDIN_PATH = Path(__file__).resolve().parents[1] / "te_standin"
+
+
+@pytest.fixture
+def te_standin(monkeypatch: pytest.MonkeyPatch):
+    """Make ``transformer_engine`` resolve to the CPU stand-in (tests/te_standin) for one test.
+
+    Yields ``transformer_engine.pytorch`` of the stand-in; afterwards the modules, ``sys.path`` and
+    automodel's cached TE imports are restored.
+    """
+    if te_pytorch() is not None and not getattr(te_pytorch(), "AUTOMODEL_CPU_STANDIN", False):
+        pytest.skip("the real Transformer Engine is importable here; the stand-in would shadow it")
+    for name in [
+        m for m in sys.modules if m.split(".")[0] in ("transformer_engine", "transformer_engine_torch")
+    ]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(TE_STANDIN_PATH))
+    te_pytorch.cache_clear()
+    te_extension.cache_clear()
+    import transformer_engine.pytorch as te
+
+    yield te
+    te_pytorch.cache_clear()
+    te_extension.cache_clear()
+    for name in [
+        m for m in sys.modules if m.split(".")[0] in ("transformer_engine", "transformer_engine_torch")
+    ]:
+        del sys.modules[name]
