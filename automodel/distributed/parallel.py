@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from automodel.attention.checks import check_cp_comm_type
 
@@ -113,4 +113,7 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh) -> None:
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    model.set_gradient_divide_factor(1.0)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):  # both settings are per unit, not inherited
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM

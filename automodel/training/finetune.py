@@ -104,10 +104,10 @@ class FinetuneRecipe:
             model = DecoderForCausalLM(config).to(self.model_spec.torch_dtype)
         apply_fsdp(model, self.dims.fsdp_mesh)
         model.to_empty(device=self.dims.device)
-        state_dict = self.model_spec.pretrained_state_dict() if self.dims.is_main else {}
-        if state_dict is None:
+        if self.model_spec.pretrained_path is None:
             model.init_weights(seed=self.trainer.seed)
-        else:
+        else:  # rank 0 reads the checkpoint; the others receive their shards from it
+            state_dict = self.model_spec.pretrained_state_dict() if self.dims.is_main else {}
             set_model_state_dict(
                 model, state_dict, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
             )

@@ -51,7 +51,7 @@ def test_default_recipe_trains_and_writes_its_outputs(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "automodel", "finetune", "tiny_llama_sft", f"trainer.output_dir={out}",
          "trainer.progress_bar=false"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     records = read_metrics(out)
@@ -196,3 +196,19 @@ def test_two_nodes_simulated_on_one_machine_match_one_node(tmp_path):
     outputs = [node.communicate(timeout=180)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     assert_close_per_step(read_metrics(tmp_path / "two_nodes"), one_node, "loss", 1e-6)
+
+
+def test_finetunes_a_hugging_face_checkpoint_on_two_ranks_like_on_one(tmp_path):
+    """Rank 0 reads the checkpoint and broadcasts it; two ranks must start from exactly those weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "ckpt")
+    model = ["model=hf_checkpoint", f"model.pretrained_path={tmp_path / 'ckpt'}", "model.dtype=float32",
+             "trainer.max_steps=3", "packing.micro_batch_size=2"]
+    two = finetune(tmp_path / "two", 2, *model, "trainer.grad_accum_steps=1")
+    one = finetune(tmp_path / "one", 1, *model, "trainer.grad_accum_steps=2")
+    assert_close_per_step(two, one, "loss", 1e-5)
+    assert 6.0 < one[0]["loss"] < 6.5  # a random 512-token model starts near ln(512) = 6.24
