@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+
+BENCHMARKS = ("packing", "throughput", "batching", "balance")
 
 USAGE = """automodel <command> [...]
 
@@ -11,6 +14,8 @@ USAGE = """automodel <command> [...]
                                    (under torchrun for several processes or nodes)
   bench packing [...]              packing speed, memory and tightness
   bench throughput [...]           real tokens/s of packed THD against padded batches (CPU)
+  bench batching [...]             rmpad / dyn_bsz fill and speed against VeOmni's arrival-order scan
+  bench balance [...]              balanced packing: per-step load balance across DP ranks
   check-gpu [...]                  Transformer Engine against the portable attention on this machine's GPUs
 """
 
@@ -23,14 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command == "finetune":
         return _finetune(rest)
-    if command == "bench" and rest and rest[0] == "packing":
-        from automodel.bench.packing import main as bench_packing
-
-        return bench_packing(rest[1:])
-    if command == "bench" and rest and rest[0] == "throughput":
-        from automodel.bench.throughput import main as bench_throughput
-
-        return bench_throughput(rest[1:])
+    if command == "bench" and rest and rest[0] in BENCHMARKS:
+        return importlib.import_module(f"automodel.bench.{rest[0]}").main(rest[1:])
     if command == "check-gpu":
         from automodel.attention.check_gpu import main as check_gpu
 

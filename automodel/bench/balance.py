@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import numpy as np
@@ -72,8 +73,8 @@ def balance_case(
     }
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="automodel bench balance", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-samples", type=int, default=20_000)
     parser.add_argument("--max-length", type=int, default=4096, help="lengths are clipped to this")
     parser.add_argument("--dp-size", type=int, default=8)
@@ -107,7 +108,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['random_step_max_over_mean']:>11.3f} {r['fill']:>6.4f} {r['cap_use']:>7.3f} "
             f"{r['extra_micro_steps']:>5} {r['plan_seconds']:>7.2f}"
         )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -70,7 +70,12 @@ def run_torchrun(
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
+        # torchrun puts its workers in sessions of their own: SIGTERM lets it stop them first.
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            output, _ = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            output, _ = process.communicate()
         output += f"\n[run_torchrun] killed after {timeout:.0f} s: {' '.join(command)}"
     return subprocess.CompletedProcess(command, process.returncode, output, None)
