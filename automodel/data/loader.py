@@ -21,6 +21,7 @@ from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from automodel.data.collate import packed_sequence_thd_collater, padded_sequence_thd_collater
+from automodel.data.pack_cache import cached_pack_dataset
 from automodel.data.packing import pack_dataset
 from automodel.data.planning import PACKING_ALGORITHMS
 
@@ -108,7 +109,8 @@ class PackedBatching:
     ``packed_sequence_size`` tokens per micro-batch.
 
     ``cp_size`` pads every sample to a multiple of ``2 * cp_size`` (set it to the run's CP size; the
-    recipes interpolate ``${parallel.cp_size}``).
+    recipes interpolate ``${parallel.cp_size}``). With ``cache_dir`` the packs come from
+    :func:`cached_pack_dataset`: local rank 0 packs and writes them once, every rank memory-maps them.
     """
 
     algorithm: str = "bfd"
@@ -119,6 +121,7 @@ class PackedBatching:
     max_packs: int | None = None
     shuffle: bool = True
     num_workers: int = 0
+    cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.algorithm not in PACKING_ALGORITHMS:
@@ -135,7 +138,8 @@ class PackedBatching:
         return self.micro_batch_size * self.packed_sequence_size
 
     def build(self, dataset: datasets.Dataset, env: LoaderEnv) -> MicroBatchStream:
-        packed = pack_dataset(
+        pack = functools.partial(cached_pack_dataset, cache_dir=self.cache_dir) if self.cache_dir else pack_dataset
+        packed = pack(
             dataset, "train", self.packed_sequence_size, self.max_packs, env.padding_idx,
             self.drop_long_samples, self.cp_size, algorithm=self.algorithm, seed=env.seed,
         )

@@ -290,7 +290,7 @@ def _build_table(
     out_ids = _prefaulted_empty(num_slots, token_dtype)
     out_labels = _prefaulted_empty(num_slots, token_dtype)
     out_positions = _prefaulted_empty(num_slots, np.int32)
-    step = max(1, num_packs // 100)
+    step = max(num_packs // 100, -(-(1 << 22) // pack_size))  # progress chunks of >= 4M slots: one kernel launch each
     with tqdm(total=num_packs, desc="Packing", unit="pack", disable=None, leave=False) as progress:
         for first in range(0, num_packs, step):
             last = min(num_packs, first + step)

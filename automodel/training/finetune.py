@@ -76,12 +76,14 @@ class FinetuneRecipe:
         self.tokenizer = self.data.load_tokenizer()
         with _main_rank_first(self.dims.is_main):  # rank 0 fills the datasets cache, the others read it
             dataset = self.data.build(self.tokenizer)
-            padding_idx = self.tokenizer.pad_token_id
-            env = LoaderEnv(
-                dp_rank=self.dims.dp_rank, dp_size=self.dims.dp_size, seed=self.trainer.seed,
-                padding_idx=padding_idx if padding_idx is not None else 0,
-            )
-            self.stream = self.batching.build(dataset, env)
+        padding_idx = self.tokenizer.pad_token_id
+        env = LoaderEnv(
+            dp_rank=self.dims.dp_rank, dp_size=self.dims.dp_size, seed=self.trainer.seed,
+            padding_idx=padding_idx if padding_idx is not None else 0,
+        )
+        # No collective is open while packing: with packing.cache_dir one rank packs and the others
+        # wait on the filesystem, so a long pack cannot trip the collective timeout.
+        self.stream = self.batching.build(dataset, env)
         logger.info("%d micro-batches per epoch on each data-parallel rank", self.stream.batches_per_epoch)
 
         self.model = self._build_model()
