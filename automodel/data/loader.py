@@ -72,7 +72,13 @@ class MicroBatchStream:
             self.epoch += 1
             self.set_epoch(self.epoch)
             self._iterator = iter(self.loader)
+        try:
             return next(self._iterator)
+        except StopIteration:  # modes that plan per epoch can come up empty on tiny data
+            raise ValueError(
+                f"epoch {self.epoch} gives 0 micro-batches on this data-parallel rank: use more data, "
+                "smaller micro-batches, or fewer ranks"
+            ) from None
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "loader": self.loader.state_dict()}

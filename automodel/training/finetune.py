@@ -253,6 +253,7 @@ def run(cfg: DictConfig) -> FinetuneRecipe:
     try:
         recipe.setup()
         recipe.train()
+        dist.barrier()  # rank 0 may still be exporting; gloo aborts ranks whose peers tear down first
     finally:
         recipe.cleanup()
     return recipe

@@ -212,6 +212,7 @@ reference = DecoderForCausalLM(config)
 reference.init_weights(seed=11)
 sharded = model.state_dict()
 assert all(torch.equal(sharded[k].full_tensor(), v) for k, v in reference.state_dict().items())
+dist.barrier()  # leave together: gloo aborts a rank whose peer tears down first
 dist.destroy_process_group()
 """
 
