@@ -34,7 +34,7 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from automodel.data.collate import CROSS_ENTROPY_IGNORE_INDEX, packed_sequence_thd_collater
-from automodel.data.loader import LoaderEnv, MicroBatchStream
+from automodel.data.loader import LoaderEnv, MicroBatchStream, check_positive_int
 from automodel.data.planning import PackPlan, lower_bound_packs
 
 logger = logging.getLogger(__name__)
@@ -45,11 +45,6 @@ PACK_LAYOUT_KEYS = ("position_ids", "cu_seqlens", "seq_lens", "sample_indices")
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def _check_positive(name: str, value: Any) -> None:
-    if not _is_int(value) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def _check_cost_coefficients(cost_coefficients: Sequence[float]) -> tuple[float, float]:
@@ -232,8 +227,8 @@ def plan_balanced_packs(
         raise ValueError("give num_packs, max_tokens_per_gpu, or both")
     for name, value in (("num_packs", num_packs), ("max_tokens_per_gpu", max_tokens_per_gpu)):
         if value is not None:
-            _check_positive(name, value)
-    _check_positive("multiple_of", multiple_of)
+            check_positive_int(name, value)
+    check_positive_int("multiple_of", multiple_of)
     costs = sample_costs(lengths, cost_coefficients)
     k = num_packs or 1
     if max_tokens_per_gpu is not None:
@@ -410,7 +405,7 @@ def pad_packed_sequence_with_cp(
         loss_mask     [ 1  1  1  1  1  0  0  0]
         cu_seqlens    [0 3 8]        seq_lens [3 2]
     """
-    _check_positive("cp_size", cp_size)
+    check_positive_int("cp_size", cp_size)
     padding_values = dict(padding_values or {})
     if "position_ids" in padding_values:
         raise ValueError("position_ids are always padded with 0; drop position_ids from padding_values")
@@ -466,7 +461,7 @@ def plan_balanced_epoch(
     """
     for name, value in (("dp_size", dp_size), ("samples_per_pack", samples_per_pack),
                         ("packs_per_rank", packs_per_rank)):
-        _check_positive(name, value)
+        check_positive_int(name, value)
     lengths = np.asarray(lengths, dtype=np.int64)
     group = samples_per_pack * dp_size * packs_per_rank
     order = np.random.default_rng((seed, epoch)).permutation(len(lengths)) if shuffle else np.arange(len(lengths))
@@ -588,7 +583,7 @@ class BalancedBatching:
 
     def __post_init__(self) -> None:
         for name in ("packed_sequence_size", "micro_batch_size", "packs_per_rank", "cp_size"):
-            _check_positive(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
         if not _is_int(self.num_workers) or self.num_workers < 0:
             raise ValueError(f"num_workers must be an int >= 0, got {self.num_workers!r}")
         self.cost_coefficients = _check_cost_coefficients(self.cost_coefficients)

@@ -43,7 +43,7 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from automodel.data.collate import CROSS_ENTROPY_IGNORE_INDEX
-from automodel.data.loader import LoaderEnv, MicroBatchStream
+from automodel.data.loader import LoaderEnv, MicroBatchStream, check_positive_int
 from automodel.data.planning import PackPlan
 from automodel.distributed.thd import SEQ_LENS_PADDING_VALUE
 
@@ -458,11 +458,6 @@ def _report_too_long(mode: str, too_long: np.ndarray, what: str) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def _check_positive(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"packing.{name} must be a positive int, got {value!r}")
-
-
 def _check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"packing.{name} must be true or false, got {value!r}")
@@ -484,7 +479,7 @@ def _check_padding(
     """The fixed length must hold the longest micro-batch and keep every segment CP-divisible."""
     _check_bool("pad_packed_input", pad_packed_input)
     if pad_packed_to_length is not None:
-        _check_positive("pad_packed_to_length", pad_packed_to_length)
+        check_positive_int("packing.pad_packed_to_length", pad_packed_to_length)
         if not pad_packed_input:
             raise ValueError(
                 f"packing.pad_packed_to_length={pad_packed_to_length} has no effect without "
@@ -542,7 +537,7 @@ class RmpadBatching:
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "max_seq_len", "cp_size"):
-            _check_positive(name, getattr(self, name))
+            check_positive_int(f"packing.{name}", getattr(self, name))
         _check_bool("shuffle", self.shuffle)
         _check_num_workers(self.num_workers)
         _check_padding(
@@ -628,11 +623,11 @@ class DynBszBatching:
 
     def __post_init__(self) -> None:
         for name in ("max_tokens_per_micro_batch", "buffer_size", "cp_size"):
-            _check_positive(name, getattr(self, name))
+            check_positive_int(f"packing.{name}", getattr(self, name))
         _check_bool("shuffle", self.shuffle)
         _check_num_workers(self.num_workers)
         if self.max_packed_length is not None:
-            _check_positive("max_packed_length", self.max_packed_length)
+            check_positive_int("packing.max_packed_length", self.max_packed_length)
         if self.count not in COUNTS:
             raise ValueError(f"packing.count must be one of {COUNTS}, got {self.count!r}")
         if self.count == "tokens" and self.max_packed_length is not None:

@@ -104,8 +104,9 @@ def distributed_stream(
     return MicroBatchStream(loader, sampler.set_epoch)
 
 
-def _check_positive(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+def check_positive_int(name: str, value: Any) -> None:
+    """ValueError unless ``value`` is an int >= 1 (bools rejected); shared by the batching modes."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
@@ -133,7 +134,7 @@ class PackedBatching:
         if self.algorithm not in PACKING_ALGORITHMS:
             raise ValueError(f"algorithm must be one of {PACKING_ALGORITHMS}, got {self.algorithm!r}")
         for name in ("packed_sequence_size", "micro_batch_size", "cp_size"):
-            _check_positive(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
         if self.cp_size > 1 and self.packed_sequence_size % (2 * self.cp_size):
             raise ValueError(
                 f"packed_sequence_size={self.packed_sequence_size} must be a multiple of 2*cp_size={2 * self.cp_size}"
@@ -172,7 +173,7 @@ class PaddedBatching:
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "max_length", "cp_size"):
-            _check_positive(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
 
     def build(self, dataset: datasets.Dataset, env: LoaderEnv) -> MicroBatchStream:
         lengths = np.asarray(dataset.with_format("arrow")[:]["input_ids"].combine_chunks().value_lengths())

@@ -31,7 +31,7 @@ from datasets.distributed import split_dataset_by_node
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from automodel.data.collate import CROSS_ENTROPY_IGNORE_INDEX, packed_sequence_thd_collater
-from automodel.data.loader import LoaderEnv, MicroBatchStream
+from automodel.data.loader import LoaderEnv, MicroBatchStream, check_positive_int
 from automodel.data.packing import PackingReport, _check_arguments, _fill_packs, _fits_int32, _list_column
 from automodel.data.planning import PackPlan, plan_packs
 
@@ -39,11 +39,6 @@ logger = logging.getLogger(__name__)
 
 PACK_KEYS = ("input_ids", "labels", "position_ids", "seq_lens", "seq_lens_padded")
 _ROWS_PER_READ = 256  # rows a map-style source takes from Arrow at a time
-
-
-def _check_positive(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def _mix(*values: int) -> int:
@@ -150,9 +145,9 @@ def plan_stream(
         (next-fit in order needs 4: [6] [5 4] [3 5 2] [4]).
     """
     lengths = np.ascontiguousarray(lengths, dtype=np.int64)
-    _check_positive("capacity", capacity)
-    _check_positive("buffer_size", buffer_size)
-    _check_positive("max_wait_rounds", max_wait_rounds)
+    check_positive_int("capacity", capacity)
+    check_positive_int("buffer_size", buffer_size)
+    check_positive_int("max_wait_rounds", max_wait_rounds)
     if lengths.ndim != 1:
         raise ValueError(f"lengths must be 1-D, got shape {lengths.shape}")
     if len(lengths) and (lengths.min() < 1 or lengths.max() > capacity):
@@ -228,8 +223,8 @@ class StreamPacker:
         seed: int = 0,
     ):
         _check_arguments(packed_sequence_size, None, padding_idx, drop_long_samples, cp_size, "bfd", seed)
-        _check_positive("buffer_size", buffer_size)
-        _check_positive("max_wait_rounds", max_wait_rounds)
+        check_positive_int("buffer_size", buffer_size)
+        check_positive_int("max_wait_rounds", max_wait_rounds)
         if seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {seed}")
         self.config = {"packed_sequence_size": packed_sequence_size, "buffer_size": buffer_size,
@@ -708,9 +703,9 @@ class StreamingPackedBatching:
 
     def __post_init__(self) -> None:
         for name in ("packed_sequence_size", "micro_batch_size", "cp_size", "buffer_size", "max_wait_rounds"):
-            _check_positive(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
         if self.steps_per_epoch is not None:
-            _check_positive("steps_per_epoch", self.steps_per_epoch)
+            check_positive_int("steps_per_epoch", self.steps_per_epoch)
         if self.cp_size > 1 and self.packed_sequence_size % (2 * self.cp_size):
             raise ValueError(
                 f"packed_sequence_size={self.packed_sequence_size} must be a multiple of 2*cp_size={2 * self.cp_size}"
