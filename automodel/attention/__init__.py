@@ -1,8 +1,10 @@
 """Attention over THD batches behind one interface; the backend is chosen by config.
 
-Backends: ``"te"`` (Transformer Engine, CUDA), ``"portable"`` (SDPA per sequence, any device), and
-``"auto"``: TE when a CUDA device is present and TE imports, else portable. Both compute the same
-function of q, k, v and :class:`ThdAttentionMetadata`, with and without context parallelism.
+Backends: ``"te"`` (Transformer Engine, CUDA), ``"portable"`` (SDPA per sequence, any device),
+``"varlen"`` (torch's ``varlen_attn``, CUDA, no context parallelism) and ``"auto"``: TE when a CUDA
+device is present and TE imports, else varlen on CUDA, else portable. They compute the same function
+of q, k, v and :class:`ThdAttentionMetadata`. Hugging Face models reach them through the registered
+attention function in :mod:`automodel.attention.hf`.
 """
 
 import torch
@@ -14,15 +16,17 @@ from automodel.attention.portable import PortableAttention
 from automodel.attention.te import TransformerEngineAttention
 from automodel.te_support import te_pytorch
 
-ATTENTION_BACKENDS = ("auto", "te", "portable")
+ATTENTION_BACKENDS = ("auto", "te", "portable", "varlen")
 
 
 def resolve_attention_backend(backend: str) -> str:
-    """``"te"`` or ``"portable"``: the backend that ``backend`` means on this machine."""
+    """``"te"``, ``"varlen"`` or ``"portable"``: the backend that ``backend`` means on this machine."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "te" if torch.cuda.is_available() and te_pytorch() is not None else "portable"
+        if not torch.cuda.is_available():
+            return "portable"
+        return "te" if te_pytorch() is not None else "varlen"
     return backend
 
 
@@ -37,14 +41,18 @@ def build_attention(
     """A module mapping q ``[t, h, d]``, k/v ``[t, h_kv, d]`` and a ThdAttentionMetadata to ``[t, h*d]``.
 
     Args:
-        backend: one of ``ATTENTION_BACKENDS``.
+        backend: ``auto``, ``te`` or ``portable`` (``varlen`` is a function, called by
+            :mod:`automodel.attention.hf`).
         num_heads: h. num_kv_heads: h_kv, dividing h. head_dim: d.
         softmax_scale: None means ``1 / sqrt(d)``.
         cp_comm_type: TE's context-parallel exchange, one of ``CP_COMM_TYPES``; validated for every
             backend so a config error shows on any machine (the portable backend always all-gathers).
     """
     check_cp_comm_type(cp_comm_type)
-    if resolve_attention_backend(backend) == "te":
+    resolved = resolve_attention_backend(backend)
+    if resolved == "varlen":
+        raise ValueError("build_attention builds 'te' or 'portable' modules; 'varlen' is called as a function")
+    if resolved == "te":
         return TransformerEngineAttention(num_heads, num_kv_heads, head_dim, softmax_scale, cp_comm_type)
     return PortableAttention(num_heads, num_kv_heads, head_dim, softmax_scale)
 

@@ -5,7 +5,7 @@ of its own sequence; a padding slot attends causally to the padding slots of its
 So padding never reaches a real token, and every output row is finite.
 
 Without context parallelism each of those spans is one ``scaled_dot_product_attention`` call with
-``is_causal=True``. Under context parallelism (CP) the keys and values of all ranks are all-gathered
+``is_causal=True`` (a mask only when a sliding window applies). Under context parallelism (CP) the keys and values of all ranks are all-gathered
 over ``meta.cp_group`` (any backend, gloo included; the backward reduce-scatters their gradients to
 their owners), put back in global order with ``meta.partition_indices``, and each local query
 attends at its global position. Masks are per sequence, ``[local tokens of s, tokens of s]``; there
@@ -22,6 +22,7 @@ h_kv = key/value heads, d = head dim, L = one sequence's padded length.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -64,12 +65,25 @@ class PortableAttention(nn.Module):
         self.softmax_scale = softmax_scale
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: ThdAttentionMetadata
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: ThdAttentionMetadata,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q ``[t, h, d]``, k/v ``[t, h_kv, d]`` (this rank's tokens) -> ``[t, h*d]``."""
+        """q ``[t, h, d]``, k/v ``[t, h_kv, d]`` (this rank's tokens) -> ``[t, h*d]``.
+
+        ``window``: sliding-window length or None; ``softcap``: logit soft-cap or None; ``sinks``:
+        ``[h]`` sink logits or None.
+        """
         check_qkv(q, k, v, meta, self.num_heads, self.num_kv_heads, self.head_dim)
+        extras = _Extras(window, softcap, sinks)
         if meta.cp_size == 1:
-            out = self._segments(q, k, v, meta)
+            out = self._segments(q, k, v, meta, extras)
         else:
             kv_local = torch.cat([k, v], dim=-1)  # one collective for both
             order = inverse_permutation(meta.partition_indices.flatten()).to(q.device)
@@ -77,18 +91,33 @@ class PortableAttention(nn.Module):
             k_global, v_global = kv.split(self.head_dim, dim=-1)
             positions = meta.partition_indices[meta.cp_rank]
             out = local_query_attention(
-                q, k_global, v_global, positions, meta, meta.cp_size, self.softmax_scale
+                q, k_global, v_global, positions, meta, meta.cp_size, self.softmax_scale, extras
             )
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def _segments(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: ThdAttentionMetadata
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: ThdAttentionMetadata, extras: _Extras
     ) -> torch.Tensor:
-        pieces = [
-            _sdpa(q[start:end], k[start:end], v[start:end], None, self.softmax_scale)
-            for start, end in causal_segments(meta)
-        ]
+        pieces = []
+        for start, end in causal_segments(meta):
+            mask = None
+            if extras.window is not None and end - start > extras.window:
+                i = torch.arange(end - start, device=q.device)
+                mask = _causal_window_mask(i[:, None], i[None, :], extras.window)
+            pieces.append(_attend(q[start:end], k[start:end], v[start:end], mask, self.softmax_scale, extras))
         return torch.cat(pieces)
+
+
+class _Extras(NamedTuple):
+    window: int | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+
+
+def _causal_window_mask(i: torch.Tensor, j: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Bool mask, True where query index ``i`` may attend key index ``j`` (broadcast shapes)."""
+    mask = j <= i
+    return mask if window is None else mask & (j > i - window)
 
 
 def local_query_attention(
@@ -99,6 +128,7 @@ def local_query_attention(
     meta: ThdAttentionMetadata,
     cp_size: int,
     softmax_scale: float | None = None,
+    extras: _Extras = _Extras(),
 ) -> torch.Tensor:
     """Attention of a CP rank's queries against the keys and values of the whole batch.
 
@@ -110,6 +140,7 @@ def local_query_attention(
         meta: the batch's global layout (only its real and padded lengths are read).
         cp_size: the number of ranks the batch is sharded over.
         softmax_scale: None means ``1 / sqrt(d)``.
+        extras: sliding window, softcap and sinks (see :class:`PortableAttention`).
 
     Returns:
         ``[t, h, d]``.
@@ -125,9 +156,10 @@ def local_query_attention(
         i = (positions[rows] - seq_start).to(q.device)[:, None]  # [n_local, 1] query index in sequence
         n_keys = int(positions[rows].max()) - seq_start + 1  # causal: no query sees past its own slot
         j = torch.arange(n_keys, device=q.device)[None, :]
-        mask = (j <= i) & ((i < n_real) == (j < n_real))  # [n_local, n_keys]; real and padding never mix
+        # [n_local, n_keys]; real and padding never mix
+        mask = _causal_window_mask(i, j, extras.window) & ((i < n_real) == (j < n_real))
         keys = slice(seq_start, seq_start + n_keys)
-        pieces.append(_sdpa(q[rows], k_global[keys], v_global[keys], mask, softmax_scale))
+        pieces.append(_attend(q[rows], k_global[keys], v_global[keys], mask, softmax_scale, extras))
     return torch.cat(pieces)
 
 
@@ -137,11 +169,39 @@ def _sequences(meta: ThdAttentionMetadata) -> Iterator[tuple[int, int, int]]:
     return zip(starts, meta.real_lens.tolist(), meta.padded_lens.tolist(), strict=True)
 
 
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None,
+    extras: _Extras,
+) -> torch.Tensor:
+    """q ``[n, h, d]``, k/v ``[m, h_kv, d]``, mask ``[n, m]`` bool (True = attend) or None for
+    top-left causal -> ``[n, h, d]``. SDPA unless softcap or sinks change the softmax."""
+    if extras.softcap is None and extras.sinks is None:
+        return _sdpa(q, k, v, mask, scale)
+    n, h, d = q.shape
+    m = k.shape[0]
+    if mask is None:
+        mask = torch.ones(n, m, dtype=torch.bool, device=q.device).tril()
+    groups = h // k.shape[1]
+    k_hmd = k.transpose(0, 1).repeat_interleave(groups, dim=0)
+    v_hmd = v.transpose(0, 1).repeat_interleave(groups, dim=0)
+    scores_hnm = q.transpose(0, 1) @ k_hmd.transpose(1, 2) * (d**-0.5 if scale is None else scale)
+    if extras.softcap is not None:
+        scores_hnm = torch.tanh(scores_hnm / extras.softcap) * extras.softcap
+    scores_hnm = scores_hnm.masked_fill(~mask, float("-inf"))
+    if extras.sinks is not None:
+        sink_hn1 = extras.sinks.to(scores_hnm.dtype)[:, None, None].expand(h, n, 1)
+        scores_hnm = torch.cat([scores_hnm, sink_hn1], dim=-1)
+    probs = torch.softmax(scores_hnm.float(), dim=-1).to(q.dtype)[..., :m]
+    return (probs @ v_hmd).transpose(0, 1)
+
+
 def _sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None
 ) -> torch.Tensor:
-    """q ``[n, h, d]``, k/v ``[m, h_kv, d]``, mask ``[n, m]`` bool (True = attend) or None for
-    top-left causal -> ``[n, h, d]``."""
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1),
         k.transpose(0, 1),

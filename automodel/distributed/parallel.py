@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from automodel.attention.checks import check_cp_comm_type
 
@@ -103,16 +103,21 @@ def init_distributed(config: ParallelConfig) -> ParallelDims:
     return ParallelDims(dist.get_rank(), world_size, dp_size, config.cp_size, device, mesh)
 
 
-def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh) -> None:
-    """FSDP2 over ``mesh``: each decoder layer is its own unit, the rest (embeddings, final norm,
-    output head) the root unit.
+def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, compute_dtype: torch.dtype = torch.float32) -> None:
+    """FSDP2 over ``mesh``: each decoder layer (``model.decoder_layers``) is its own unit, the rest
+    (embeddings, final norm, output head, and the loss) the root unit.
+
+    Parameters stay float32 (master weights, so AdamW's small updates are not rounded away); with
+    ``compute_dtype=torch.bfloat16`` FSDP2 casts them to bf16 for forward and backward and reduces
+    gradients in float32 (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``).
 
     Gradients are summed, not averaged, across ranks: the loss is already divided by the global
     number of label tokens, so the sum is the gradient of the global token-mean loss.
     """
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for layer in model.decoder_layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):  # both settings are per unit, not inherited
             module.set_gradient_divide_factor(1.0)

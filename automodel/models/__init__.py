@@ -1,27 +1,15 @@
-"""Llama-family decoder (Llama 3, Qwen2/2.5, Mistral) on THD batches, and Hugging Face checkpoints."""
+"""transformers causal LMs on THD batches: the allow-list, setup checks, build/load/export."""
 
-from automodel.models.decoder import DecoderConfig, DecoderForCausalLM, rope_inv_freq
-from automodel.models.hf_checkpoint import (
-    SUPPORTED_MODEL_TYPES,
-    check_state_dict,
-    config_from_hf,
-    config_to_hf,
-    load_hf_checkpoint,
-    load_pretrained_decoder,
-    read_hf_config,
-    save_hf_checkpoint,
-)
+from automodel.models.build import CausalLMForTraining, build_model, export_hf, setup_checks
+from automodel.models.families import VERIFIED_MODEL_TYPES, check_model_config
+from automodel.models.spec import ModelSpec
 
 __all__ = [
-    "SUPPORTED_MODEL_TYPES",
-    "DecoderConfig",
-    "DecoderForCausalLM",
-    "check_state_dict",
-    "config_from_hf",
-    "config_to_hf",
-    "load_hf_checkpoint",
-    "load_pretrained_decoder",
-    "read_hf_config",
-    "rope_inv_freq",
-    "save_hf_checkpoint",
+    "VERIFIED_MODEL_TYPES",
+    "CausalLMForTraining",
+    "ModelSpec",
+    "build_model",
+    "check_model_config",
+    "export_hf",
+    "setup_checks",
 ]

@@ -1,63 +1,99 @@
 """The ``model`` section of a recipe: a Hugging Face checkpoint to fine-tune, or a config to train
-from scratch."""
+from scratch. Either way the model is a transformers class."""
 
 from __future__ import annotations
 
-import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from transformers import AutoConfig, PretrainedConfig
 
 from automodel.attention import ATTENTION_BACKENDS
-from automodel.models.decoder import DecoderConfig
-from automodel.models.hf_checkpoint import config_from_hf, load_hf_checkpoint, read_hf_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
 class ModelSpec:
-    """Exactly one of ``pretrained_path`` (a local HF checkpoint directory: config.json +
-    safetensors) and ``config`` (a :class:`DecoderConfig`, randomly initialized).
+    """Exactly one of ``pretrained_path`` and ``config``.
 
     Attributes:
-        attention_backend: ``auto`` (Transformer Engine on CUDA when importable), ``te`` or ``portable``.
-        dtype: parameter dtype, ``float32`` or ``bfloat16``.
+        pretrained_path: a local checkpoint directory (config.json + safetensors), or a hub id that
+            resolves through the local Hugging Face cache (nothing is downloaded when offline).
+        config: keyword arguments of a transformers config, with ``model_type`` (e.g. ``llama``);
+            the model is randomly initialized with transformers' own init.
+        attention_backend: ``auto`` (TE on CUDA when importable, else torch varlen on CUDA, else
+            portable), ``te``, ``varlen`` or ``portable``.
+        dtype: compute dtype. ``bfloat16`` keeps float32 master weights and optimizer state and
+            computes in bf16 through FSDP2's MixedPrecisionPolicy (gradients reduced in float32).
+        activation_checkpointing: recompute each decoder layer in the backward pass.
     """
 
     pretrained_path: str | None = None
-    config: DecoderConfig | None = None
+    config: dict[str, Any] | None = None
     attention_backend: str = "auto"
     dtype: str = "float32"
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         if (self.pretrained_path is None) == (self.config is None):
             raise ValueError("set exactly one of model.pretrained_path and model.config")
-        if self.pretrained_path is not None and not (Path(self.pretrained_path) / "config.json").is_file():
-            raise ValueError(
-                f"model.pretrained_path={self.pretrained_path!r} holds no config.json; point it at a local "
-                "Hugging Face checkpoint directory (nothing is downloaded)"
-            )
+        if self.config is not None and "model_type" not in self.config:
+            raise ValueError("model.config needs model_type (e.g. llama), then that config class's fields")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"model.attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"model.dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.activation_checkpointing, bool):
+            raise ValueError(f"model.activation_checkpointing must be true or false, got {self.activation_checkpointing!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
-    def decoder_config(self) -> DecoderConfig:
-        config = (
-            self.config if self.config is not None else config_from_hf(read_hf_config(self.pretrained_path))
-        )
-        return dataclasses.replace(config, attention_backend=self.attention_backend)
+    def hf_config(self) -> PretrainedConfig:
+        """The transformers config; a checkpoint's unreadable config.json is a ValueError naming it."""
+        if self.config is not None:
+            fields = dict(self.config)
+            return AutoConfig.for_model(fields.pop("model_type"), **fields)
+        path = Path(self.pretrained_path)
+        if path.is_dir() and not (path / "config.json").is_file():
+            raise ValueError(f"model.pretrained_path={self.pretrained_path!r} holds no config.json")
+        try:
+            return AutoConfig.from_pretrained(self.pretrained_path)
+        except (OSError, ValueError, json.JSONDecodeError) as error:
+            raise ValueError(
+                f"model.pretrained_path={self.pretrained_path!r}: cannot read its config ({error}); point it at a "
+                "local Hugging Face checkpoint directory or a hub id already in the local cache"
+            ) from None
 
-    def pretrained_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The checkpoint's weights (full, on CPU), or None when training from scratch."""
-        if self.pretrained_path is None:
-            return None
-        return load_hf_checkpoint(self.pretrained_path)[1]
+
+def check_checkpoint_tensors(path: str, expected: dict[str, tuple[int, ...]]) -> None:
+    """Compare the safetensors headers of a local checkpoint with the model's parameter names and
+    shapes, reading no tensor data. Names the model renames at load (fused MoE experts) are left to
+    ``from_pretrained``, which reports them; here every header name must parse and every name the
+    model and the checkpoint share must agree in shape."""
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
+    for file in files:
+        with safe_open(file, framework="pt") as handle:
+            for name in handle.keys():
+                shape = tuple(handle.get_slice(name).get_shape())
+                if name in expected and expected[name] != shape:
+                    raise ValueError(
+                        f"model.pretrained_path={path!r}: tensor {name!r} in {file.name} has shape {shape}, "
+                        f"the model built from its config.json expects {expected[name]}; the weights do not "
+                        "match config.json"
+                    )
+
+
+def check_finite(state_dict: dict[str, torch.Tensor], source: str) -> None:
+    for name, tensor in state_dict.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"{source}: tensor {name!r} holds NaN or inf values; the checkpoint is corrupt")

@@ -1,14 +1,14 @@
 """``automodel finetune``: supervised fine-tuning on packed THD batches, one process or many.
 
 The recipe wires the stages in order: SFT data -> batching mode (packing) -> micro-batches ->
-``make_cp_batch_for_te`` -> decoder -> cross-entropy summed and divided by the global label-token
-count -> FSDP2 gradient reduction -> AdamW step.
+``make_cp_batch_for_te`` -> transformers model with the registered THD attention -> cross-entropy
+summed and divided by the global label-token count -> FSDP2 gradient reduction -> AdamW step.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import functools
 import logging
 import time
 from pathlib import Path
@@ -17,11 +17,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
 from tqdm.auto import tqdm
 
 from automodel.attention import ThdAttentionMetadata
@@ -29,8 +24,8 @@ from automodel.config import ConfigError, build_section
 from automodel.data.loader import LoaderEnv
 from automodel.distributed import make_cp_batch_for_te
 from automodel.distributed.parallel import apply_fsdp, init_distributed
-from automodel.loss import count_label_tokens, cross_entropy_sum
-from automodel.models import DecoderForCausalLM, read_hf_config, save_hf_checkpoint
+from automodel.loss import count_label_tokens
+from automodel.models import CausalLMForTraining, build_model, export_hf, setup_checks
 from automodel.training.checkpoint import Checkpointer
 from automodel.training.metrics import MetricsLog, plot_loss_curve, read_metrics
 
@@ -74,6 +69,11 @@ class FinetuneRecipe:
         torch.manual_seed(self.trainer.seed)
 
         self.tokenizer = self.data.load_tokenizer()
+        # every model check that needs no weights runs now, before tokenizing and packing
+        self.hf_config = setup_checks(
+            self.model_spec, cp_size=self.dims.cp_size, vocab_needed=len(self.tokenizer),
+            max_sample_tokens=getattr(self.data, "max_length", None),
+        )
         with _main_rank_first(self.dims.is_main):  # rank 0 fills the datasets cache, the others read it
             dataset = self.data.build(self.tokenizer)
         padding_idx = self.tokenizer.pad_token_id
@@ -96,25 +96,16 @@ class FinetuneRecipe:
             logger.info("resumed from %s at step %d", latest, self.step)
         self.metrics = MetricsLog(self.output_dir / "metrics.jsonl", self.step) if self.dims.is_main else None
 
-    def _build_model(self) -> DecoderForCausalLM:
-        config = dataclasses.replace(self.model_spec.decoder_config(), cp_comm_type=self.parallel_config.cp_comm_type)
-        if len(self.tokenizer) > config.vocab_size:
-            raise ValueError(
-                f"the tokenizer has {len(self.tokenizer)} tokens but model vocab_size is {config.vocab_size}"
-            )
-        with torch.device("meta"):
-            model = DecoderForCausalLM(config).to(self.model_spec.torch_dtype)
-        apply_fsdp(model, self.dims.fsdp_mesh)
-        model.to_empty(device=self.dims.device)
-        if self.model_spec.pretrained_path is None:
-            model.init_weights(seed=self.trainer.seed)
-        else:  # rank 0 reads the checkpoint; the others receive their shards from it
-            state_dict = self.model_spec.pretrained_state_dict() if self.dims.is_main else {}
-            set_model_state_dict(
-                model, state_dict, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-            )
+    def _build_model(self) -> CausalLMForTraining:
+        shard = functools.partial(
+            apply_fsdp, mesh=self.dims.fsdp_mesh, compute_dtype=self.model_spec.torch_dtype
+        )
+        model = build_model(
+            self.model_spec, self.hf_config, device=self.dims.device, shard=shard, seed=self.trainer.seed,
+            cp_comm_type=self.parallel_config.cp_comm_type, is_main=self.dims.is_main,
+        )
         parameters = sum(p.numel() for p in model.parameters())
-        logger.info("model: %s, %.2fM parameters", config.family, parameters / 1e6)
+        logger.info("model: %s, %.2fM parameters", self.hf_config.model_type, parameters / 1e6)
         return model
 
     def train(self) -> None:
@@ -154,11 +145,11 @@ class FinetuneRecipe:
         for i, batch in enumerate(micro_batches):
             self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # reduce once per step
             with self._autocast():
-                logits = self.model(batch["input_ids"], batch["position_ids"], batch["attn_meta"])
-            micro_loss = cross_entropy_sum(logits, batch["labels"])
+                micro_loss = self.model(batch["input_ids"], batch["position_ids"], batch["labels"], batch["attn_meta"])
             (micro_loss / normalizer).backward()
             loss_sum += micro_loss.detach()
         grad_norm = self._clip_gradients()
+        lr = self.optimizer.param_groups[0]["lr"]  # the lr this step uses (the scheduler then moves on)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -171,7 +162,7 @@ class FinetuneRecipe:
             "step": self.step + 1,
             "epoch": self.stream.epoch,
             "loss": loss_total / normalizer,
-            "lr": self.scheduler.get_last_lr()[0],
+            "lr": lr,
             "grad_norm": grad_norm,
             "label_tokens": int(normalizer),
             "real_tokens": int(real),
@@ -205,12 +196,13 @@ class FinetuneRecipe:
         return contextlib.nullcontext()
 
     def _finish(self) -> None:
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.trainer.export_hf:
+            export_hf(
+                self.model, self.output_dir / "hf", self.tokenizer, dtype=self.model_spec.torch_dtype,
+                is_main=self.dims.is_main,
+            )
         if not self.dims.is_main:
             return
-        if self.trainer.export_hf:
-            save_hf_checkpoint(state, self.model.config, self.output_dir / "hf", extra_config=self._hf_extra_config())
-            self.tokenizer.save_pretrained(self.output_dir / "hf")
         metrics_path = self.output_dir / "metrics.jsonl"
         plot_loss_curve(metrics_path, self.output_dir / "loss_curve.png")
         records = read_metrics(metrics_path)
@@ -218,14 +210,6 @@ class FinetuneRecipe:
             "done: loss %.4f (step %d) -> %.4f (step %d); outputs in %s", records[0]["loss"], records[0]["step"],
             records[-1]["loss"], records[-1]["step"], self.output_dir,
         )
-
-    def _hf_extra_config(self) -> dict[str, Any]:
-        """config.json fields beyond the architecture: the source checkpoint's, with the tokenizer's ids."""
-        extra = read_hf_config(self.model_spec.pretrained_path) if self.model_spec.pretrained_path else {}
-        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            if getattr(self.tokenizer, name, None) is not None:
-                extra.setdefault(name, getattr(self.tokenizer, name))
-        return extra
 
     def cleanup(self) -> None:
         if dist.is_initialized():

@@ -1,0 +1,203 @@
+"""Build, load and export transformers causal LMs for THD training under FSDP2.
+
+The sequence (one way for every model): config -> the transformers class on the meta device with
+the registered THD attention -> FSDP2 -> ``to_empty`` -> rank 0 produces the full weights once
+(``from_pretrained``, or transformers' own init from ``trainer.seed``) and broadcasts them, with
+the non-persistent buffers (RoPE ``inv_freq``, Gemma's ``embed_scale``) that meta init leaves
+empty. Export goes through ``save_pretrained``.
+
+Shape legend: T = this rank's tokens, D = hidden size, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from automodel.attention import ThdAttentionMetadata, resolve_attention_backend
+from automodel.attention.hf import THD_ATTENTION, attach_thd_attention, attention_modules, register_thd_attention
+from automodel.data.collate import CROSS_ENTROPY_IGNORE_INDEX
+from automodel.models.families import check_model_config
+from automodel.models.spec import ModelSpec, check_checkpoint_tensors, check_finite
+
+_PREFIX = "hf."
+
+
+def chunked_cross_entropy_sum(
+    hidden_TD: torch.Tensor,
+    weight_VD: torch.Tensor,
+    labels_T: torch.Tensor,
+    *,
+    bias_V: torch.Tensor | None = None,
+    logit_scale: float = 1.0,
+    final_logit_softcap: float | None = None,
+    chunk_tokens: int = 4096,
+) -> torch.Tensor:
+    """Stand-in for issue 8b's ``automodel.loss.chunked_cross_entropy_sum`` (same signature; this
+    one builds the full logits): the float32 sum of cross-entropy over labels != -100."""
+    logits_TV = F.linear(hidden_TD, weight_VD, bias_V).float() * logit_scale
+    if final_logit_softcap is not None:
+        logits_TV = torch.tanh(logits_TV / final_logit_softcap) * final_logit_softcap
+    return F.cross_entropy(logits_TV, labels_T, ignore_index=CROSS_ENTROPY_IGNORE_INDEX, reduction="sum")
+
+
+class CausalLMForTraining(nn.Module):
+    """A transformers causal LM plus the loss, as one module: FSDP2 wraps it as the root unit, so
+    the root's parameters (embeddings, final norm, lm_head) are unsharded for the whole forward,
+    backbone and loss together.
+
+    ``state_dict()`` keys are the transformers names under the prefix ``hf.``.
+    """
+
+    def __init__(self, hf: PreTrainedModel):
+        super().__init__()
+        self.hf = hf
+
+    @property
+    def config(self) -> PretrainedConfig:
+        return self.hf.config
+
+    @property
+    def decoder_layers(self) -> nn.ModuleList:
+        return getattr(self.hf, self.hf.base_model_prefix).layers
+
+    def forward(
+        self,
+        input_ids_T: torch.Tensor,
+        position_ids_T: torch.Tensor,
+        labels_T: torch.Tensor,
+        thd_layout: ThdAttentionMetadata,
+    ) -> torch.Tensor:
+        """Float32 sum of the next-token cross-entropy over this rank's label tokens."""
+        base = getattr(self.hf, self.hf.base_model_prefix)
+        hidden_TD = base(
+            input_ids=input_ids_T[None], position_ids=position_ids_T[None], thd_layout=thd_layout, use_cache=False
+        ).last_hidden_state[0]
+        head = self.hf.get_output_embeddings()
+        return chunked_cross_entropy_sum(
+            hidden_TD, head.weight, labels_T, bias_V=head.bias, **logit_transform(self.hf.config)
+        )
+
+
+def logit_transform(config: PretrainedConfig) -> dict[str, Any]:
+    """What the family's ``forward`` does to ``lm_head`` output: Granite divides by
+    ``logits_scaling``, Gemma 2/3 soft-cap with ``final_logit_softcapping``."""
+    scaling = getattr(config, "logits_scaling", None)
+    return {
+        "logit_scale": 1.0 / scaling if scaling else 1.0,
+        "final_logit_softcap": getattr(config, "final_logit_softcapping", None),
+    }
+
+
+def setup_checks(
+    spec: ModelSpec, *, cp_size: int, vocab_needed: int | None, max_sample_tokens: int | None
+) -> PretrainedConfig:
+    """Every check of the model that needs no weights, in the first seconds of a run: config
+    readable, model type verified, features vs backend, tokenizer vs vocabulary, cp_size, windows
+    vs sample length, and the checkpoint's tensor names and shapes from its safetensors headers."""
+    config = spec.hf_config()
+    backend = resolve_attention_backend(spec.attention_backend)
+    check_model_config(
+        config, backend, cp_size=cp_size, vocab_needed=vocab_needed, max_sample_tokens=max_sample_tokens
+    )
+    if spec.pretrained_path is not None:
+        with torch.device("meta"):
+            meta = AutoModelForCausalLM.from_config(config)
+        check_checkpoint_tensors(spec.pretrained_path, {k: tuple(v.shape) for k, v in meta.state_dict().items()})
+    return config
+
+
+def build_model(
+    spec: ModelSpec,
+    config: PretrainedConfig,
+    *,
+    device: torch.device,
+    shard: Any,
+    seed: int,
+    cp_comm_type: str = "p2p",
+    is_main: bool = True,
+) -> CausalLMForTraining:
+    """The training model with its weights: meta build, ``shard(model)`` (FSDP2), materialize on
+    ``device``, rank 0's weights broadcast to every rank."""
+    register_thd_attention()
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config, attn_implementation=THD_ATTENTION, dtype=torch.float32)
+    model = CausalLMForTraining(hf).train()
+    backend = resolve_attention_backend(spec.attention_backend)
+    found = attach_thd_attention(hf, backend, cp_comm_type)
+    if found != config.num_hidden_layers:
+        raise ValueError(
+            f"{config.model_type}: found {found} attention modules for {config.num_hidden_layers} layers; "
+            "this model type does not route attention through transformers' AttentionInterface"
+        )
+    if spec.activation_checkpointing:
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    shard(model)
+    model.to_empty(device=device)
+    load_weights(model, spec, config, seed=seed, is_main=is_main)
+    return model
+
+
+def source_model(spec: ModelSpec, config: PretrainedConfig, seed: int) -> PreTrainedModel:
+    """The full model on CPU in float32: the checkpoint, or transformers' init seeded with ``seed``."""
+    if spec.pretrained_path is None:
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    hf, info = AutoModelForCausalLM.from_pretrained(
+        spec.pretrained_path, config=config, dtype=torch.float32, output_loading_info=True
+    )
+    wrong = {key: names for key, names in info.items() if key in ("missing_keys", "unexpected_keys") and names}
+    if wrong:
+        raise ValueError(f"model.pretrained_path={spec.pretrained_path!r}: the checkpoint does not match its config: {wrong}")
+    return hf
+
+
+@torch.no_grad()
+def load_weights(
+    model: CausalLMForTraining, spec: ModelSpec, config: PretrainedConfig, *, seed: int, is_main: bool
+) -> None:
+    """Rank 0 builds the source model once; parameters reach every rank's shards with one
+    broadcasting ``set_model_state_dict``, non-persistent buffers with one object broadcast."""
+    persistent = set(model.hf.state_dict())
+    state, buffers = {}, [None]
+    if is_main:
+        source = source_model(spec, config, seed)
+        state = {_PREFIX + k: v for k, v in source.state_dict().items()}
+        check_finite(state, f"model.pretrained_path={spec.pretrained_path!r}" if spec.pretrained_path else "init")
+        buffers = [{k: v for k, v in source.named_buffers() if k not in persistent}]
+        del source
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(buffers, src=0)
+    for name, value in buffers[0].items():
+        model.hf.get_buffer(name).copy_(value)
+
+
+def export_hf(
+    model: CausalLMForTraining, output_dir: Path, tokenizer: Any, *, dtype: torch.dtype, is_main: bool
+) -> None:
+    """Write ``output_dir`` with ``save_pretrained`` (sharded safetensors, config.json,
+    generation_config.json) and the tokenizer. Collective: every rank must call it."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not is_main:
+        return
+    config = model.config
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(config, name, None) is None and getattr(tokenizer, name, None) is not None:
+            setattr(config, name, getattr(tokenizer, name))
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    hf.config._attn_implementation = "sdpa"
+    hf.load_state_dict({k.removeprefix(_PREFIX): v for k, v in state.items()}, strict=True)
+    hf.to(dtype).save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
