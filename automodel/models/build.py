@@ -145,6 +145,8 @@ def build_model(
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     shard(model)
     model.to_empty(device=device)
+    if config.tie_word_embeddings:
+        hf.tie_weights()  # to_empty gives each module its own new tensor, untying them
     load_weights(model, spec, config, seed=seed, is_main=is_main)
     return model
 
@@ -177,8 +179,11 @@ def load_weights(
         check_finite(state, f"model.pretrained_path={spec.pretrained_path!r}" if spec.pretrained_path else "init")
         buffers = [{k: v for k, v in source.named_buffers() if k not in persistent}]
         del source
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    distributed = dist.is_initialized()
+    set_model_state_dict(
+        model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=distributed)
+    )
+    if distributed and dist.get_world_size() > 1:
         dist.broadcast_object_list(buffers, src=0)
     for name, value in buffers[0].items():
         model.hf.get_buffer(name).copy_(value)
