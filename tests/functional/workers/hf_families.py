@@ -99,7 +99,7 @@ def reference(path: Path, sample_list) -> tuple[float, dict[str, torch.Tensor], 
         logits = model(x[None]).logits[0]
         loss = torch.nn.functional.cross_entropy(logits.float(), y, ignore_index=-100, reduction="sum") / n_labels
         loss.backward()
-        total += float(loss)
+        total += float(loss.detach())
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     return total, grads, model
 
