@@ -1,6 +1,7 @@
 """``automodel check-gpu``: Transformer Engine against the portable backend on this machine's GPUs.
 
-Checks, each printed as one PASS/FAIL row:
+Every check calls attention the way a transformers model layer does: through the registered THD
+attention function (:mod:`automodel.attention.hf`). Checks, each printed as one PASS/FAIL row:
 
 - ``te vs portable``: for several THD layouts (one long sequence, a length mix without padding, the
   same mix with padding between sequences, many short padded sequences) and head configurations
@@ -31,7 +32,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from automodel.attention import ThdAttentionMetadata, build_attention
+from automodel.attention import ThdAttentionMetadata
+from automodel.attention.hf import AttentionProbe, attach_thd_attention
 from automodel.attention.te import TE_INSTALL_HINT, te_import_failure, te_version
 from automodel.distributed.cp_sharding import thd_get_partitioned_indices
 from automodel.te_support import te_extension, te_pytorch
@@ -99,8 +101,10 @@ def random_inputs(total: int, h: int, h_kv: int, seed: int) -> list[torch.Tensor
 def run_attention(
     backend, h, h_kv, meta, q, k, v, dout, dtype, cp_comm_type="p2p"
 ) -> dict[str, torch.Tensor]:
-    """Forward + backward; returns out, dq, dk, dv."""
-    attn = build_attention(backend, h, h_kv, HEAD_DIM, cp_comm_type=cp_comm_type)
+    """Forward + backward through the registered transformers attention function (as every model
+    layer calls it); returns out, dq, dk, dv."""
+    attn = AttentionProbe(h, h_kv, HEAD_DIM)
+    attach_thd_attention(attn, backend, cp_comm_type)
     leaves = [x.to(dtype).requires_grad_() for x in (q, k, v)]
     out = attn(*leaves, meta)
     out.backward(dout.to(dtype))

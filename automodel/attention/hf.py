@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -104,6 +105,26 @@ def attach_thd_attention(model: nn.Module, backend: str, cp_comm_type: str = "p2
         # object.__setattr__: not a submodule, so not in state_dict() nor sharded by FSDP
         object.__setattr__(module, _CORE, _Core(backend, inner, num_heads, num_kv_heads, module.scaling))
     return len(modules)
+
+
+class AttentionProbe(nn.Module):
+    """An attention layer reduced to what the registered function reads (the attributes every
+    transformers attention module has), to run the registered path on bare q/k/v: check-gpu."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.config = SimpleNamespace(num_attention_heads=num_heads)
+        self.num_key_value_groups = num_heads // num_kv_heads
+        self.head_dim = head_dim
+        self.scaling = head_dim**-0.5
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: ThdAttentionMetadata, **kwargs):
+        """q ``[t, h, d]``, k/v ``[t, h_kv, d]`` -> ``[t, h*d]`` through :func:`thd_attention_forward`."""
+        out, _ = thd_attention_forward(
+            self, *(x.transpose(0, 1)[None] for x in (q, k, v)), None, scaling=self.scaling, thd_layout=meta,
+            **kwargs,
+        )
+        return out.reshape(q.shape[0], -1)
 
 
 def thd_attention_forward(

@@ -114,6 +114,9 @@ class _Extras(NamedTuple):
     sinks: torch.Tensor | None = None
 
 
+_NO_EXTRAS = _Extras()
+
+
 def _causal_window_mask(i: torch.Tensor, j: torch.Tensor, window: int | None) -> torch.Tensor:
     """Bool mask, True where query index ``i`` may attend key index ``j`` (broadcast shapes)."""
     mask = j <= i
@@ -128,7 +131,7 @@ def local_query_attention(
     meta: ThdAttentionMetadata,
     cp_size: int,
     softmax_scale: float | None = None,
-    extras: _Extras = _Extras(),
+    extras: _Extras = _NO_EXTRAS,
 ) -> torch.Tensor:
     """Attention of a CP rank's queries against the keys and values of the whole batch.
 

@@ -26,7 +26,11 @@ from torch.distributed.checkpoint.state_dict import (
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from automodel.attention import ThdAttentionMetadata, resolve_attention_backend
-from automodel.attention.hf import THD_ATTENTION, attach_thd_attention, attention_modules, register_thd_attention
+from automodel.attention.hf import (
+    THD_ATTENTION,
+    attach_thd_attention,
+    register_thd_attention,
+)
 from automodel.data.collate import CROSS_ENTROPY_IGNORE_INDEX
 from automodel.models.families import check_model_config
 from automodel.models.spec import ModelSpec, check_checkpoint_tensors, check_finite

@@ -64,15 +64,19 @@ def test_default_recipe_trains_and_writes_its_outputs(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from automodel.attention import ThdAttentionMetadata
-    from automodel.models import load_pretrained_decoder
+    from automodel.models import ModelSpec, build_model, setup_checks
 
-    hf = AutoModelForCausalLM.from_pretrained(out / "hf", torch_dtype=torch.float32).eval()
-    ours = load_pretrained_decoder(out / "hf", attention_backend="portable", dtype=torch.float32).eval()
+    hf, info = AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert (out / "hf" / "generation_config.json").is_file() and (out / "hf" / "tokenizer.json").is_file()
+    spec = ModelSpec(pretrained_path=str(out / "hf"), attention_backend="portable")
+    ours = build_model(spec, setup_checks(spec, cp_size=1, vocab_needed=None, max_sample_tokens=None),
+                       device=torch.device("cpu"), shard=lambda m: None, seed=0)
     ids = torch.tensor([1, 40, 41, 42, 43, 44, 45, 2])
     meta = ThdAttentionMetadata(torch.tensor([0, 8], dtype=torch.int32), torch.tensor([0, 8], dtype=torch.int32), 8)
     with torch.no_grad():
-        expected = hf(ids[None]).logits[0]
-        actual = ours(ids, torch.arange(8), meta)
+        expected = hf.eval()(ids[None]).logits[0]
+        actual = ours.hf(ids[None], position_ids=torch.arange(8)[None], thd_layout=meta).logits[0]
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 

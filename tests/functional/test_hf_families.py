@@ -8,7 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 from torchrun import run_torchrun
-from workers.hf_families import FAMILIES, collated, compare, full_grads, make_checkpoint, reference, samples, shard
+from workers.hf_families import (
+    FAMILIES,
+    collated,
+    compare,
+    full_grads,
+    make_checkpoint,
+    reference,
+    samples,
+    shard,
+)
 
 from automodel.models import ModelSpec, build_model, setup_checks
 

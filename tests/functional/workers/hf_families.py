@@ -12,8 +12,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from automodel.distributed.cp_sharding import make_cp_batch_for_te
 from automodel.attention import ThdAttentionMetadata
+from automodel.distributed.cp_sharding import make_cp_batch_for_te
 
 COMMON = dict(
     vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -1,0 +1,142 @@
+"""The registered THD attention function and the model checks made at setup."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+
+from automodel.attention import ThdAttentionMetadata
+from automodel.attention.hf import AttentionProbe, attach_thd_attention, attention_modules
+from automodel.models import ModelSpec, build_model, check_model_config, setup_checks
+
+TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8)
+
+
+def layout(real: list[int], padded: list[int]) -> ThdAttentionMetadata:
+    def cumsum(lens):
+        return torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
+
+    return ThdAttentionMetadata(cumsum(real), cumsum(padded), max(padded))
+
+
+def probe_inputs(t: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(t, 4, 8, generator=g), torch.randn(t, 2, 8, generator=g), torch.randn(t, 2, 8, generator=g)
+
+
+def dense_reference(q, k, v, lens, window=None, softcap=None, sinks=None):
+    """Each sequence alone, written out: scores, cap, causal+window mask, sink column, softmax."""
+    outs, start = [], 0
+    for n in lens:
+        qs, ks, vs = (x[start:start + n].transpose(0, 1) for x in (q, k, v))
+        ks, vs = ks.repeat_interleave(2, 0), vs.repeat_interleave(2, 0)
+        s = qs @ ks.transpose(1, 2) * 8**-0.5
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        allowed = (j <= i) & ((j > i - window) if window else True)
+        s = s.masked_fill(~allowed, float("-inf"))
+        if sinks is not None:
+            s = torch.cat([s, sinks[:, None, None].expand(4, n, 1)], -1)
+        outs.append((s.softmax(-1)[..., :n] @ vs).transpose(0, 1).reshape(n, 32))
+        start += n
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize(
+    "extras", [{}, {"sliding_window": 3}, {"softcap": 0.7}, {"s_aux": torch.tensor([0.5, -1.0, 2.0, 0.0])},
+               {"sliding_window": 2, "softcap": 1.5, "s_aux": torch.tensor([1.0, 1.0, -2.0, 0.3])}],
+)
+def test_registered_function_matches_each_sequence_written_out(extras):
+    lens = [5, 1, 7]
+    q, k, v = probe_inputs(sum(lens))
+    probe = AttentionProbe(4, 2, 8)
+    attach_thd_attention(probe, "portable")
+    got = probe(q, k, v, layout(lens, lens), **extras)
+    want = dense_reference(q, k, v, lens, extras.get("sliding_window"), extras.get("softcap"), extras.get("s_aux"))
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_registered_function_refuses_a_mask_a_missing_layout_and_a_module_without_backend():
+    q, k, v = probe_inputs(4)
+    probe = AttentionProbe(4, 2, 8)
+    with pytest.raises(ValueError, match="has no THD attention backend"):
+        probe(q, k, v, layout([4], [4]))
+    attach_thd_attention(probe, "portable")
+    qb, kb, vb = (x.transpose(0, 1)[None] for x in (q, k, v))
+    from automodel.attention.hf import thd_attention_forward
+
+    with pytest.raises(ValueError, match="attention_mask"):
+        thd_attention_forward(probe, qb, kb, vb, torch.ones(1, 1, 4, 4), thd_layout=layout([4], [4]))
+    with pytest.raises(ValueError, match="thd_layout"):
+        thd_attention_forward(probe, qb, kb, vb, None)
+
+
+def config(model_type: str, **fields):
+    return AutoConfig.for_model(model_type, **{**TINY, **fields})
+
+
+@pytest.mark.parametrize(
+    "cfg, backend, kwargs, field",
+    [
+        (config("bloom", n_layer=2, n_head=4), "portable", {}, "model_type 'bloom'"),
+        (config("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}), "portable",
+         {}, "rope_type"),
+        (config("llama"), "portable", {"vocab_needed": 65}, "data.tokenizer"),
+        (config("gemma2", attn_logit_softcapping=50.0), "te", {}, "softcap"),
+        (config("gpt_oss", num_local_experts=2, num_experts_per_tok=1), "te", {"max_sample_tokens": 8}, "sinks"),
+        (config("mistral", sliding_window=16), "te", {"max_sample_tokens": 17}, "data.max_length"),
+        (config("mistral", sliding_window=16), "te", {}, "data.max_length"),
+        (config("llama"), "varlen", {"cp_size": 2}, "parallel.cp_size"),
+    ],
+)
+def test_setup_refuses_with_the_field_named(cfg, backend, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        check_model_config(cfg, backend, **kwargs)
+
+
+def test_setup_accepts_a_window_the_samples_stay_within_and_ignores_an_unused_window():
+    check_model_config(config("mistral", sliding_window=16), "te", max_sample_tokens=16)
+    check_model_config(config("qwen2", sliding_window=4, use_sliding_window=False), "te")
+
+
+def test_checkpoint_with_wrong_shapes_or_non_finite_weights_is_refused_naming_the_tensor(tmp_path):
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    spec = ModelSpec(pretrained_path=str(tmp_path), attention_backend="portable")
+
+    bad = dict(weights, **{"model.norm.weight": torch.ones(31)})
+    save_file(bad, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="'model.norm.weight'.*shape"):
+        setup_checks(spec, cp_size=1, vocab_needed=None, max_sample_tokens=None)
+
+    weights["model.layers.1.mlp.up_proj.weight"][3, 4] = float("nan")
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config_ = setup_checks(spec, cp_size=1, vocab_needed=None, max_sample_tokens=None)
+    with pytest.raises(ValueError, match="'hf.model.layers.1.mlp.up_proj.weight'.*NaN"):
+        build_model(spec, config_, device=torch.device("cpu"), shard=lambda m: None, seed=0)
+
+
+def test_te_standin_through_a_transformers_model_matches_portable(te_standin):
+    """A whole LlamaForCausalLM on the registered path: TE (stand-in, bf16) vs portable (float32)."""
+    spec = {"config": {"model_type": "llama", **TINY}}
+    meta = layout([5, 9, 3], [6, 10, 4])
+    ids = torch.randint(1, 64, (20,), generator=torch.Generator().manual_seed(1))
+    positions = torch.cat([torch.arange(n) for n in (6, 10, 4)])
+    labels = torch.where(torch.arange(20) % 3 == 0, -100, ids)
+    losses = {}
+    for backend, dtype in (("te", torch.bfloat16), ("portable", torch.float32)):
+        model_spec = ModelSpec(attention_backend=backend, **spec)
+        cfg = setup_checks(model_spec, cp_size=1, vocab_needed=None, max_sample_tokens=None)
+        model = build_model(model_spec, cfg, device=torch.device("cpu"), shard=lambda m: None, seed=0)
+        with torch.no_grad():
+            losses[backend] = float(model.to(dtype)(ids, positions, labels, meta))
+        if backend == "te":
+            cores = [m.__dict__["_automodel_thd_core"] for m in attention_modules(model.hf)]
+            assert all(isinstance(c.inner.core_attention, te_standin.DotProductAttention) for c in cores)
+            assert all(len(c.inner.core_attention.forward_calls) == 1 for c in cores)
+    assert abs(losses["te"] - losses["portable"]) <= 2.5e-2 * abs(losses["portable"])
