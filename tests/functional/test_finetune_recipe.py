@@ -58,6 +58,8 @@ def test_default_recipe_trains_and_writes_its_outputs(tmp_path):
     assert [r["step"] for r in records] == list(range(1, 121))
     first, last = records[0]["loss"], sum(r["loss"] for r in records[-10:]) / 10
     assert last < 0.6 * first, (first, last)
+    # the lr each step used: warmup (step + 1) / 10 of optim.lr = 5e-3 from step 1
+    assert [r["lr"] for r in records[:3]] == pytest.approx([5e-4, 1e-3, 1.5e-3])
     assert (out / "checkpoints" / "step_00000120").is_dir() and (out / "loss_curve.png").stat().st_size > 1000
     assert "source: tiny_sft" in (out / "config.yaml").read_text()
 
