@@ -109,7 +109,8 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, compute_dtype: torch.dt
 
     Parameters stay float32 (master weights, so AdamW's small updates are not rounded away); with
     ``compute_dtype=torch.bfloat16`` FSDP2 casts them to bf16 for forward and backward and reduces
-    gradients in float32 (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``).
+    gradients in float32 (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``); with
+    gradient accumulation FSDP2 keeps the unsynchronized gradients in ``reduce_dtype`` (float32).
 
     Gradients are summed, not averaged, across ranks: the loss is already divided by the global
     number of label tokens, so the sum is the gradient of the global token-mean loss.

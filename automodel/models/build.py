@@ -206,7 +206,6 @@ def export_hf(
         if getattr(config, name, None) is None and getattr(tokenizer, name, None) is not None:
             setattr(config, name, getattr(tokenizer, name))
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    hf.config._attn_implementation = "sdpa"
     hf.load_state_dict({k.removeprefix(_PREFIX): v for k, v in state.items()}, strict=True)
     hf.to(dtype).save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
