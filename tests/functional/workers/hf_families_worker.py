@@ -87,6 +87,8 @@ def bf16_update(path: Path, mesh) -> list[str]:
         updates[dtype] = {k: after[k] - before[k] for k in before}
     errors = [f"bf16: {k} did not change" for k, d in updates["bfloat16"].items() if not bool(d.abs().max() > 0)]
     norm = {dtype: float(torch.cat([d.flatten() for d in u.values()]).norm()) for dtype, u in updates.items()}
+    if dist.get_rank() == 0:
+        print(f"{path.name}: AdamW update norm bf16 {norm['bfloat16']:.6e}, float32 {norm['float32']:.6e}", flush=True)
     if abs(norm["bfloat16"] - norm["float32"]) > 0.05 * norm["float32"]:
         errors.append(f"bf16 update norm {norm['bfloat16']:.3e} vs float32 {norm['float32']:.3e}")
     return errors
