@@ -73,17 +73,21 @@ class ModelSpec:
             ) from None
 
 
-def check_checkpoint_tensors(path: str, expected: dict[str, tuple[int, ...]]) -> None:
-    """Compare the safetensors headers of a local checkpoint with the model's parameter names and
-    shapes, reading no tensor data. Names the model renames at load (fused MoE experts) are left to
-    ``from_pretrained``, which reports them; here every header name must parse and every name the
-    model and the checkpoint share must agree in shape."""
+def check_checkpoint_tensors(path: str, expected: dict[str, tuple[int, ...]], tied: bool) -> None:
+    """Compare the safetensors headers of a local checkpoint with the model's state-dict names and
+    shapes, reading no tensor data: every name both have must agree in shape, and every model
+    tensor must be in the checkpoint, except a tied ``lm_head.weight`` and MoE expert tensors, which
+    transformers fuses at load (``from_pretrained`` reports those)."""
     from safetensors import safe_open
 
     files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
+    if not files:
+        return  # a hub id or another format: from_pretrained checks it at load
+    found = set()
     for file in files:
         with safe_open(file, framework="pt") as handle:
             for name in handle.keys():
+                found.add(name)
                 shape = tuple(handle.get_slice(name).get_shape())
                 if name in expected and expected[name] != shape:
                     raise ValueError(
@@ -91,6 +95,15 @@ def check_checkpoint_tensors(path: str, expected: dict[str, tuple[int, ...]]) ->
                         f"the model built from its config.json expects {expected[name]}; the weights do not "
                         "match config.json"
                     )
+    missing = [
+        name for name in expected
+        if name not in found and ".experts." not in name and not (tied and name == "lm_head.weight")
+    ]
+    if missing:
+        raise ValueError(
+            f"model.pretrained_path={path!r}: its safetensors files lack {len(missing)} tensors the model "
+            f"needs, first {missing[:3]}; the checkpoint is incomplete or for another architecture"
+        )
 
 
 def check_finite(state_dict: dict[str, torch.Tensor], source: str) -> None:

@@ -114,6 +114,11 @@ def test_checkpoint_with_wrong_shapes_or_non_finite_weights_is_refused_naming_th
     with pytest.raises(ValueError, match="'model.norm.weight'.*shape"):
         setup_checks(spec, cp_size=1, vocab_needed=None, max_sample_tokens=None)
 
+    incomplete = {k: v for k, v in weights.items() if k != "model.layers.0.self_attn.k_proj.weight"}
+    save_file(incomplete, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="lack 1 tensors.*'model.layers.0.self_attn.k_proj.weight'"):
+        setup_checks(spec, cp_size=1, vocab_needed=None, max_sample_tokens=None)
+
     weights["model.layers.1.mlp.up_proj.weight"][3, 4] = float("nan")
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
     config_ = setup_checks(spec, cp_size=1, vocab_needed=None, max_sample_tokens=None)
