@@ -33,7 +33,9 @@ def cross_entropy_sum(logits_TV: torch.Tensor, labels_T: torch.Tensor) -> torch.
         logits_TV: ``[T, V]`` logits of this rank's tokens.
         labels_T: ``[T]`` target ids, -100 where there is no target (prompt, padding).
     """
-    return F.cross_entropy(logits_TV.float(), labels_T, ignore_index=CROSS_ENTROPY_IGNORE_INDEX, reduction="sum")
+    return F.cross_entropy(
+        logits_TV.float(), labels_T, ignore_index=CROSS_ENTROPY_IGNORE_INDEX, reduction="sum"
+    )
 
 
 def count_label_tokens(labels_T: torch.Tensor) -> int:
@@ -113,7 +115,11 @@ def _check_loss_args(hidden_TD, weight_VD, labels_T, bias_V, logit_scale, softca
             f"hidden_TD {tuple(hidden_TD.shape)} and weight_VD {tuple(weight_VD.shape)} must be [T, D] and [V, D] "
             "with the same D; flatten [B, T, D] hidden states to [B*T, D]"
         )
-    if labels_T.shape != hidden_TD.shape[:1] or labels_T.dtype.is_floating_point or labels_T.dtype == torch.bool:
+    if (
+        labels_T.shape != hidden_TD.shape[:1]
+        or labels_T.dtype.is_floating_point
+        or labels_T.dtype == torch.bool
+    ):
         raise ValueError(
             f"labels_T must be an integer tensor of shape ({hidden_TD.shape[0]},) (one label per hidden_TD row), "
             f"got {labels_T.dtype} {tuple(labels_T.shape)}"
@@ -122,7 +128,9 @@ def _check_loss_args(hidden_TD, weight_VD, labels_T, bias_V, logit_scale, softca
         raise ValueError(f"bias_V must have shape ({weight_VD.shape[0]},), got {tuple(bias_V.shape)}")
     if not (isinstance(logit_scale, (int, float)) and math.isfinite(logit_scale) and logit_scale != 0):
         raise ValueError(f"logit_scale must be a finite nonzero number, got {logit_scale!r}")
-    if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0):
+    if softcap is not None and not (
+        isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0
+    ):
         raise ValueError(f"final_logit_softcap must be None or a positive number, got {softcap!r}")
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")

@@ -85,7 +85,8 @@ def test_hand_worked_value():
 
 @pytest.mark.parametrize("chunk_tokens", [1, 4, 5, 13, 1000])
 @pytest.mark.parametrize(
-    ("with_bias", "scale", "softcap"), [(False, 1.0, None), (True, 0.7, None), (True, 1.3, 2.5), (False, 1.0, 0.8)]
+    ("with_bias", "scale", "softcap"),
+    [(False, 1.0, None), (True, 0.7, None), (True, 1.3, 2.5), (False, 1.0, 0.8)],
 )
 def test_equals_full_logits(chunk_tokens, with_bias, scale, softcap):
     t, v = 13, 17
@@ -181,6 +182,4 @@ def test_bad_arguments_name_the_field(kwargs, field):
         "labels_T": torch.tensor([0, 1, 4, IGNORE]),
     } | kwargs
     with pytest.raises(ValueError, match=field):
-        chunked_cross_entropy_sum(
-            args.pop("hidden_TD"), args.pop("weight_VD"), args.pop("labels_T"), **args
-        )
+        chunked_cross_entropy_sum(args.pop("hidden_TD"), args.pop("weight_VD"), args.pop("labels_T"), **args)
