@@ -153,24 +153,27 @@ def _capped_logits(
 
 
 class _ChunkedCrossEntropySum(torch.autograd.Function):
-    """Forward and backward over chunks of labelled rows; logits are recomputed, never stored."""
+    """Forward and backward over chunks of labelled rows; logits are recomputed, never stored.
+
+    Each chunk's work is a function call, so its ``[C, V]`` buffers are freed before the next
+    chunk's are allocated.
+    """
 
     @staticmethod
     def forward(ctx, h_ND, weight_VD, bias_V, targets_N, scale, softcap, chunk_tokens, compute_dtype):
-        loss = torch.zeros((), dtype=torch.float32, device=h_ND.device)
         lse_N = torch.empty(h_ND.shape[0], dtype=torch.float32, device=h_ND.device)
+        target_logit_N = torch.empty_like(lse_N)
         with torch.autocast(h_ND.device.type, enabled=False):
             w_VD, b_V = _cast(weight_VD, compute_dtype), _cast(bias_V, compute_dtype)
             for start in range(0, h_ND.shape[0], chunk_tokens):
                 rows = slice(start, start + chunk_tokens)
-                x_CV, _ = _capped_logits(_cast(h_ND[rows], compute_dtype), w_VD, b_V, scale, softcap, False)
-                target_C = x_CV.gather(1, targets_N[rows, None]).squeeze(1)
-                max_C = x_CV.amax(1)
-                lse_N[rows] = max_C + x_CV.sub_(max_C[:, None]).exp_().sum(1).log()
-                loss += (lse_N[rows] - target_C).sum()
+                h_CD = _cast(h_ND[rows], compute_dtype)
+                lse_N[rows], target_logit_N[rows] = _chunk_forward(
+                    h_CD, w_VD, b_V, targets_N[rows], scale, softcap
+                )
         ctx.save_for_backward(h_ND, weight_VD, bias_V, targets_N, lse_N)
         ctx.args = (scale, softcap, chunk_tokens, compute_dtype)
-        return loss
+        return (lse_N - target_logit_N).sum()
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -185,27 +188,41 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
             for start in range(0, h_ND.shape[0], chunk_tokens):
                 rows = slice(start, start + chunk_tokens)
                 h_CD = _cast(h_ND[rows], compute_dtype)
-                x_CV, tanh_CV = _capped_logits(h_CD, w_VD, b_V, scale, softcap, True)
-                # d loss / d x = softmax(x) - onehot(target), times the incoming gradient.
-                g_CV = x_CV.sub_(lse_N[rows, None]).exp_()
-                g_CV[torch.arange(g_CV.shape[0], device=g_CV.device), targets_N[rows]] -= 1
-                g_CV.mul_(grad_loss * scale)
-                if tanh_CV is not None:  # d softcap(u) / du = 1 - tanh(u / c)^2
-                    g_CV.mul_(tanh_CV.square_().neg_().add_(1))
-                    del tanh_CV
+                g_CV = _chunk_logit_grad(h_CD, w_VD, b_V, targets_N[rows], lse_N[rows], scale, softcap)
+                g_CV.mul_(grad_loss)
                 if need_b:
                     grad_b_V += g_CV.sum(0)
-                g_CV = g_CV.to(compute_dtype)
+                g_CV = g_CV.to(compute_dtype)  # frees the float32 copy when they differ
                 if need_h:
                     grad_h_ND[rows] = g_CV @ w_VD
                 if need_w:
                     _accumulate_matmul(grad_w_VD, g_CV.T, h_CD)
+                del g_CV  # before the next chunk allocates its own
         return (
             grad_h_ND,
             grad_w_VD,
             None if grad_b_V is None else grad_b_V.to(bias_V.dtype),
             *(None,) * 5,
         )
+
+
+def _chunk_forward(h_CD, w_VD, b_V, targets_C, scale, softcap) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logsumexp, target logit)`` of each row of one chunk, float32 ``[C]`` each."""
+    x_CV, _ = _capped_logits(h_CD, w_VD, b_V, scale, softcap, keep_tanh=False)
+    target_C = x_CV.gather(1, targets_C[:, None]).squeeze(1)
+    max_C = x_CV.amax(1)
+    return max_C + x_CV.sub_(max_C[:, None]).exp_().sum(1).log(), target_C
+
+
+def _chunk_logit_grad(h_CD, w_VD, b_V, targets_C, lse_C, scale, softcap) -> torch.Tensor:
+    """float32 ``[C, V]`` gradient of the chunk's loss sum w.r.t. the pre-scale logits
+    ``h @ w.T + b``: ``(softmax(x) - onehot(target)) * softcap'(u) * scale`` with ``u = scale * (h @ w.T + b)``."""
+    x_CV, tanh_CV = _capped_logits(h_CD, w_VD, b_V, scale, softcap, keep_tanh=softcap is not None)
+    g_CV = x_CV.sub_(lse_C[:, None]).exp_()
+    g_CV[torch.arange(g_CV.shape[0], device=g_CV.device), targets_C] -= 1
+    if tanh_CV is not None:  # softcap'(u) = 1 - tanh(u / c)^2
+        g_CV.mul_(tanh_CV.square_().neg_().add_(1))
+    return g_CV.mul_(scale) if scale != 1.0 else g_CV
 
 
 def _cast(x: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
