@@ -7,9 +7,9 @@ packing, sharding or accumulation.
 
 :func:`chunked_cross_entropy_sum` takes the final hidden states and the output projection instead
 of logits. It keeps only the positions that have a label, computes their logits ``chunk_tokens``
-rows at a time in float32, and recomputes each chunk's logits in the backward, so at most one
-chunk's ``[chunk, V]`` float32 buffers exist at once (at T=8192, V=152k the full float32 logits are
-5 GB; one 1024-token chunk is 0.6 GB).
+rows at a time in float32, and recomputes each chunk's logits in the backward, so only one
+chunk's ``[chunk, V]`` buffers exist at a time (at T=8192, V=152k the full float32 logits are 5 GB;
+one 1024-token chunk is 0.6 GB; ``benchmarks/loss_memory.py`` measures the peak).
 
 Shape legend: T = tokens, N = tokens with a label, C = tokens of one chunk, V = vocabulary size,
 D = hidden size.
@@ -65,8 +65,8 @@ def chunked_cross_entropy_sum(
             plain tensor (not a DTensor: call this where FSDP has unsharded it).
         labels_T: ``[T]`` integer target ids in ``[0, V)``, -100 where there is no target.
         bias_V: optional ``[V]`` output bias.
-        chunk_tokens: label tokens per chunk; the float32 working memory is about
-            ``2-3 * chunk_tokens * V * 4`` bytes.
+        chunk_tokens: label tokens per chunk; the working memory is about ``chunk_tokens * V * 4``
+            bytes (one float32 chunk of logits), up to twice that with a softcap or bf16 matmuls.
 
     Returns:
         A float32 0-dim tensor, differentiable w.r.t. ``hidden_TD``, ``weight_VD`` and ``bias_V``.
