@@ -153,11 +153,9 @@ def _capped_logits(
 
 
 class _ChunkedCrossEntropySum(torch.autograd.Function):
-    """Forward and backward over chunks of labelled rows; logits are recomputed, never stored.
-
-    Each chunk's work is a function call, so its ``[C, V]`` buffers are freed before the next
-    chunk's are allocated.
-    """
+    """Forward over chunks of labelled rows, backward over blocks of the vocabulary; logits are
+    recomputed, never stored. Each chunk's work is a function call, so its buffers are freed
+    before the next chunk's are allocated."""
 
     @staticmethod
     def forward(ctx, h_ND, weight_VD, bias_V, targets_N, scale, softcap, chunk_tokens, compute_dtype):
@@ -180,30 +178,38 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
         h_ND, weight_VD, bias_V, targets_N, lse_N = ctx.saved_tensors
         scale, softcap, chunk_tokens, compute_dtype = ctx.args
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_h_ND = torch.empty_like(h_ND) if need_h else None
+        n, vocab = h_ND.shape[0], weight_VD.shape[0]
+        grad_h_ND = torch.zeros(h_ND.shape, dtype=torch.float32, device=h_ND.device)
         grad_w_VD = torch.zeros_like(weight_VD) if need_w else None
-        grad_b_V = torch.zeros(bias_V.shape, dtype=torch.float32, device=bias_V.device) if need_b else None
+        grad_b_V = torch.zeros_like(bias_V) if need_b else None
+        # The backward walks vocabulary blocks holding as many logits as a forward chunk: with the
+        # saved logsumexp no row needs its whole vocabulary, each weight row's gradient is one
+        # matmul over all N rows (rounded once, as without chunks), and hidden's gradient is
+        # summed over the blocks in float32.
+        block = max(1, chunk_tokens * vocab // max(n, 1))
         with torch.autocast(h_ND.device.type, enabled=False):
-            w_VD, b_V = _cast(weight_VD, compute_dtype), _cast(bias_V, compute_dtype)
-            for start in range(0, h_ND.shape[0], chunk_tokens):
-                rows = slice(start, start + chunk_tokens)
-                h_CD = _cast(h_ND[rows], compute_dtype)
-                g_CV = _chunk_logit_grad(h_CD, w_VD, b_V, targets_N[rows], lse_N[rows], scale, softcap)
-                g_CV.mul_(grad_loss)
+            h_ND_c, w_VD, b_V = (_cast(x, compute_dtype) for x in (h_ND, weight_VD, bias_V))
+            for start in range(0, vocab if n else 0, block):
+                cols = slice(start, start + block)
+                g_NB = _block_logit_grad(
+                    h_ND_c,
+                    w_VD[cols],
+                    None if b_V is None else b_V[cols],
+                    targets_N - start,
+                    lse_N,
+                    scale,
+                    softcap,
+                )
+                g_NB.mul_(grad_loss)
                 if need_b:
-                    grad_b_V += g_CV.sum(0)
-                g_CV = g_CV.to(compute_dtype)  # frees the float32 copy when they differ
-                if need_h:
-                    grad_h_ND[rows] = g_CV @ w_VD
+                    grad_b_V[cols] = g_NB.sum(0)
+                g_NB = g_NB.to(compute_dtype)  # frees the float32 copy when they differ
                 if need_w:
-                    _accumulate_matmul(grad_w_VD, g_CV.T, h_CD)
-                del g_CV  # before the next chunk allocates its own
-        return (
-            grad_h_ND,
-            grad_w_VD,
-            None if grad_b_V is None else grad_b_V.to(bias_V.dtype),
-            *(None,) * 5,
-        )
+                    grad_w_VD[cols] = g_NB.T @ h_ND_c
+                if need_h:
+                    _accumulate_matmul(grad_h_ND, g_NB, w_VD[cols])
+                del g_NB  # before the next block allocates its own
+        return grad_h_ND.to(h_ND.dtype) if need_h else None, grad_w_VD, grad_b_V, *(None,) * 5
 
 
 def _chunk_forward(h_CD, w_VD, b_V, targets_C, scale, softcap) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,15 +220,18 @@ def _chunk_forward(h_CD, w_VD, b_V, targets_C, scale, softcap) -> tuple[torch.Te
     return max_C + x_CV.sub_(max_C[:, None]).exp_().sum(1).log(), target_C
 
 
-def _chunk_logit_grad(h_CD, w_VD, b_V, targets_C, lse_C, scale, softcap) -> torch.Tensor:
-    """float32 ``[C, V]`` gradient of the chunk's loss sum w.r.t. the pre-scale logits
-    ``h @ w.T + b``: ``(softmax(x) - onehot(target)) * softcap'(u) * scale`` with ``u = scale * (h @ w.T + b)``."""
-    x_CV, tanh_CV = _capped_logits(h_CD, w_VD, b_V, scale, softcap, keep_tanh=softcap is not None)
-    g_CV = x_CV.sub_(lse_C[:, None]).exp_()
-    g_CV[torch.arange(g_CV.shape[0], device=g_CV.device), targets_C] -= 1
-    if tanh_CV is not None:  # softcap'(u) = 1 - tanh(u / c)^2
-        g_CV.mul_(tanh_CV.square_().neg_().add_(1))
-    return g_CV.mul_(scale) if scale != 1.0 else g_CV
+def _block_logit_grad(h_ND, w_BD, b_B, targets_N, lse_N, scale, softcap) -> torch.Tensor:
+    """float32 ``[N, B]`` gradient of the loss sum w.r.t. one vocabulary block of the pre-scale
+    logits ``h @ w.T + b``: ``(softmax(x) - onehot(target)) * softcap'(u) * scale`` with
+    ``u = scale * (h @ w.T + b)``. ``targets_N`` are relative to the block's first column."""
+    x_NB, tanh_NB = _capped_logits(h_ND, w_BD, b_B, scale, softcap, keep_tanh=softcap is not None)
+    g_NB = x_NB.sub_(lse_N[:, None]).exp_()
+    in_block_N = (targets_N >= 0) & (targets_N < g_NB.shape[1])
+    # -1 at each target inside the block; a scatter, so the host never reads which rows those are.
+    g_NB.scatter_add_(1, targets_N.clamp(0, g_NB.shape[1] - 1)[:, None], -in_block_N.float()[:, None])
+    if tanh_NB is not None:  # softcap'(u) = 1 - tanh(u / c)^2
+        g_NB.mul_(tanh_NB.square_().neg_().add_(1))
+    return g_NB.mul_(scale) if scale != 1.0 else g_NB
 
 
 def _cast(x: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -230,7 +239,7 @@ def _cast(x: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
 
 
 def _accumulate_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b``, in place when the dtypes agree (no ``[V, D]`` temporary)."""
+    """``acc += a @ b``, in place when the dtypes agree (else through an ``a @ b`` temporary)."""
     if acc.dtype == a.dtype:
         acc.addmm_(a, b)
     else:

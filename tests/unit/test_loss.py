@@ -119,26 +119,35 @@ def test_property_matches_full_logits(t, v, chunk_tokens, data):
     check_against_full_logits(t, v, 5, labels, chunk_tokens, with_bias, scale, softcap, seed=v)
 
 
-def test_bf16_leaves_get_bf16_grads_close_to_full_logits():
-    t, v, d = 32, 50, 16
-    hidden, weight, bias = leaves(t, v, d, with_bias=True, dtype=torch.bfloat16)
+def test_bf16_grads_are_as_accurate_as_autograd_on_full_logits():
+    """bf16 hidden and weight (FSDP2 mixed precision): grads come back in bf16, and against a float64
+    reference they are as accurate as autograd through bf16 full logits (the weight gradient is
+    one matmul per vocabulary block, hidden's is summed in float32)."""
+    t, v, d = 256, 300, 32
+    hidden, weight, bias = leaves(t, v, d, with_bias=True)
     labels = random_labels(t, v, masked=[i % 4 == 0 for i in range(t)])
-    expected, expected_grads = loss_and_grads(
-        lambda: full_logits_loss(hidden, weight, labels, bias, 1.0, 5.0), hidden, weight, bias
-    )
-    actual, grads = loss_and_grads(
-        lambda: chunked_cross_entropy_sum(
-            hidden, weight, labels, bias_V=bias, final_logit_softcap=5.0, chunk_tokens=7
+
+    def grads(fn, dtype):
+        params = [x.detach().to(dtype).requires_grad_() for x in (hidden, weight, bias)]
+        loss = fn(*params)
+        grads = torch.autograd.grad(loss, params)
+        assert loss.dtype == torch.float32 or dtype == torch.float64
+        assert all(g.dtype == dtype for g in grads)
+        return loss.double(), [g.double() for g in grads]
+
+    exact, exact_grads = grads(lambda h, w, b: full_logits_loss(h, w, labels, b, 1.0, 5.0), torch.float64)
+    naive, naive_grads = grads(lambda h, w, b: full_logits_loss(h, w, labels, b, 1.0, 5.0), torch.bfloat16)
+    chunked, chunked_grads = grads(
+        lambda h, w, b: chunked_cross_entropy_sum(
+            h, w, labels, bias_V=b, final_logit_softcap=5.0, chunk_tokens=32
         ),
-        hidden,
-        weight,
-        bias,
+        torch.bfloat16,
     )
-    assert actual.dtype == torch.float32
-    torch.testing.assert_close(actual, expected, rtol=1e-2, atol=0)
-    for grad, expected_grad in zip(grads, expected_grads, strict=True):
-        assert grad.dtype == torch.bfloat16
-        assert_rel_close(grad.float(), expected_grad.float(), rel=2e-2)
+    assert abs(chunked - exact) <= 1.25 * abs(naive - exact) + 1e-3 * abs(exact)
+    for name, got, ref, want in zip(("hidden", "weight", "bias"), chunked_grads, naive_grads, exact_grads):
+        err_chunked = float((got - want).norm() / want.norm())
+        err_autograd = float((ref - want).norm() / want.norm())
+        assert err_chunked <= 1.25 * err_autograd, (name, err_chunked, err_autograd)
 
 
 def test_autocast_computes_in_bf16_and_returns_fp32_grads():
