@@ -10,16 +10,16 @@ after the inputs were made. Printed per case:
 - ``extra``: ``peak`` minus those gradients, the loss's own working memory (target: < 1.5 GB at
   T=8192, V=152,064).
 
-Run (defaults are Qwen2.5/Qwen3-size vocabulary, an 8k pack and a 1.5B-size hidden):
+Run from the repository root (defaults are Qwen2.5/Qwen3-size vocabulary, an 8k pack and a 1.5B-size hidden):
 
-    python benchmarks/loss_memory.py --device cuda --dtype bfloat16
+    python -m benchmarks.loss_memory --device cuda --dtype bfloat16
 
 On CPU the matmuls dominate the time (compute grows with D, the [T, V] and [chunk, V] buffers
 that the two losses differ by do not), and the naive case needs about 3 * T * V * 4 bytes, so use
 a small D and keep the naive case small, e.g.:
 
-    python benchmarks/loss_memory.py --device cpu --dtype float32 --hidden 64 --cases chunked
-    python benchmarks/loss_memory.py --device cpu --dtype float32 --hidden 64 --tokens 2048
+    python -m benchmarks.loss_memory --device cpu --dtype float32 --hidden 64 --cases chunked
+    python -m benchmarks.loss_memory --device cpu --dtype float32 --hidden 64 --tokens 2048
 """
 
 from __future__ import annotations
@@ -30,14 +30,11 @@ import resource
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-from automodel.loss import chunked_cross_entropy_sum  # noqa: E402
+from automodel.loss import chunked_cross_entropy_sum
 
 GB = 1e9
 
@@ -138,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         shared += ["--softcap", str(args.softcap)]
     for case in args.cases:
         result = subprocess.run(
-            [sys.executable, __file__, *shared, "--case", case], capture_output=True, text=True
+            [sys.executable, "-m", "benchmarks.loss_memory", *shared, "--case", case],
+            capture_output=True,
+            text=True,
         )
         if result.returncode:
             print(f"{case:8} failed:\n{result.stderr[-2000:]}")
