@@ -55,10 +55,11 @@ def varlen_unsupported(
         return f"{name} has no context parallelism, but cp_size={cp_size}; {USE_ANOTHER}"
     if softcap is not None:
         return (
-            f"{name} has no attention logit softcapping, but the model uses softcap={softcap}; {USE_ANOTHER}"
+            f"{name} has no attention logit softcapping, but the model uses softcap={softcap}; "
+            "choose attention backend 'portable'"
         )
     if sinks:
-        return f"{name} has no attention sinks, but the model's layers use them (s_aux); {USE_ANOTHER}"
+        return f"{name} has no attention sinks, but the model's layers use them (s_aux); choose attention backend 'portable'"
     if head_dim is not None and (head_dim > FLASH_HEAD_DIM_MAX or head_dim % 8):
         return (
             f"{name} needs a head dim that is a multiple of 8 and at most {FLASH_HEAD_DIM_MAX}, "
