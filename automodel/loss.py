@@ -179,7 +179,7 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
         scale, softcap, chunk_tokens, compute_dtype = ctx.args
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         n, vocab = h_ND.shape[0], weight_VD.shape[0]
-        grad_h_ND = torch.zeros(h_ND.shape, dtype=torch.float32, device=h_ND.device)
+        grad_h_ND = torch.zeros(h_ND.shape, dtype=torch.float32, device=h_ND.device) if need_h else None
         grad_w_VD = torch.zeros_like(weight_VD) if need_w else None
         grad_b_V = torch.zeros_like(bias_V) if need_b else None
         # The backward walks vocabulary blocks holding as many logits as a forward chunk: with the

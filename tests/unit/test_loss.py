@@ -103,6 +103,17 @@ def test_all_ignored_gives_zero_loss_and_zero_grads():
     assert all(g.shape == x.shape and not g.any() for g, x in zip(grads, (hidden, weight, bias), strict=True))
 
 
+def test_frozen_weight_and_bias_give_the_hidden_grad_only():
+    # PEFT: the output projection is frozen, only hidden states need a gradient.
+    hidden, weight, bias = leaves(9, 12, 4, with_bias=True)
+    weight, bias = weight.detach(), bias.detach()
+    labels = random_labels(9, 12, masked=[i % 2 == 0 for i in range(9)])
+    (expected,) = torch.autograd.grad(full_logits_loss(hidden, weight, labels, bias), hidden)
+    loss = chunked_cross_entropy_sum(hidden, weight, labels, bias_V=bias, chunk_tokens=2)
+    (grad,) = torch.autograd.grad(loss, hidden)
+    assert_rel_close(grad, expected)
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     t=st.integers(1, 24),
