@@ -14,9 +14,10 @@ Run from the repository root (defaults are Qwen2.5/Qwen3-size vocabulary, an 8k 
 
     python -m benchmarks.loss_memory --device cuda --dtype bfloat16
 
-On CPU the matmuls dominate the time (compute grows with D, the [T, V] and [chunk, V] buffers
-that the two losses differ by do not), and the naive case needs about 3 * T * V * 4 bytes, so use
-a small D and keep the naive case small, e.g.:
+On CPU the matmuls dominate the time (compute grows with D; the [T, V] and [chunk, V] buffers
+that the two losses differ by do not), bf16 matmuls are several times slower than fp32 ones, and
+the naive case needs about 3 * T * V * 4 bytes (15 GB at T=8192), so use a small D and keep the
+naive case short (each of these about a minute on 2 idle cores):
 
     python -m benchmarks.loss_memory --device cpu --dtype float32 --hidden 64 --cases chunked
     python -m benchmarks.loss_memory --device cpu --dtype float32 --hidden 64 --tokens 2048
