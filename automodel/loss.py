@@ -7,12 +7,13 @@ packing, sharding or accumulation.
 
 :func:`chunked_cross_entropy_sum` takes the final hidden states and the output projection instead
 of logits. It keeps only the positions that have a label, computes their logits ``chunk_tokens``
-rows at a time in float32, and recomputes each chunk's logits in the backward, so only one
-chunk's ``[chunk, V]`` buffers exist at a time (at T=8192, V=152k the full float32 logits are 5 GB;
-one 1024-token chunk is 0.6 GB; ``benchmarks/loss_memory.py`` measures the peak).
+rows at a time in float32 (keeping each row's logsumexp), and in the backward recomputes the
+logits one vocabulary block of the same size at a time, so only one chunk's worth of logits
+exists at a time (at T=8192, V=152k the full float32 logits are 5 GB; 1024 rows of them are
+0.6 GB; ``python -m benchmarks.loss_memory`` measures the peak).
 
-Shape legend: T = tokens, N = tokens with a label, C = tokens of one chunk, V = vocabulary size,
-D = hidden size.
+Shape legend: T = tokens, N = tokens with a label, C = rows of one chunk, B = columns of one
+vocabulary block, V = vocabulary size, D = hidden size.
 """
 
 from __future__ import annotations
