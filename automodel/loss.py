@@ -1,15 +1,28 @@
-"""Token-mean cross-entropy that equals unpacked training.
+"""Token-mean cross-entropy that equals unpacked training, without ever building ``[T, V]`` logits.
 
 Each rank sums the cross-entropy of its label tokens; the trainer divides by the number of label
 tokens across all data- and context-parallel ranks and gradient-accumulation micro-batches. A packed
 step's loss is then exactly the mean over the same tokens trained without packing, whatever the
 packing, sharding or accumulation.
+
+:func:`chunked_cross_entropy_sum` takes the final hidden states and the output projection instead
+of logits. It keeps only the positions that have a label, computes their logits ``chunk_tokens``
+rows at a time in float32 (keeping each row's logsumexp), and in the backward recomputes the
+logits one vocabulary block of the same size at a time, so only one chunk's worth of logits
+exists at a time (at T=8192, V=152k the full float32 logits are 5 GB; 1024 rows of them are
+0.6 GB; ``python -m benchmarks.loss_memory`` measures the peak).
+
+Shape legend: T = tokens, N = tokens with a label, C = rows of one chunk, B = columns of one
+vocabulary block, V = vocabulary size, D = hidden size.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from automodel.data.collate import CROSS_ENTROPY_IGNORE_INDEX
 
@@ -21,8 +34,214 @@ def cross_entropy_sum(logits_TV: torch.Tensor, labels_T: torch.Tensor) -> torch.
         logits_TV: ``[T, V]`` logits of this rank's tokens.
         labels_T: ``[T]`` target ids, -100 where there is no target (prompt, padding).
     """
-    return F.cross_entropy(logits_TV.float(), labels_T, ignore_index=CROSS_ENTROPY_IGNORE_INDEX, reduction="sum")
+    return F.cross_entropy(
+        logits_TV.float(), labels_T, ignore_index=CROSS_ENTROPY_IGNORE_INDEX, reduction="sum"
+    )
 
 
 def count_label_tokens(labels_T: torch.Tensor) -> int:
     return int((labels_T != CROSS_ENTROPY_IGNORE_INDEX).sum())
+
+
+def chunked_cross_entropy_sum(
+    hidden_TD: torch.Tensor,
+    weight_VD: torch.Tensor,
+    labels_T: torch.Tensor,
+    *,
+    bias_V: torch.Tensor | None = None,
+    logit_scale: float = 1.0,
+    final_logit_softcap: float | None = None,
+    chunk_tokens: int = 1024,
+) -> torch.Tensor:
+    """Sum over label tokens of the cross-entropy of ``softcap(logit_scale * (hidden @ weight.T + bias))``.
+
+    Equals ``F.cross_entropy(logits.float(), labels_T, ignore_index=-100, reduction="sum")`` on the
+    full logits, with ``softcap(x) = c * tanh(x / c)`` when ``final_logit_softcap`` is c (Gemma 2),
+    and ``logit_scale`` a multiplier of the logits (e.g. 1 / Granite's ``logits_scaling``).
+
+    Args:
+        hidden_TD: ``[T, D]`` final hidden states (after the last norm). Position t predicts
+            ``labels_T[t]``: labels are already shifted.
+        weight_VD: ``[V, D]`` output projection (``lm_head.weight``, or the tied embedding), a
+            plain tensor (not a DTensor: call this where FSDP has unsharded it).
+        labels_T: ``[T]`` integer target ids in ``[0, V)``, -100 where there is no target.
+        bias_V: optional ``[V]`` output bias.
+        chunk_tokens: label tokens per chunk; the working memory is about ``chunk_tokens * V * 4``
+            bytes (one float32 chunk of logits), up to twice that with a softcap or bf16 matmuls.
+
+    Returns:
+        A float32 0-dim tensor, differentiable w.r.t. ``hidden_TD``, ``weight_VD`` and ``bias_V``.
+        The matmuls run in the autocast dtype when autocast is on, else in the inputs' dtype; the
+        softmax and the loss in float32.
+    """
+    _check_loss_args(hidden_TD, weight_VD, labels_T, bias_V, logit_scale, final_logit_softcap, chunk_tokens)
+    # Only positions with a label need logits; reading N syncs with the device once per call.
+    labelled_N = (labels_T != CROSS_ENTROPY_IGNORE_INDEX).nonzero().squeeze(1)
+    targets_N = labels_T[labelled_N].long()
+    if targets_N.numel():
+        low, high = torch.stack([targets_N.min(), targets_N.max()]).tolist()
+        vocab = weight_VD.shape[0]
+        if low < 0 or high >= vocab:
+            raise ValueError(
+                f"labels_T must hold token ids in [0, {vocab}) (the rows of weight_VD) or "
+                f"{CROSS_ENTROPY_IGNORE_INDEX}, got values in [{low}, {high}]; check the tokenizer against "
+                "the model's vocabulary"
+            )
+    device_type = hidden_TD.device.type
+    if torch.is_autocast_enabled(device_type):
+        compute_dtype = torch.get_autocast_dtype(device_type)
+    else:
+        compute_dtype = torch.promote_types(hidden_TD.dtype, weight_VD.dtype)
+    return _ChunkedCrossEntropySum.apply(
+        hidden_TD[labelled_N],
+        weight_VD,
+        bias_V,
+        targets_N,
+        float(logit_scale),
+        None if final_logit_softcap is None else float(final_logit_softcap),
+        chunk_tokens,
+        compute_dtype,
+    )
+
+
+def _check_loss_args(hidden_TD, weight_VD, labels_T, bias_V, logit_scale, softcap, chunk_tokens) -> None:
+    for name, x in (("hidden_TD", hidden_TD), ("weight_VD", weight_VD), ("bias_V", bias_V)):
+        if isinstance(x, DTensor):
+            raise ValueError(
+                f"{name} is a DTensor; pass the local (FSDP-unsharded) tensor, e.g. call the loss inside the "
+                "forward of the FSDP module that owns it"
+            )
+    if hidden_TD.dim() != 2 or weight_VD.dim() != 2 or hidden_TD.shape[1] != weight_VD.shape[1]:
+        raise ValueError(
+            f"hidden_TD {tuple(hidden_TD.shape)} and weight_VD {tuple(weight_VD.shape)} must be [T, D] and [V, D] "
+            "with the same D; flatten [B, T, D] hidden states to [B*T, D]"
+        )
+    if (
+        labels_T.shape != hidden_TD.shape[:1]
+        or labels_T.dtype.is_floating_point
+        or labels_T.dtype == torch.bool
+    ):
+        raise ValueError(
+            f"labels_T must be an integer tensor of shape ({hidden_TD.shape[0]},) (one label per hidden_TD row), "
+            f"got {labels_T.dtype} {tuple(labels_T.shape)}"
+        )
+    if bias_V is not None and bias_V.shape != weight_VD.shape[:1]:
+        raise ValueError(f"bias_V must have shape ({weight_VD.shape[0]},), got {tuple(bias_V.shape)}")
+    if not (isinstance(logit_scale, (int, float)) and math.isfinite(logit_scale) and logit_scale != 0):
+        raise ValueError(f"logit_scale must be a finite nonzero number, got {logit_scale!r}")
+    if softcap is not None and not (
+        isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0
+    ):
+        raise ValueError(f"final_logit_softcap must be None or a positive number, got {softcap!r}")
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
+
+
+def _capped_logits(
+    h_CD, w_VD, b_V, scale: float, softcap: float | None, keep_tanh: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """float32 logits of one chunk, and with ``keep_tanh`` the ``tanh(u / c)`` that the softcap's
+    derivative needs (else None)."""
+    x_CV = F.linear(h_CD, w_VD, b_V).float()  # a new tensor: the in-place ops below are safe
+    if scale != 1.0:
+        x_CV.mul_(scale)
+    if softcap is None:
+        return x_CV, None
+    tanh_CV = x_CV.div_(softcap).tanh_()
+    if keep_tanh:
+        return tanh_CV * softcap, tanh_CV
+    return tanh_CV.mul_(softcap), None
+
+
+class _ChunkedCrossEntropySum(torch.autograd.Function):
+    """Forward over chunks of labelled rows, backward over blocks of the vocabulary; logits are
+    recomputed, never stored. Each chunk's work is a function call, so its buffers are freed
+    before the next chunk's are allocated."""
+
+    @staticmethod
+    def forward(ctx, h_ND, weight_VD, bias_V, targets_N, scale, softcap, chunk_tokens, compute_dtype):
+        lse_N = torch.empty(h_ND.shape[0], dtype=torch.float32, device=h_ND.device)
+        target_logit_N = torch.empty_like(lse_N)
+        with torch.autocast(h_ND.device.type, enabled=False):
+            w_VD, b_V = _cast(weight_VD, compute_dtype), _cast(bias_V, compute_dtype)
+            for start in range(0, h_ND.shape[0], chunk_tokens):
+                rows = slice(start, start + chunk_tokens)
+                h_CD = _cast(h_ND[rows], compute_dtype)
+                lse_N[rows], target_logit_N[rows] = _chunk_forward(
+                    h_CD, w_VD, b_V, targets_N[rows], scale, softcap
+                )
+        ctx.save_for_backward(h_ND, weight_VD, bias_V, targets_N, lse_N)
+        ctx.args = (scale, softcap, chunk_tokens, compute_dtype)
+        return (lse_N - target_logit_N).sum()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        h_ND, weight_VD, bias_V, targets_N, lse_N = ctx.saved_tensors
+        scale, softcap, chunk_tokens, compute_dtype = ctx.args
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        n, vocab = h_ND.shape[0], weight_VD.shape[0]
+        grad_h_ND = torch.zeros(h_ND.shape, dtype=torch.float32, device=h_ND.device) if need_h else None
+        grad_w_VD = torch.zeros_like(weight_VD) if need_w else None
+        grad_b_V = torch.zeros_like(bias_V) if need_b else None
+        # The backward walks vocabulary blocks holding as many logits as a forward chunk: with the
+        # saved logsumexp no row needs its whole vocabulary, each weight row's gradient is one
+        # matmul over all N rows (rounded once, as without chunks), and hidden's gradient is
+        # summed over the blocks in float32.
+        block = max(1, chunk_tokens * vocab // max(n, 1))
+        with torch.autocast(h_ND.device.type, enabled=False):
+            h_ND_c, w_VD, b_V = (_cast(x, compute_dtype) for x in (h_ND, weight_VD, bias_V))
+            for start in range(0, vocab if n else 0, block):
+                cols = slice(start, start + block)
+                g_NB = _block_logit_grad(
+                    h_ND_c,
+                    w_VD[cols],
+                    None if b_V is None else b_V[cols],
+                    targets_N - start,
+                    lse_N,
+                    scale,
+                    softcap,
+                )
+                g_NB.mul_(grad_loss)
+                if need_b:
+                    grad_b_V[cols] = g_NB.sum(0)
+                g_NB = g_NB.to(compute_dtype)  # frees the float32 copy when they differ
+                if need_w:
+                    grad_w_VD[cols] = g_NB.T @ h_ND_c
+                if need_h:
+                    _accumulate_matmul(grad_h_ND, g_NB, w_VD[cols])
+                del g_NB  # before the next block allocates its own
+        return grad_h_ND.to(h_ND.dtype) if need_h else None, grad_w_VD, grad_b_V, *(None,) * 5
+
+
+def _chunk_forward(h_CD, w_VD, b_V, targets_C, scale, softcap) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logsumexp, target logit)`` of each row of one chunk, float32 ``[C]`` each."""
+    x_CV, _ = _capped_logits(h_CD, w_VD, b_V, scale, softcap, keep_tanh=False)
+    target_C = x_CV.gather(1, targets_C[:, None]).squeeze(1)
+    max_C = x_CV.amax(1)
+    return max_C + x_CV.sub_(max_C[:, None]).exp_().sum(1).log(), target_C
+
+
+def _block_logit_grad(h_ND, w_BD, b_B, targets_N, lse_N, scale, softcap) -> torch.Tensor:
+    """float32 ``[N, B]`` gradient of the loss sum w.r.t. one vocabulary block of the pre-scale
+    logits ``h @ w.T + b``: ``(softmax(x) - onehot(target)) * softcap'(u) * scale`` with
+    ``u = scale * (h @ w.T + b)``. ``targets_N`` are relative to the block's first column."""
+    x_NB, tanh_NB = _capped_logits(h_ND, w_BD, b_B, scale, softcap, keep_tanh=softcap is not None)
+    g_NB = x_NB.sub_(lse_N[:, None]).exp_()
+    in_block_N = (targets_N >= 0) & (targets_N < g_NB.shape[1])
+    # -1 at each target inside the block; a scatter, so the host never reads which rows those are.
+    g_NB.scatter_add_(1, targets_N.clamp(0, g_NB.shape[1] - 1)[:, None], -in_block_N.float()[:, None])
+    if tanh_NB is not None:  # softcap'(u) = 1 - tanh(u / c)^2
+        g_NB.mul_(tanh_NB.square_().neg_().add_(1))
+    return g_NB.mul_(scale) if scale != 1.0 else g_NB
+
+
+def _cast(x: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if x is None else x.to(dtype)
+
+
+def _accumulate_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b``, in place when the dtypes agree (else through an ``a @ b`` temporary)."""
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+    else:
+        acc += a @ b

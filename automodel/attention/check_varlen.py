@@ -1,0 +1,150 @@
+"""The varlen backend (torch's ``varlen_attn``) on this GPU against a per-sequence SDPA reference.
+
+:func:`check_varlen_against_reference` runs the length mixes of ``check_gpu`` with and without
+padding between sequences (the kernel gets the padded offsets), MHA and GQA heads, and no window,
+a window shorter than some sequences, and a window of 1; the varlen backend in bf16 against
+:func:`reference_varlen_attention` in float32 on the same bf16-rounded inputs; out on real rows, and
+dq, dk, dv on all rows (the output gradient is 0 on padding rows, as the loss makes it), within TE's
+bf16 tolerances. Run: ``python -m automodel.attention.check_varlen`` (exit 0 all passed, 1 a
+failure, 2 cannot run here).
+
+Shape legend: T = tokens of the batch, H = query heads, K = key/value heads, D = head dim, L = one
+sequence's length.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from automodel.attention.check_gpu import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_UNAVAILABLE,
+    HEAD_DIM,
+    HEADS,
+    LENGTH_MIXES,
+    CheckResult,
+    bf16_tolerance,
+    compare,
+    format_table,
+    padding_rows,
+    random_inputs,
+    round_up,
+)
+from automodel.attention.varlen import varlen_attention, varlen_unsupported
+
+WINDOWS = (None, 48, 1)
+
+
+def window_causal_mask(length: int, window: int | None, device: torch.device | None = None) -> torch.Tensor:
+    """``[L, L]`` bool, True where query i may attend key j: ``j <= i`` and, with transformers'
+    ``sliding_window`` W, ``i - j < W`` (itself and W - 1 tokens back)."""
+    i = torch.arange(length, device=device)[:, None]
+    j = torch.arange(length, device=device)[None, :]
+    mask = j <= i
+    return mask if window is None else mask & (i - j < window)
+
+
+def reference_varlen_attention(
+    q_THD: torch.Tensor,
+    k_THKD: torch.Tensor,
+    v_THKD: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
+    *,
+    scale: float | None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """The target: each sequence's real tokens attend causally (and within the window) to the real
+    tokens of that sequence only; padding rows are 0. One SDPA call per sequence. -> ``[T, H, D]``"""
+    out = torch.zeros_like(q_THD)
+    real = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    for start, length in zip(cu_seqlens_padded[:-1].tolist(), real, strict=True):
+        if not length:
+            continue
+        rows = slice(start, start + length)
+        q, k, v = (x[rows].transpose(0, 1) for x in (q_THD, k_THKD, v_THKD))  # [heads, L, D]
+        mask = window_causal_mask(length, window, q_THD.device)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[rows] = o.transpose(0, 1)
+    return out
+
+
+def _forward_backward(fn, q, k, v, dout, dtype, **kwargs) -> dict[str, torch.Tensor]:
+    leaves = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+    out = fn(*leaves, **kwargs)
+    out.backward(dout.to(dtype))
+    return dict(out=out.detach(), dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad)
+
+
+def check_varlen_against_reference(
+    device: torch.device | None = None,
+    seed: int = 0,
+    length_mixes: Sequence[tuple[str, list[int]]] = LENGTH_MIXES,
+) -> list[CheckResult]:
+    """PASS/FAIL rows as described in the module docstring; needs a CUDA device of sm80+."""
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    scale = 0.9 / HEAD_DIM**0.5  # not the default, so a dropped scale shows
+    results = []
+    for name, real in length_mixes:
+        for pad_multiple in (1, 16):
+            padded = round_up(real, pad_multiple)
+            if pad_multiple > 1 and padded == real:
+                continue
+            cu_real, cu_padded = (
+                torch.tensor([0, *lens]).cumsum(0).to(device=device, dtype=torch.int32)
+                for lens in (real, padded)
+            )
+            pad = padding_rows(real, padded).to(device)
+            for (h, h_kv), window in ((heads, w) for heads in HEADS for w in WINDOWS):
+                q, k, v, dout = (x.to(device) for x in random_inputs(sum(padded), h, h_kv, seed))
+                dout = dout.view(-1, h, HEAD_DIM)
+                dout[pad] = 0  # the loss reads real tokens only
+                got = _forward_backward(
+                    varlen_attention, q, k, v, dout, torch.bfloat16,
+                    cu_seqlens=cu_padded, max_seqlen=max(padded), scale=scale, window=window,
+                )  # fmt: skip
+                q, k, v = (x.bfloat16().float() for x in (q, k, v))
+                want = _forward_backward(
+                    reference_varlen_attention, q, k, v, dout, torch.float32,
+                    cu_seqlens=cu_real, cu_seqlens_padded=cu_padded, scale=scale, window=window,
+                )  # fmt: skip
+                got["out"], want["out"] = got["out"][~pad], want["out"][~pad]
+                case = (
+                    f"{name}, {'padded' if pad_multiple > 1 else 'no padding'}, heads {h}/{h_kv}, "
+                    f"window {window}, T={sum(padded)}"
+                )
+                results.append(compare("varlen vs sdpa", case, got, want, bf16_tolerance(h, h_kv)))
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m automodel.attention.check_varlen",
+        description="Compare torch's varlen attention backend with a per-sequence SDPA reference on this GPU.",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+    reason = varlen_unsupported(
+        device=device, dtype=torch.bfloat16, softcap=None, sinks=False, cp_size=1, head_dim=HEAD_DIM
+    )
+    if reason is not None:
+        print(f"check-varlen: cannot run here: {reason}")
+        return EXIT_UNAVAILABLE
+    results = check_varlen_against_reference(device, args.seed)
+    print(f"varlen attention on {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
+    print(format_table(results))
+    return EXIT_OK if all(r.passed for r in results) else EXIT_FAILED
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

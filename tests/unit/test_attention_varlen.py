@@ -1,0 +1,197 @@
+"""The varlen backend on CPU: its window convention against transformers' own mask functions, the
+arguments it hands torch's varlen op (recorded on meta tensors, where torch runs the op's fake
+kernel), the padded-offsets rule against the portable backend, and its setup refusals. The kernel
+itself runs in ``check_varlen_against_reference`` on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+
+from automodel.attention import PortableAttention, ThdAttentionMetadata
+from automodel.attention.check_varlen import (
+    EXIT_UNAVAILABLE,
+    main,
+    reference_varlen_attention,
+    window_causal_mask,
+)
+from automodel.attention.varlen import varlen_attention, varlen_unsupported, varlen_window_size
+
+
+def transformers_mask(length: int, window: int | None) -> torch.Tensor:
+    fn = causal_mask_function if window is None else sliding_window_causal_mask_function(window)
+    i, j = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    return fn(torch.tensor(0), torch.tensor(0), i, j).expand(length, length)
+
+
+def flash_mask(length: int, window_size: tuple[int, int]) -> torch.Tensor:
+    """FlashAttention's (left, right): query i sees keys i - left .. i + right (-1: unbounded)."""
+    left, right = window_size
+    i, j = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    mask = j <= i + right
+    return mask if left < 0 else mask & (j >= i - left)
+
+
+@pytest.mark.parametrize("window", [None, 1, 2, 3, 5, 9, 12, 40])
+def test_window_convention_is_transformers_sliding_window(window):
+    expected = transformers_mask(12, window)
+    assert torch.equal(flash_mask(12, varlen_window_size(window)), expected)
+    assert torch.equal(window_causal_mask(12, window), expected)
+
+
+def test_window_of_three_by_hand():
+    # Token 4 sees itself and the 2 tokens before it.
+    assert varlen_window_size(3) == (2, 0)
+    assert window_causal_mask(6, 3)[4].tolist() == [False, False, True, True, True, False]
+
+
+class RecordOps(TorchDispatchMode):
+    """Records the arguments, by schema name, of each call of the op ``name``."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name, self.calls = name, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if str(func.overloadpacket) == self.name:
+            schema = func._schema.arguments
+            self.calls.append(
+                {
+                    a.name: args[i] if i < len(args) else kwargs.get(a.name, a.default_value)
+                    for i, a in enumerate(schema)
+                }
+            )
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize(("heads", "window"), [((4, 4), None), ((4, 2), 5), ((6, 1), 1)])
+def test_arguments_reach_torch_varlen_op(heads, window):
+    h, h_kv = heads
+    q = torch.empty(10, h, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.empty(10, h_kv, 64, device="meta", dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32, device="meta")
+    with RecordOps("torch_attn._varlen_attn") as forward:
+        out = varlen_attention(q, k, v, cu, 6, scale=0.3, window=window)
+    with RecordOps("torch_attn._varlen_attn_backward") as backward:
+        out.sum().backward()
+    assert out.shape == (10, h, 64) and k.grad.shape == k.shape
+    (call,) = forward.calls
+    assert [call[name] for name in ("query", "key", "value", "cu_seq_q", "cu_seq_k")] == [q, k, v, cu, cu]
+    assert (call["max_q"], call["max_k"], call["scale"]) == (6, 6, 0.3)
+    assert list(call["window_size"]) == list(varlen_window_size(window))
+    assert call["is_causal"] == (window is None) and call["enable_gqa"] == (h != h_kv)
+    (call_backward,) = backward.calls
+    assert list(call_backward["window_size"]) == list(call["window_size"])
+    assert (call_backward["scale"], call_backward["is_causal"]) == (0.3, call["is_causal"])
+
+
+def random_qkv(total, h, h_kv, d=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(total, n, d, generator=g, dtype=torch.float64) for n in (h, h_kv, h_kv)]
+
+
+def cumsum(lens):
+    return torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
+
+
+def forward_backward(fn, q, k, v, dout):
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = fn(*leaves)
+    out.backward(dout)
+    return [out.detach(), *(x.grad for x in leaves)]
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_padded_offsets_give_real_lengths_result(window):
+    """What the kernel computes when handed the padded offsets (every padded span one causal
+    sequence) equals attention on the real lengths: real rows of out, and all of dq, dk, dv when
+    the output gradient is 0 on padding rows."""
+    real, padded = [5, 0, 3, 7], [8, 2, 3, 8]
+    cu_real, cu_padded = cumsum(real), cumsum(padded)
+    pad = torch.cat([torch.arange(p) >= r for r, p in zip(real, padded, strict=True)])
+    q, k, v = random_qkv(sum(padded), 4, 2)
+    dout = torch.randn(q.shape, dtype=torch.float64).masked_fill(pad[:, None, None], 0)
+    scale = 0.4
+
+    def kernel_semantics(q, k, v):
+        return reference_varlen_attention(q, k, v, cu_padded, cu_padded, scale=scale, window=window)
+
+    def real_lengths(q, k, v):
+        return reference_varlen_attention(q, k, v, cu_real, cu_padded, scale=scale, window=window)
+
+    got = forward_backward(kernel_semantics, q, k, v, dout)
+    want = forward_backward(real_lengths, q, k, v, dout)
+    torch.testing.assert_close(got[0][~pad], want[0][~pad], rtol=1e-12, atol=1e-12)
+    for a, b in zip(got[1:], want[1:], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    if window is None:  # the reference on real lengths is the portable backend's function
+        meta = ThdAttentionMetadata(cu_real, cu_padded, max(padded))
+        portable = PortableAttention(4, 2, 8, softmax_scale=scale)
+        by_portable = forward_backward(lambda q, k, v: portable(q, k, v, meta).view(q.shape), q, k, v, dout)
+        torch.testing.assert_close(by_portable[0][~pad], want[0][~pad], rtol=1e-12, atol=1e-12)
+        for a, b in zip(by_portable[1:], want[1:], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"cp_size": 2}, "cp_size"),
+        ({"softcap": 50.0}, "softcap"),
+        ({"sinks": True}, "sinks"),
+        ({"head_dim": 100}, "head dim"),
+        ({"head_dim": 512}, "head dim"),
+        ({"device": "cpu"}, "CUDA"),
+        ({"dtype": torch.float32}, "float32"),
+    ],
+)
+def test_unsupported_features_are_named(kwargs, named):
+    args = (
+        dict(device="cuda", dtype=torch.bfloat16, softcap=None, sinks=False, cp_size=1, head_dim=64) | kwargs
+    )
+    reason = varlen_unsupported(**args)
+    assert reason is not None and named in reason and "varlen" in reason
+
+
+def test_unavailable_here_without_cuda(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    assert main([]) == EXIT_UNAVAILABLE
+    assert "CUDA" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"cu_seqlens": torch.tensor([0, 4, 10])}, "cu_seqlens"),
+        ({"max_seqlen": torch.tensor(6)}, "max_seqlen"),
+        ({"k": torch.zeros(10, 3, 8), "v": torch.zeros(10, 3, 8)}, "heads"),
+        ({"v": torch.zeros(9, 2, 8)}, "q, k, v"),
+        ({"window": 0}, "window"),
+    ],
+)
+def test_bad_arguments_are_refused_before_the_kernel(change, named):
+    args = (
+        dict(
+            q=torch.zeros(10, 4, 8),
+            k=torch.zeros(10, 2, 8),
+            v=torch.zeros(10, 2, 8),
+            cu_seqlens=torch.tensor([0, 4, 10], dtype=torch.int32),
+            max_seqlen=6,
+            window=None,
+        )
+        | change
+    )
+    with pytest.raises(ValueError, match=named):
+        varlen_attention(
+            args["q"],
+            args["k"],
+            args["v"],
+            args["cu_seqlens"],
+            args["max_seqlen"],
+            scale=None,
+            window=args["window"],
+        )
