@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -31,29 +30,11 @@ from automodel.attention.hf import (
     attach_thd_attention,
     register_thd_attention,
 )
-from automodel.data.collate import CROSS_ENTROPY_IGNORE_INDEX
+from automodel.loss import chunked_cross_entropy_sum
 from automodel.models.families import check_model_config
 from automodel.models.spec import ModelSpec, check_checkpoint_tensors, check_finite
 
 _PREFIX = "hf."
-
-
-def chunked_cross_entropy_sum(
-    hidden_TD: torch.Tensor,
-    weight_VD: torch.Tensor,
-    labels_T: torch.Tensor,
-    *,
-    bias_V: torch.Tensor | None = None,
-    logit_scale: float = 1.0,
-    final_logit_softcap: float | None = None,
-    chunk_tokens: int = 4096,
-) -> torch.Tensor:
-    """Stand-in for issue 8b's ``automodel.loss.chunked_cross_entropy_sum`` (same signature; this
-    one builds the full logits): the float32 sum of cross-entropy over labels != -100."""
-    logits_TV = F.linear(hidden_TD, weight_VD, bias_V).float() * logit_scale
-    if final_logit_softcap is not None:
-        logits_TV = torch.tanh(logits_TV / final_logit_softcap) * final_logit_softcap
-    return F.cross_entropy(logits_TV, labels_T, ignore_index=CROSS_ENTROPY_IGNORE_INDEX, reduction="sum")
 
 
 class CausalLMForTraining(nn.Module):
