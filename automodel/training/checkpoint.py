@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 logger = logging.getLogger(__name__)
@@ -186,9 +187,9 @@ class Checkpointer:
             torch.save(rng_state(), staging / f"rng_rank_{self.rank:05d}.pt")
             if self.rank == 0:
                 (staging / DATA).write_text(json.dumps(stream.state_dict(), cls=_NumpyJSON))
-        except Exception as error:  # DCP and torch.save report a full disk in their own words
+        except (Exception, CheckpointException) as error:  # a full disk, in DCP's or torch.save's words
             failed[0] = 1
-            cause = error
+            cause = _first_failure(error)
         dist.all_reduce(failed)
         if failed.item():
             needed = self._bytes_needed(model_state, optim_state)
@@ -237,6 +238,15 @@ class Checkpointer:
         if info.world_size == self.world_size:  # another world size cannot continue each rank's RNG streams
             set_rng_state(torch.load(info.path / f"rng_rank_{self.rank:05d}.pt", weights_only=True))
         return info.step
+
+
+def _first_failure(error: BaseException) -> BaseException:
+    """The underlying error of a ``CheckpointException`` (which carries one per failed rank)."""
+    failures = getattr(error, "failures", None)
+    if not failures:
+        return error
+    failure = next(iter(failures.values()))
+    return failure[0] if isinstance(failure, tuple) else failure
 
 
 def _tensors(state: Any):
