@@ -292,7 +292,7 @@ def test_world_size_changes_reshard_the_model_through_dcp(world_size_changes):
     one, two = torch.load(root / "a_weights.pt", weights_only=True), torch.load(root / "b_loaded.pt", weights_only=True)
     assert one.keys() <= two.keys()
     assert_same_tensors(one, {name: two[name] for name in one})  # 1 -> 2
-    assert_same_tensors(_exported(root / "b_hf"), _exported(out / "hf"))  # 2 -> 1
+    assert_same_tensors(_exported(root / "b_hf"), _exported(out / "hf"))  # 2 -> 1 (exports of both)
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3]
 
 
@@ -320,10 +320,10 @@ def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
         assert torch.equal(a[name], b[name]), name
 
 
-def _exported(out: Path) -> dict[str, torch.Tensor]:
+def _exported(hf_dir: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    return load_file(out / "hf" / "model.safetensors")
+    return load_file(hf_dir / "model.safetensors")
 
 
 def test_console_gets_a_summary_and_the_run_dir_the_full_config(tmp_path):
