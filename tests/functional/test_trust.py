@@ -20,6 +20,7 @@ import pytest
 import torch
 from torchrun import REPO_ROOT, run_torchrun
 
+from automodel.cli import main
 from automodel.config import ConfigError, load_recipe
 from automodel.data.loader import LoaderEnv, distributed_stream
 from automodel.data.sft_data import SFTData
@@ -326,12 +327,22 @@ def _exported(hf_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(hf_dir / "model.safetensors")
 
 
-def test_console_gets_a_summary_and_the_run_dir_the_full_config(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "automodel", "finetune", "tiny_llama_sft", f"trainer.output_dir={tmp_path}",
-         *FAST, "trainer.max_steps=1"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "full config in" in result.stderr and "packed_sequence_size" not in result.stderr
+def test_console_gets_a_summary_and_the_run_dir_the_full_config(tmp_path, capfd):
+    assert main(["finetune", "tiny_llama_sft", f"trainer.output_dir={tmp_path}", *merged("trainer.max_steps=1")]) == 0
+    console = capfd.readouterr().err
+    assert "full config in" in console and "packed_sequence_size" not in console
     assert "packed_sequence_size: 256" in (tmp_path / "config.yaml").read_text()
+
+
+def test_cli_version_recipes_and_cfg_job(capsys):
+    from automodel import __version__
+
+    assert main(["--version"]) == 0 and capsys.readouterr().out.strip() == f"automodel {__version__}"
+    assert main(["recipes"]) == 0
+    listing = capsys.readouterr().out
+    assert "tiny_llama_sft" in listing and "sequential" in listing and "hf_checkpoint" in listing
+    assert main(["finetune", "tiny_llama_sft", "--cfg", "job", "trainer.max_steps=7"]) == 0
+    printed = capsys.readouterr().out
+    assert "max_steps: 7" in printed and "_target_: automodel.training.config.TrainerConfig" in printed
+    assert main(["finetune", "tiny_llama_sft", "model=hf_checkpoint"]) == 2
+    assert "model.pretrained_path" in capsys.readouterr().err
