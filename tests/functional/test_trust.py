@@ -346,3 +346,17 @@ def test_cli_version_recipes_and_cfg_job(capsys):
     assert "max_steps: 7" in printed and "_target_: automodel.training.config.TrainerConfig" in printed
     assert main(["finetune", "tiny_llama_sft", "model=hf_checkpoint"]) == 2
     assert "model.pretrained_path" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("setting, expected_seconds", [("null", 600), ("0.5", 30)])
+def test_the_collective_timeout_is_in_the_recipe_and_short_on_cpu(setting, expected_seconds):
+    """A frozen peer holds the others for this long; gloo (CPU) defaults to 10 minutes, not NCCL's 30."""
+    from automodel.config import build_section
+
+    cfg = load_recipe("tiny_llama_sft", [f"parallel.timeout_minutes={setting}"])
+    init_distributed(build_section(cfg, "parallel"))
+    try:
+        backend = torch.distributed.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        assert backend.options._timeout.total_seconds() == expected_seconds
+    finally:
+        torch.distributed.destroy_process_group()
