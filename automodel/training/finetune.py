@@ -126,25 +126,24 @@ class FinetuneRecipe:
             total=self.trainer.max_steps, initial=self.step, desc="training", unit="step",
             disable=not (self.dims.is_main and self.trainer.progress_bar),
         )
-        with logging_redirect_tqdm(loggers=[logging.getLogger()]):  # log lines print above the bar, not glued to it
-            while self.step < last_step:
-                record = self._train_step()
-                self.step += 1
-                progress.update(1)
-                progress.set_postfix(loss=f"{record['loss']:.4f}")
-                if self.metrics is not None and (self.step % self.trainer.log_every == 0 or self.step == last_step):
-                    self.metrics.write(record)
-                    logger.info(
-                        "step %d/%d  loss %.4f  lr %.3g  grad_norm %.3f  %.0f real tok/s  fill %.1f%%",
-                        self.step, self.trainer.max_steps, record["loss"], record["lr"], record["grad_norm"],
-                        record["tokens_per_s"], 100 * record["fill"],
-                    )
-                every = self.trainer.checkpoint_every
-                if (every and self.step % every == 0) or self.step == last_step:
-                    self.checkpointer.save(
-                        self.step, self.model, self.optimizer, self.scheduler, self.stream,
-                        self.dims.dp_size * self.trainer.grad_accum_steps, (self.dims.dp_size, self.dims.cp_size),
-                    )
+        while self.step < last_step:
+            record = self._train_step()
+            self.step += 1
+            progress.update(1)
+            progress.set_postfix(loss=f"{record['loss']:.4f}")
+            if self.metrics is not None and (self.step % self.trainer.log_every == 0 or self.step == last_step):
+                self.metrics.write(record)
+                logger.info(
+                    "step %d/%d  loss %.4f  lr %.3g  grad_norm %.3f  %.0f real tok/s  fill %.1f%%",
+                    self.step, self.trainer.max_steps, record["loss"], record["lr"], record["grad_norm"],
+                    record["tokens_per_s"], 100 * record["fill"],
+                )
+            every = self.trainer.checkpoint_every
+            if (every and self.step % every == 0) or self.step == last_step:
+                self.checkpointer.save(
+                    self.step, self.model, self.optimizer, self.scheduler, self.stream,
+                    self.dims.dp_size * self.trainer.grad_accum_steps, (self.dims.dp_size, self.dims.cp_size),
+                )
         progress.close()
         if self.step == self.trainer.max_steps:
             self._finish()
@@ -266,7 +265,8 @@ def run(cfg: DictConfig) -> FinetuneRecipe:
     recipe = FinetuneRecipe(cfg)
     try:
         recipe.setup()
-        recipe.train()
+        with logging_redirect_tqdm(loggers=[logging.getLogger()]):  # log lines print above the progress bar
+            recipe.train()
         dist.barrier()  # rank 0 may still be exporting; gloo aborts ranks whose peers tear down first
     finally:
         recipe.cleanup()
