@@ -4,6 +4,9 @@ A recipe is a YAML file with a defaults list over the config groups (model, data
 parallel, optim, trainer). Every section names its component with ``_target_``; before anything
 runs, each key is checked against that component's signature, so a typo fails at once with the key
 named instead of after minutes of tokenization.
+
+Nothing in a recipe runs code it names freely: a ``_target_`` must be one of the project's
+components (``automodel.*``) or in :data:`ALLOWED_TARGETS`.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import re
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +26,11 @@ from omegaconf.errors import OmegaConfBaseException
 
 SECTIONS = ("model", "data", "packing", "parallel", "optim", "trainer")
 _HYDRA_KEYS = {"_target_", "_recursive_", "_convert_", "_partial_", "_args_"}
+# Components from outside the project a recipe may name: configuration classes, nothing that reads
+# files or runs code.
+ALLOWED_TARGETS = frozenset({
+    "transformers.LlamaConfig", "transformers.Qwen2Config", "transformers.MistralConfig",
+})
 
 
 class ConfigError(ValueError):
@@ -59,16 +68,44 @@ def load_recipe(recipe: str, overrides: list[str] | tuple[str, ...] = ()) -> Dic
     every key against the components' signatures."""
     path = resolve_recipe(recipe)
     try:
-        with initialize_config_dir(config_dir=str(path.parent), version_base="1.3"):
-            cfg = compose(
-                config_name=path.stem,
-                overrides=[f"hydra.searchpath=[file://{CONFIGS_DIR}]", *overrides],
-            )
-        OmegaConf.resolve(cfg)
+        cfg = _compose(path, overrides)
     except (HydraException, OmegaConfBaseException) as error:
+        unknown = re.search(r"Could not override '([^']+)'", str(error))
+        if unknown:  # the same "did you mean" as a typo in a YAML file
+            groups_only = [o for o in overrides if "." not in o.split("=", 1)[0]]
+            raise ConfigError(_unknown_key_message(unknown.group(1), _compose(path, groups_only))) from None
         raise ConfigError(f"recipe {path.name}: {error}") from None
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(
+            f"{', '.join(missing)}: required and not set; give it on the command line, e.g. {missing[0]}=<value>"
+        )
     check_config(cfg)
     return cfg
+
+
+def _compose(path: Path, overrides: list[str] | tuple[str, ...]) -> DictConfig:
+    with initialize_config_dir(config_dir=str(path.parent), version_base="1.3"):
+        cfg = compose(config_name=path.stem, overrides=[f"hydra.searchpath=[file://{CONFIGS_DIR}]", *overrides])
+    OmegaConf.resolve(cfg)
+    return cfg
+
+
+def _unknown_key_message(key: str, cfg: DictConfig) -> str:
+    """``unknown key 'trainer.max_stepz'; did you mean 'max_steps'?`` for a key set on the command line."""
+    node: Any = cfg
+    parts = key.lstrip("+~").split(".")
+    for depth, part in enumerate(parts):
+        if not isinstance(node, DictConfig):
+            break
+        if part not in node:
+            keys = [str(k) for k in node if k not in _HYDRA_KEYS]
+            close = difflib.get_close_matches(part, keys, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {sorted(keys)}"
+            where = ".".join(parts[:depth]) or "the recipe"
+            return f"unknown key {key!r} (no {part!r} in {where}); {hint}"
+        node = node[part]
+    return f"cannot override {key!r}: it is not a key of this recipe"
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -102,8 +139,30 @@ def _check_node(node: Any, where: str) -> None:
             _check_node(node[key], f"{where}.{key}")
 
 
+def check_target(target: Any, where: str) -> None:
+    """ConfigError unless ``target`` is a project component or in :data:`ALLOWED_TARGETS`."""
+    if not isinstance(target, str) or not (target.startswith("automodel.") or target in ALLOWED_TARGETS):
+        raise ConfigError(
+            f"{where}._target_={target!r} is not allowed: a recipe may name automodel components and "
+            f"{sorted(ALLOWED_TARGETS)} only (nothing that loads files or runs code)"
+        )
+
+
+def _check_targets(node: Any, where: str) -> None:
+    if isinstance(node, ListConfig):
+        for i, item in enumerate(node):
+            _check_targets(item, f"{where}[{i}]")
+    elif isinstance(node, DictConfig):
+        if "_target_" in node:
+            check_target(node["_target_"], where)
+        for key in node:
+            if key != "_target_":
+                _check_targets(node[key], f"{where}.{key}")
+
+
 def _parameters(target: str, where: str) -> list[str] | None:
     """Keyword parameters of ``target``, or None when it takes ``**kwargs``."""
+    check_target(target, where)
     module_name, _, attribute = str(target).rpartition(".")
     try:
         component = getattr(importlib.import_module(module_name), attribute)
@@ -117,6 +176,7 @@ def _parameters(target: str, where: str) -> list[str] | None:
 
 def build_section(cfg: DictConfig, section: str) -> Any:
     """Instantiate one section; a bad value raises ConfigError naming the section."""
+    _check_targets(cfg[section], section)
     try:
         return instantiate(cfg[section], _convert_="all")
     except Exception as error:  # Hydra wraps the component's own error; surface its message

@@ -21,7 +21,8 @@ def run_mode(recipe: str, packing: str, steps: int, overrides: list[str], output
     command = [
         sys.executable, "-m", "automodel", "finetune", recipe, f"packing={packing}", f"trainer.max_steps={steps}",
         "trainer.checkpoint_every=null", "trainer.export_hf=false", "trainer.progress_bar=false",
-        "trainer.resume=never", "optim.warmup_steps=0", f"trainer.output_dir={output_dir}", *overrides,
+        "trainer.resume=never", "trainer.overwrite=true", "optim.warmup_steps=0", f"trainer.output_dir={output_dir}",
+        *overrides,
     ]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode:

@@ -1,17 +1,27 @@
-"""Atomic, resumable checkpoints: DCP for model and optimizer, per-rank files for the rest.
+"""Atomic, resumable checkpoints that load nothing executable.
 
-Layout of ``<output_dir>/checkpoints/step_00000050/``: DCP shards of ``{"model", "optim"}`` (any
-world size can read them), and ``rank_00000.pt`` ... per rank with the step, LR scheduler, data
-stream position and RNG states. Everything is written to ``step_00000050.tmp`` and renamed once all
-ranks finished, so a directory without ``.tmp`` is always complete. Multi-node runs need
+Layout of ``<output_dir>/checkpoints/step_00000050/``:
+
+- DCP shards of ``{"model", "optim"}``: any world size reads them (resharded on load);
+- ``data.json``: the global data position (``stream.state_dict()``, identical on every rank), once;
+- ``rng_rank_00000.pt`` ...: each rank's RNG states as tensors and numbers (``weights_only=True``);
+- ``meta.json``, written last: step, run id, world/dp/cp sizes, micro-batches per step, LR scheduler
+  state, and the size of every file above.
+
+Everything is written to ``step_00000050.tmp`` and renamed once all ranks finished. A directory
+under its final name whose files do not match ``meta.json`` (a copy cut short, a disk that lost
+them) is skipped with a warning and the previous checkpoint is used. Multi-node runs need
 ``output_dir`` on a filesystem every node sees.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import random
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +29,29 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+logger = logging.getLogger(__name__)
+
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+META = "meta.json"
+DATA = "data.json"
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (full disk, quota, file size limit)."""
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """This process's RNG states as tensors, ints and tuples: loadable with ``weights_only=True``."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -33,28 +59,121 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    numpy = state["numpy"]
+    np.random.set_state((numpy["kind"], numpy["keys"].numpy().astype(np.uint32), numpy["pos"],
+                         numpy["has_gauss"], numpy["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
 
-class Checkpointer:
-    def __init__(self, output_dir: str | Path, keep_last: int, rank: int, world_size: int):
-        self.root = Path(output_dir) / "checkpoints"
-        self.keep_last, self.rank, self.world_size = keep_last, rank, world_size
+class _NumpyJSON(json.JSONEncoder):
+    """numpy arrays and scalars in a data state become tagged JSON (decoded by ``_from_json``)."""
 
-    def checkpoints(self) -> list[Path]:
-        """Complete checkpoints, oldest first."""
+    def default(self, value: Any) -> Any:
+        if isinstance(value, np.ndarray):
+            return {"__ndarray__": value.tolist(), "dtype": value.dtype.str}
+        if isinstance(value, np.generic):
+            return value.item()
+        return super().default(value)
+
+
+def _from_json(obj: dict[str, Any]) -> Any:
+    if "__ndarray__" in obj:
+        return np.asarray(obj["__ndarray__"], dtype=np.dtype(obj["dtype"]))
+    return obj
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What ``meta.json`` says about a complete checkpoint."""
+
+    path: Path
+    step: int
+    run_id: str
+    world_size: int
+    dp_size: int
+    cp_size: int
+    micro_batches_per_step: int  # data-parallel size x gradient accumulation: the global batch in micro-batches
+    scheduler: dict[str, Any]
+
+
+def read_info(path: Path) -> CheckpointInfo:
+    """The checkpoint's metadata; ValueError naming the file when it is missing, unreadable or
+    does not match the files on disk."""
+    meta_path = path / META
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"{meta_path} is missing or unreadable ({error})") from None
+    for name, size in meta["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise ValueError(f"{file} is missing")
+        if file.stat().st_size != size:
+            raise ValueError(f"{file} has {file.stat().st_size} bytes, {size} were written")
+    return CheckpointInfo(
+        path=path, step=meta["step"], run_id=meta["run_id"], world_size=meta["world_size"],
+        dp_size=meta["dp_size"], cp_size=meta["cp_size"], micro_batches_per_step=meta["micro_batches_per_step"],
+        scheduler=meta["scheduler"],
+    )
+
+
+class NonFiniteError(RuntimeError):
+    """NaN or inf in the loss, the gradients or the weights: the run stops before writing them."""
+
+
+def check_finite_parameters(model: torch.nn.Module, where: str) -> None:
+    """NonFiniteError on every rank naming the parameters holding NaN or inf on any rank's shard."""
+    names = list(dict(model.named_parameters()))
+    bad = torch.tensor(
+        [not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all() for p in model.parameters()],
+        dtype=torch.float32,
+    )
+    if dist.is_initialized():
+        dist.all_reduce(bad)
+    if bad.any():
+        listed = [name for name, flag in zip(names, bad.tolist()) if flag]
+        raise NonFiniteError(f"{where}: parameter(s) {listed} hold non-finite values (NaN or inf)")
+
+
+class Checkpointer:
+    """Saves and finds this run's checkpoints under ``<output_dir>/checkpoints``.
+
+    Only checkpoints whose ``meta.json`` carries ``run_id`` belong to this run: the others are never
+    resumed from nor pruned.
+    """
+
+    def __init__(self, output_dir: str | Path, keep_last: int, rank: int, world_size: int, run_id: str):
+        self.root = Path(output_dir) / "checkpoints"
+        self.keep_last, self.rank, self.world_size, self.run_id = keep_last, rank, world_size, run_id
+
+    def step_dirs(self) -> list[Path]:
+        """Directories under a final checkpoint name (complete or not, any run), oldest first."""
         if not self.root.is_dir():
             return []
         return sorted(p for p in self.root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name))
 
-    def latest(self) -> Path | None:
+    def checkpoints(self) -> list[CheckpointInfo]:
+        """This run's complete checkpoints, oldest first; incomplete ones are skipped with a warning."""
+        found = []
+        for path in self.step_dirs():
+            try:
+                info = read_info(path)
+            except (ValueError, KeyError) as error:
+                logger.warning("skipping incomplete checkpoint %s: %s", path, error)
+                continue
+            if info.run_id == self.run_id:
+                found.append(info)
+        return found
+
+    def latest(self) -> CheckpointInfo | None:
         found = self.checkpoints()
         return found[-1] if found else None
 
-    def save(self, step: int, model, optimizer, scheduler, stream) -> Path:
+    def save(self, step: int, model, optimizer, scheduler, stream, micro_batches_per_step: int, mesh_sizes) -> Path:
+        """Write a checkpoint of ``step`` on every rank; ``mesh_sizes`` is ``(dp_size, cp_size)``."""
+        check_finite_parameters(model, f"checkpoint of step {step} not written")
         final = self.root / f"step_{step:08d}"
         staging = final.with_name(final.name + ".tmp")
         if self.rank == 0:
@@ -62,32 +181,80 @@ class Checkpointer:
             staging.mkdir(parents=True)
         dist.barrier()
         model_state, optim_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=staging)
-        local = {"step": step, "scheduler": scheduler.state_dict(), "data": stream.state_dict(), "rng": rng_state()}
-        torch.save(local, staging / f"rank_{self.rank:05d}.pt")
-        dist.barrier()
+        failed, cause = torch.zeros(1), None
+        try:
+            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=staging)
+            torch.save(rng_state(), staging / f"rng_rank_{self.rank:05d}.pt")
+            if self.rank == 0:
+                (staging / DATA).write_text(json.dumps(stream.state_dict(), cls=_NumpyJSON))
+        except (Exception, CheckpointException) as error:  # a full disk, in DCP's or torch.save's words
+            failed[0] = 1
+            cause = _first_failure(error)
+        dist.all_reduce(failed)
+        if failed.item():
+            needed = self._bytes_needed(model_state, optim_state)
+            if self.rank == 0:
+                shutil.rmtree(staging, ignore_errors=True)
+            free = shutil.disk_usage(self.root).free
+            detail = f" ({type(cause).__name__}: {cause})" if cause is not None else " (failed on another rank)"
+            raise CheckpointWriteError(
+                f"could not write the checkpoint of step {step} to {staging}{detail}: it needs about {needed:,} "
+                f"bytes and {free:,} are free there; free space, or point trainer.output_dir at a larger disk"
+            )
         if self.rank == 0:
+            dp_size, cp_size = mesh_sizes
+            meta = {
+                "step": step, "run_id": self.run_id, "world_size": self.world_size, "dp_size": dp_size,
+                "cp_size": cp_size, "micro_batches_per_step": micro_batches_per_step,
+                "scheduler": scheduler.state_dict(),
+                "files": {p.name: p.stat().st_size for p in sorted(staging.iterdir())},
+            }
+            (staging / META).write_text(json.dumps(meta, indent=1))
             shutil.rmtree(final, ignore_errors=True)
             staging.rename(final)
             for old in self.checkpoints()[: -self.keep_last]:
-                shutil.rmtree(old)
+                shutil.rmtree(old.path)
         dist.barrier()
         return final
 
-    def load(self, path: Path, model, optimizer, scheduler, stream) -> int:
-        """Restore everything saved at ``path``; returns its step."""
-        ranks = len(list(path.glob("rank_*.pt")))
-        if ranks != self.world_size:
-            raise ValueError(
-                f"checkpoint {path} was written by {ranks} ranks but this job has {self.world_size}; resume with "
-                "the same number of processes (or start fresh with trainer.resume=never)"
-            )
+    def _bytes_needed(self, *states: dict[str, Any]) -> int:
+        """The checkpoint's size on all ranks, estimated from this rank's tensors."""
+        local = 0
+        for state in states:
+            for value in _tensors(state):
+                value = value.to_local() if hasattr(value, "to_local") else value
+                local += value.numel() * value.element_size()
+        return local * self.world_size
+
+    def load(self, info: CheckpointInfo, model, optimizer, scheduler, stream) -> int:
+        """Restore everything saved at ``info.path`` (resharded to this world size); returns its step."""
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, checkpoint_id=info.path)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        local = torch.load(path / f"rank_{self.rank:05d}.pt", weights_only=False)
-        scheduler.load_state_dict(local["scheduler"])
-        stream.load_state_dict(local["data"])
-        set_rng_state(local["rng"])
-        return local["step"]
+        check_finite_parameters(model, f"checkpoint {info.path}")
+        scheduler.load_state_dict(info.scheduler)
+        stream.load_state_dict(json.loads((info.path / DATA).read_text(), object_hook=_from_json))
+        if info.world_size == self.world_size:  # another world size cannot continue each rank's RNG streams
+            set_rng_state(torch.load(info.path / f"rng_rank_{self.rank:05d}.pt", weights_only=True))
+        return info.step
+
+
+def _first_failure(error: BaseException) -> BaseException:
+    """The underlying error of a ``CheckpointException`` (which carries one per failed rank)."""
+    failures = getattr(error, "failures", None)
+    if not failures:
+        return error
+    failure = next(iter(failures.values()))
+    return failure[0] if isinstance(failure, tuple) else failure
+
+
+def _tensors(state: Any):
+    if isinstance(state, torch.Tensor):
+        yield state
+    elif isinstance(state, dict):
+        for value in state.values():
+            yield from _tensors(value)
+    elif isinstance(state, (list, tuple)):
+        for value in state:
+            yield from _tensors(value)

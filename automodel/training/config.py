@@ -15,6 +15,15 @@ def _check(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    """A finite number (bools rejected: ``lr=true`` is a typo, not 1.0)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 @dataclass
 class OptimConfig:
     """AdamW with linear warmup then cosine decay to ``min_lr_ratio * lr``; gradient clipping."""
@@ -28,12 +37,19 @@ class OptimConfig:
     max_grad_norm: float | None = 1.0
 
     def __post_init__(self) -> None:
-        _check(self.lr > 0, f"optim.lr must be positive, got {self.lr}")
-        _check(len(self.betas) == 2, f"optim.betas must have two values, got {self.betas}")
-        _check(self.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
-        _check(0 <= self.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        _check(self.max_grad_norm is None or self.max_grad_norm > 0,
-               f"optim.max_grad_norm must be positive or null, got {self.max_grad_norm}")
+        _check(_is_real(self.lr) and self.lr > 0, f"optim.lr must be a finite positive number, got {self.lr!r}")
+        _check(_is_real(self.weight_decay) and self.weight_decay >= 0,
+               f"optim.weight_decay must be a finite number >= 0, got {self.weight_decay!r}")
+        _check(isinstance(self.betas, (list, tuple)) and len(self.betas) == 2
+               and all(_is_real(b) and 0 <= b < 1 for b in self.betas),
+               f"optim.betas must be two numbers in [0, 1), e.g. [0.9, 0.95]; got {self.betas!r}")
+        _check(_is_real(self.eps) and self.eps > 0, f"optim.eps must be a finite positive number, got {self.eps!r}")
+        _check(_is_int(self.warmup_steps) and self.warmup_steps >= 0,
+               f"optim.warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
+        _check(_is_real(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1,
+               f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        _check(self.max_grad_norm is None or (_is_real(self.max_grad_norm) and self.max_grad_norm > 0),
+               f"optim.max_grad_norm must be a finite positive number or null, got {self.max_grad_norm!r}")
 
     def build(self, model: torch.nn.Module, max_steps: int):
         optimizer = torch.optim.AdamW(
@@ -60,7 +76,9 @@ class TrainerConfig:
         output_dir: run directory (config, metrics, checkpoints, exported model, loss curve).
         checkpoint_every: save a checkpoint every N steps (and always at the end); null: only at the end.
         keep_last: checkpoints kept on disk.
-        resume: ``auto`` continues from the newest checkpoint in output_dir; ``never`` starts fresh.
+        resume: ``auto`` continues from the newest checkpoint of this run in output_dir (the recipe must
+            match the run's, see :mod:`automodel.training.run_dir`); ``never`` starts fresh.
+        overwrite: let a fresh run delete another run's outputs in output_dir (refused otherwise).
         stop_at_step: stop after this step as a preempted job would (checkpoint, no export); the LR
             schedule still follows max_steps.
         export_hf: write the final model as a Hugging Face checkpoint (output_dir/hf).
@@ -76,6 +94,7 @@ class TrainerConfig:
     checkpoint_every: int | None = None
     keep_last: int = 2
     resume: str = "auto"
+    overwrite: bool = False
     stop_at_step: int | None = None
     export_hf: bool = True
     bf16_autocast: bool = True
@@ -84,9 +103,12 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         for name in ("max_steps", "grad_accum_steps", "log_every", "keep_last"):
             value = getattr(self, name)
-            _check(isinstance(value, int) and value >= 1, f"trainer.{name} must be a positive int, got {value!r}")
-        _check(self.checkpoint_every is None or self.checkpoint_every >= 1,
+            _check(_is_int(value) and value >= 1, f"trainer.{name} must be a positive int, got {value!r}")
+        _check(_is_int(self.seed), f"trainer.seed must be an int, got {self.seed!r}")
+        _check(self.checkpoint_every is None or (_is_int(self.checkpoint_every) and self.checkpoint_every >= 1),
                f"trainer.checkpoint_every must be a positive int or null, got {self.checkpoint_every!r}")
         _check(self.resume in RESUME_MODES, f"trainer.resume must be one of {RESUME_MODES}, got {self.resume!r}")
-        _check(self.stop_at_step is None or 1 <= self.stop_at_step <= self.max_steps,
+        for name in ("overwrite", "export_hf", "bf16_autocast", "progress_bar"):
+            _check(isinstance(getattr(self, name), bool), f"trainer.{name} must be true or false, got {getattr(self, name)!r}")
+        _check(self.stop_at_step is None or (_is_int(self.stop_at_step) and 1 <= self.stop_at_step <= self.max_steps),
                f"trainer.stop_at_step must be null or in [1, max_steps={self.max_steps}], got {self.stop_at_step!r}")

@@ -10,14 +10,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from automodel.attention import ThdAttentionMetadata
 from automodel.config import ConfigError, build_section
@@ -26,8 +28,9 @@ from automodel.distributed import make_cp_batch_for_te
 from automodel.distributed.parallel import apply_fsdp, init_distributed
 from automodel.loss import count_label_tokens
 from automodel.models import CausalLMForTraining, build_model, export_hf, setup_checks
-from automodel.training.checkpoint import Checkpointer
+from automodel.training.checkpoint import Checkpointer, NonFiniteError
 from automodel.training.metrics import MetricsLog, plot_loss_curve, read_metrics
+from automodel.training.run_dir import RECIPE, RunDirectory
 
 logger = logging.getLogger("automodel")
 
@@ -57,14 +60,13 @@ class FinetuneRecipe:
         except ValueError as error:
             raise ConfigError(str(error)) from None
         _configure_logging(self.dims.is_main)
-        if self.dims.is_main:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            resolved = OmegaConf.to_yaml(self.cfg)
-            (self.output_dir / "config.yaml").write_text(resolved)
-            logger.info("resolved config:\n%s", resolved)
+        # Lock, resume checks and the saved recipe: all before any data or model work.
+        self.run_dir = RunDirectory(self.output_dir, self.dims.rank)
+        run_id, resume_from = self.run_dir.prepare(self.cfg, self.trainer, self.dims.world_size, self.dims.dp_size)
         logger.info(
-            "world %d = dp %d x cp %d on %s", self.dims.world_size, self.dims.dp_size, self.dims.cp_size,
-            self.dims.device,
+            "%s %s: %d steps, world %d = dp %d x cp %d on %s; full config in %s", "resuming" if resume_from else "run",
+            self.output_dir, self.trainer.max_steps, self.dims.world_size, self.dims.dp_size, self.dims.cp_size,
+            self.dims.device, self.output_dir / RECIPE,
         )
         torch.manual_seed(self.trainer.seed)
 
@@ -88,12 +90,13 @@ class FinetuneRecipe:
 
         self.model = self._build_model()
         self.optimizer, self.scheduler = self.optim_config.build(self.model, self.trainer.max_steps)
-        self.checkpointer = Checkpointer(self.output_dir, self.trainer.keep_last, self.dims.rank, self.dims.world_size)
+        self.checkpointer = Checkpointer(
+            self.output_dir, self.trainer.keep_last, self.dims.rank, self.dims.world_size, run_id
+        )
         self.step = 0
-        latest = self.checkpointer.latest() if self.trainer.resume == "auto" else None
-        if latest is not None:
-            self.step = self.checkpointer.load(latest, self.model, self.optimizer, self.scheduler, self.stream)
-            logger.info("resumed from %s at step %d", latest, self.step)
+        if resume_from is not None:
+            self.step = self.checkpointer.load(resume_from, self.model, self.optimizer, self.scheduler, self.stream)
+            logger.info("resumed from %s at step %d", resume_from.path, self.step)
         self.metrics = MetricsLog(self.output_dir / "metrics.jsonl", self.step) if self.dims.is_main else None
 
     def _build_model(self) -> CausalLMForTraining:
@@ -128,7 +131,10 @@ class FinetuneRecipe:
                 )
             every = self.trainer.checkpoint_every
             if (every and self.step % every == 0) or self.step == last_step:
-                self.checkpointer.save(self.step, self.model, self.optimizer, self.scheduler, self.stream)
+                self.checkpointer.save(
+                    self.step, self.model, self.optimizer, self.scheduler, self.stream,
+                    self.dims.dp_size * self.trainer.grad_accum_steps, (self.dims.dp_size, self.dims.cp_size),
+                )
         progress.close()
         if self.step == self.trainer.max_steps:
             self._finish()
@@ -149,14 +155,19 @@ class FinetuneRecipe:
             (micro_loss / normalizer).backward()
             loss_sum += micro_loss.detach()
         grad_norm = self._clip_gradients()
+        real = sum(int((~b["padding_mask"]).sum()) for b in micro_batches)
+        slots = sum(b["padding_mask"].numel() for b in micro_batches)
+        loss_total, real, slots = self._all_reduce_sum([loss_sum, real, slots], dtype=torch.float64)
+        if not (math.isfinite(loss_total) and math.isfinite(grad_norm)):  # before the step writes NaN into weights
+            raise NonFiniteError(
+                f"step {self.step + 1}: loss {loss_total / normalizer} and grad norm {grad_norm} must be finite; "
+                "stopped before the optimizer step (nothing of this step was saved). Lower optim.lr, set "
+                "optim.max_grad_norm, or check the data and the checkpoint it started from"
+            )
         lr = self.optimizer.param_groups[0]["lr"]  # the lr this step uses (the scheduler then moves on)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-
-        real = sum(int((~b["padding_mask"]).sum()) for b in micro_batches)
-        slots = sum(b["padding_mask"].numel() for b in micro_batches)
-        loss_total, real, slots = self._all_reduce_sum([loss_sum, real, slots], dtype=torch.float64)
         seconds = time.perf_counter() - start
         return {
             "step": self.step + 1,
@@ -212,6 +223,8 @@ class FinetuneRecipe:
         )
 
     def cleanup(self) -> None:
+        if hasattr(self, "run_dir"):
+            self.run_dir.release()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -236,7 +249,8 @@ def run(cfg: DictConfig) -> FinetuneRecipe:
     recipe = FinetuneRecipe(cfg)
     try:
         recipe.setup()
-        recipe.train()
+        with logging_redirect_tqdm(loggers=[logging.getLogger()]):  # log lines print above the progress bar
+            recipe.train()
         dist.barrier()  # rank 0 may still be exporting; gloo aborts ranks whose peers tear down first
     finally:
         recipe.cleanup()

@@ -143,11 +143,11 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["trainer.max_stepz=3"], "Could not override 'trainer.max_stepz'"),
+        (["trainer.max_stepz=3"], "unknown key 'trainer.max_stepz' (no 'max_stepz' in trainer); did you mean 'max_steps'?"),
         (["data.source=/nonexistent/train.jsonl"], "data.source='/nonexistent/train.jsonl' does not exist"),
         (["packing.packed_sequence_size=102", "parallel.cp_size=2"],
          "packed_sequence_size=102 must be a multiple of 2*cp_size=4"),
-        (["optim.lr=-1"], "optim.lr must be positive, got -1"),
+        (["optim.lr=-1"], "optim.lr must be a finite positive number, got -1"),
     ],
 )
 def test_config_errors_fail_fast(tmp_path, overrides, message):

@@ -1,0 +1,190 @@
+"""A run is its directory: one run per ``output_dir``, locked while it trains, resumed only as it was.
+
+``<output_dir>/config.yaml`` holds the resolved recipe and ``run.json`` the run's id; every checkpoint
+carries that id. On resume the new recipe is compared with the saved one: keys under
+:data:`MUTABLE_KEYS` may change (they are logged), any other difference is refused with each key's
+old and new value. A different world size resumes when the global batch (data-parallel size x
+gradient accumulation) is kept. ``trainer.resume=never`` refuses a directory holding another run's
+checkpoints unless ``trainer.overwrite=true``, which deletes that run's outputs first.
+
+All of this runs on rank 0 right after the process group forms, before any data or model work; the
+decision is broadcast so that every rank fails (or resumes) alike.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from filelock import FileLock, Timeout
+from omegaconf import DictConfig, OmegaConf
+
+from automodel.config import ConfigError
+from automodel.training.checkpoint import META, Checkpointer, CheckpointInfo, read_info
+
+logger = logging.getLogger(__name__)
+
+RECIPE = "config.yaml"
+RUN = "run.json"
+LOCK = ".lock"
+HOLDER = ".lock.holder.json"
+# Outputs of a run that trainer.overwrite=true deletes.
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "hf", "loss_curve.png", RUN)
+
+# Keys (and sections under them) that may change between a checkpoint and its resume. The global
+# batch is checked separately (trainer.grad_accum_steps may change with the world size).
+MUTABLE_KEYS = (
+    "trainer.max_steps", "trainer.grad_accum_steps", "trainer.output_dir", "trainer.log_every",
+    "trainer.checkpoint_every", "trainer.keep_last", "trainer.resume", "trainer.overwrite", "trainer.stop_at_step",
+    "trainer.export_hf", "trainer.progress_bar", "parallel.timeout_minutes", "parallel.cp_comm_type",
+    "model.attention_backend", "data.num_proc", "packing.num_workers", "packing.cache_dir",
+)
+
+
+def _is_mutable(key: str) -> bool:
+    return any(key == m or key.startswith(m + ".") for m in MUTABLE_KEYS)
+
+
+def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"trainer.max_steps": 100, ...}``: dotted keys to leaf values (lists kept whole)."""
+    if not isinstance(node, dict):
+        return {prefix: node}
+    flat: dict[str, Any] = {}
+    for key, value in node.items():
+        flat.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def recipe_changes(old: DictConfig, new: DictConfig) -> tuple[list[str], list[str]]:
+    """``(refused, accepted)``: one ``key: old -> new`` line per differing key."""
+    a, b = flatten(OmegaConf.to_container(old)), flatten(OmegaConf.to_container(new))
+    refused, accepted = [], []
+    for key in sorted(a.keys() | b.keys()):
+        if a.get(key, "<absent>") != b.get(key, "<absent>"):
+            line = f"{key}: {a.get(key, '<absent>')!r} -> {b.get(key, '<absent>')!r}"
+            (accepted if _is_mutable(key) else refused).append(line)
+    return refused, accepted
+
+
+class RunDirectory:
+    """The run's ``output_dir``: lock, identity, saved recipe and the checkpoint to resume from."""
+
+    def __init__(self, output_dir: str | Path, rank: int):
+        self.path = Path(output_dir)
+        self.rank = rank
+        self._lock: FileLock | None = None
+
+    def acquire(self) -> None:
+        """Exclusive lock on the directory (released by the kernel if this process dies); ConfigError
+        naming the holder when another run has it."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(self.path / LOCK, timeout=0)
+        try:
+            lock.acquire()
+        except Timeout:
+            holder = self.path / HOLDER
+            who = holder.read_text().strip() if holder.is_file() else "unknown"
+            raise ConfigError(
+                f"trainer.output_dir={str(self.path)!r} is in use by another run ({who}); wait for it, or use "
+                "another output_dir"
+            ) from None
+        self._lock = lock
+        holder = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        (self.path / HOLDER).write_text(json.dumps(holder))
+
+    def release(self) -> None:
+        if self._lock is not None:
+            (self.path / HOLDER).unlink(missing_ok=True)
+            self._lock.release()
+            self._lock = None
+
+    def prepare(self, cfg: DictConfig, trainer, world_size: int, dp_size: int) -> tuple[str, CheckpointInfo | None]:
+        """Lock the directory, decide fresh start or resume, save the recipe: ``(run_id, checkpoint)``.
+
+        Collective: rank 0 decides and every rank gets its decision (or its error)."""
+        decision: list[Any] = [None, None, None]  # run_id, checkpoint path, error message
+        if self.rank == 0:
+            try:
+                self.acquire()
+                run_id, checkpoint = self._decide(cfg, trainer, world_size, dp_size)
+                decision = [run_id, str(checkpoint.path) if checkpoint else None, None]
+            except ConfigError as error:
+                decision = [None, None, str(error)]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(decision, src=0)
+        run_id, checkpoint, error = decision
+        if error is not None:
+            raise ConfigError(error)
+        return run_id, read_info(Path(checkpoint)) if checkpoint else None
+
+    def _decide(self, cfg: DictConfig, trainer, world_size: int, dp_size: int) -> tuple[str, CheckpointInfo | None]:
+        saved_run = self.path / RUN
+        run_id = json.loads(saved_run.read_text())["run_id"] if saved_run.is_file() else None
+        latest = None
+        if trainer.resume == "auto" and run_id is not None:
+            latest = Checkpointer(self.path, trainer.keep_last, 0, world_size, run_id).latest()
+        if latest is not None:
+            self._check_resume(cfg, trainer, latest, world_size, dp_size)
+        else:
+            # Checkpoints with a meta.json belong to a run; a fresh run must not mix its own with them.
+            others = [p.name for p in Checkpointer(self.path, 1, 0, 1, "").step_dirs() if (p / META).is_file()]
+            if others and not trainer.overwrite:
+                reason = "trainer.resume=never" if trainer.resume == "never" else "none is a complete checkpoint of this run"
+                raise ConfigError(
+                    f"trainer.output_dir={str(self.path)!r} holds the checkpoints {others} of another run and "
+                    f"this run starts fresh ({reason}); use a new output_dir, or set trainer.overwrite=true to "
+                    "delete that run's outputs"
+                )
+            for name in RUN_OUTPUTS if trainer.overwrite else ():
+                target = self.path / name
+                if target.is_dir():
+                    shutil.rmtree(target)
+                elif target.exists():
+                    target.unlink()
+            run_id = uuid.uuid4().hex
+            saved_run.write_text(json.dumps({"run_id": run_id}))
+        (self.path / RECIPE).write_text(OmegaConf.to_yaml(cfg))
+        return run_id, latest
+
+    def _check_resume(self, cfg: DictConfig, trainer, latest: CheckpointInfo, world_size: int, dp_size: int) -> None:
+        ways_out = (
+            f"keep the recipe of that run, or start over in a new trainer.output_dir (or with trainer.resume=never "
+            f"trainer.overwrite=true, which deletes {self.path}'s checkpoints)"
+        )
+        recipe = self.path / RECIPE
+        if recipe.is_file():
+            refused, accepted = recipe_changes(OmegaConf.load(recipe), cfg)
+            if refused:
+                listed = "\n  ".join(refused)
+                raise ConfigError(
+                    f"cannot resume {latest.path}: the recipe changed in keys fixed for a run:\n  {listed}\n{ways_out}"
+                )
+            for line in accepted:
+                logger.info("resume with a changed setting: %s", line)
+        stop = trainer.stop_at_step or trainer.max_steps
+        if latest.step > stop:
+            which = f"trainer.stop_at_step={trainer.stop_at_step}" if trainer.stop_at_step else "trainer.max_steps"
+            raise ConfigError(
+                f"the run in {self.path} is already at step {latest.step}, past {which}={stop}: nothing to train; "
+                f"ask for more steps (trainer.max_steps > {latest.step}), or {ways_out}"
+            )
+        per_step = dp_size * trainer.grad_accum_steps
+        if per_step != latest.micro_batches_per_step:
+            accum = latest.micro_batches_per_step / dp_size
+            fix = f"trainer.grad_accum_steps={int(accum)}" if accum.is_integer() else "a world size that divides it"
+            raise ConfigError(
+                f"cannot resume {latest.path}: it was written by world size {latest.world_size} (data-parallel "
+                f"{latest.dp_size}) with {latest.micro_batches_per_step} micro-batches per step; this job has world "
+                f"size {world_size} (data-parallel {dp_size}) x trainer.grad_accum_steps={trainer.grad_accum_steps} = "
+                f"{per_step}. Keep the global batch with {fix}, or {ways_out}"
+            )
+        if latest.world_size != world_size:
+            logger.info("resuming a world-size-%d checkpoint on %d ranks (resharded)", latest.world_size, world_size)
