@@ -75,7 +75,7 @@ class FinetuneRecipe:
 
         self.tokenizer = self.data.load_tokenizer()
         with _main_rank_first(self.dims.is_main):  # rank 0 fills the datasets cache, the others read it
-            dataset = self.data.build(self.tokenizer)
+            dataset, self.val_dataset = self.data.build(self.tokenizer)
         padding_idx = self.tokenizer.pad_token_id
         env = LoaderEnv(
             dp_rank=self.dims.dp_rank, dp_size=self.dims.dp_size, seed=self.trainer.seed,
