@@ -94,7 +94,7 @@ class FinetuneRecipe:
         if latest is not None:
             self.step = self.checkpointer.load(latest, self.model, self.optimizer, self.scheduler, self.stream)
             logger.info("resumed from %s at step %d", latest, self.step)
-        self.metrics = MetricsLog(self.output_dir / "metrics.jsonl", self.step) if self.dims.is_main else None
+        self.metrics = MetricsLog(self.output_dir / "metrics.jsonl", self.step, self.trainer.tracking) if self.dims.is_main else None
 
     def _build_model(self) -> DecoderForCausalLM:
         config = dataclasses.replace(self.model_spec.decoder_config(), cp_comm_type=self.parallel_config.cp_comm_type)
