@@ -1,22 +1,18 @@
-"""LoRA with peft on a tiny random-init LlamaForCausalLM: frozen base, PEFT-format export, merge, FSDP2."""
+"""LoRA with peft on a tiny random-init LlamaForCausalLM: frozen base, PEFT-format export, merge.
+
+FSDP2 over a PeftModel (two gloo ranks) is in tests/functional/test_lora_validation_distributed.py.
+"""
 
 from __future__ import annotations
-
-import copy
-import socket
 
 import peft
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import fully_shard
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from automodel.models.lora import (
     LoraConfig,
     export_adapter,
-    lora_decoder_layers,
     merged_state_dict,
     trainable_parameters,
 )
@@ -74,28 +70,6 @@ def test_only_adapters_train_and_exports_reload(tmp_path):
     merged = tiny_llama(seed=5)
     merged.load_state_dict(merged_state_dict(model.state_dict(), LORA))
     torch.testing.assert_close(logits(merged.eval()), logits(model), rtol=0, atol=1e-5)
-
-
-def test_fully_shard_over_a_peft_model_in_one_gloo_process(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        mesh = dist.device_mesh.init_device_mesh("cpu", (1,))
-        reference = LORA.apply(tiny_llama())
-        model = copy.deepcopy(reference)
-        for layer in lora_decoder_layers(model):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        assert train(model) == train(reference)  # one rank: the same arithmetic
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        assert set(full) == set(reference.state_dict())  # the same names as without FSDP
-        export_adapter(model, full, tmp_path / "adapter")
-        reloaded = peft.PeftModel.from_pretrained(tiny_llama(), tmp_path / "adapter").eval()
-        torch.testing.assert_close(logits(reloaded), logits(reference.eval()), rtol=0, atol=1e-5)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(
