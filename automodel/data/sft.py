@@ -114,6 +114,27 @@ def load_tokenizer(path_or_name: str | os.PathLike) -> PreTrainedTokenizerBase:
         ) from error
 
 
+def end_of_turn_token_id(tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The special token the chat template closes an assistant turn with, or None without a template.
+
+    ``generate`` stops at ``generation_config.eos_token_id``; when this token differs from the
+    model's eos (Llama 3 ``<|eot_id|>``, Qwen ``<|im_end|>``) the export should list both.
+    Example: ``...<|start_header_id|>assistant<|end_header_id|>\\n\\nok<|eot_id|>`` -> id of ``<|eot_id|>``.
+    """
+    if getattr(tokenizer, "chat_template", None) is None:
+        return None
+    probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    prompt = tokenizer.apply_chat_template(probe[:1], tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(probe, tokenize=False)
+    reply_end = text.index("y", len(prompt)) + 1 if text.startswith(prompt) else text.rindex("y") + 1
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
+    for token, (start, _) in zip(encoded["input_ids"], encoded["offset_mapping"], strict=True):
+        if start >= reply_end and token in special:
+            return token
+    return None
+
+
 def shift_for_next_token(
     ids: list[int], mask: list[int], max_length: int | None = None
 ) -> tuple[list[int], list[int], list[int]]:
