@@ -38,8 +38,9 @@ class OptimConfig:
                f"optim.max_grad_norm must be positive or null, got {self.max_grad_norm}")
 
     def build(self, model: torch.nn.Module, max_steps: int):
+        trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: adapters only, no base state
         optimizer = torch.optim.AdamW(
-            model.parameters(), lr=self.lr, betas=tuple(self.betas), eps=self.eps, weight_decay=self.weight_decay
+            trainable, lr=self.lr, betas=tuple(self.betas), eps=self.eps, weight_decay=self.weight_decay
         )
         return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_factor_schedule(max_steps))
 
