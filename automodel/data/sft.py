@@ -1,4 +1,4 @@
-"""SFT formatting: raw rows -> ``input_ids``, ``labels``, ``loss_mask`` rows for :func:`pack_dataset`.
+"""SFT formatting: raw rows in any supported format -> ``input_ids``, ``labels``, ``loss_mask`` rows.
 
 Every sample follows one convention. Tokenize the whole sample to ``ids`` (bos/eos where the
 tokenizer or the chat template puts them) and mark with ``mask`` = 1 the tokens the model should
@@ -8,9 +8,24 @@ learn: the completion or the assistant turns, each with its closing eos. Then::
 
 so position t sees ``ids[:t + 1]`` and is trained to predict ``ids[t + 1]`` where the mask is 1.
 
-Two row formats: ``prompt_completion`` (two text columns) and ``messages`` (a list of
-``{"role", "content"}`` dicts rendered by the tokenizer's chat template). Samples with no token to
-learn are dropped, and the drop is logged once with its count and share.
+Formats (the field names a recipe may map to other column names with ``columns``):
+
+==================== ============================================ ===================================
+format               fields                                       learned tokens
+==================== ============================================ ===================================
+messages             ``messages``: ``[{role, content, ...}]``     assistant turns (chat template)
+sharegpt             ``conversations``: ``[{from, value}]``       gpt turns (human->user, gpt->assistant)
+alpaca               ``instruction``, ``input`` (optional),       ``output`` (a user turn
+                     ``output``                                   ``instruction\\n\\ninput``, chat template)
+prompt_completion    ``prompt``, ``completion``                   completion + eos
+text                 ``text``                                     every token (bos? text eos)
+tokens               ``input_ids``, ``labels``/``loss_mask``      as given (see :func:`_parse_tokens`)
+                     (optional)
+==================== ============================================ ===================================
+
+A malformed row raises a ``ValueError`` naming the file, the row and the field, or with
+``on_bad_row="skip"`` is dropped and counted. Samples with no token to learn are dropped; both
+drops and truncations are logged with their count and share.
 """
 
 from __future__ import annotations
@@ -19,22 +34,33 @@ import functools
 import logging
 import os
 import re
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import datasets
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from automodel.assets import TINY_TOKENIZER_DIR
+from automodel.data.sources import RowOrigin
 
 logger = logging.getLogger(__name__)
 
-FORMATS = ("prompt_completion", "messages")
+# format -> (required fields, optional fields)
+FORMATS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "messages": (("messages",), ()),
+    "sharegpt": (("conversations",), ()),
+    "alpaca": (("instruction", "output"), ("input",)),
+    "prompt_completion": (("prompt", "completion"), ()),
+    "text": (("text",), ()),
+    "tokens": (("input_ids",), ("labels", "loss_mask")),
+}
+CHAT_FORMATS = ("messages", "sharegpt", "alpaca")
 CHAT_ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+BAD_ROW_MODES = ("error", "skip")
 BUILTIN_TOKENIZERS = {"tiny": TINY_TOKENIZER_DIR}
 # The tag transformers looks for before it can return an assistant-token mask.
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -43,10 +69,21 @@ _OUTPUT_FEATURES = datasets.Features(
         "input_ids": datasets.List(datasets.Value("int32")),
         "labels": datasets.List(datasets.Value("int32")),
         "loss_mask": datasets.List(datasets.Value("int8")),
-        "_learnable": datasets.Value("int32"),  # per-sample counters, read for the report, then removed
+        # per-row counters, read for the report, then removed
+        "_learnable": datasets.Value("int32"),
         "_truncated": datasets.Value("bool"),
+        "_bad": datasets.Value("string"),
     }
 )
+_NO_ORIGIN = RowOrigin(("dataset",), (0,))
+
+
+class BadRow(ValueError):
+    """A row whose ``field`` cannot be used; ``tokenize_sft_dataset`` adds the file and row."""
+
+    def __init__(self, field: str, reason: str):
+        super().__init__(reason)
+        self.field, self.reason = field, reason
 
 
 def load_tokenizer(path_or_name: str | os.PathLike) -> PreTrainedTokenizerBase:
@@ -75,6 +112,27 @@ def load_tokenizer(path_or_name: str | os.PathLike) -> PreTrainedTokenizerBase:
             f"no tokenizer at {name!r} on this machine (nothing is downloaded): pass a local directory, "
             f"a Hub name already in the Hugging Face cache, or a built-in name ({', '.join(BUILTIN_TOKENIZERS)})"
         ) from error
+
+
+def end_of_turn_token_id(tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The special token the chat template closes an assistant turn with, or None without a template.
+
+    ``generate`` stops at ``generation_config.eos_token_id``; when this token differs from the
+    model's eos (Llama 3 ``<|eot_id|>``, Qwen ``<|im_end|>``) the export should list both.
+    Example: ``...<|start_header_id|>assistant<|end_header_id|>\\n\\nok<|eot_id|>`` -> id of ``<|eot_id|>``.
+    """
+    if getattr(tokenizer, "chat_template", None) is None:
+        return None
+    probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    prompt = tokenizer.apply_chat_template(probe[:1], tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(probe, tokenize=False)
+    reply_end = text.index("y", len(prompt)) + 1 if text.startswith(prompt) else text.rindex("y") + 1
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
+    for token, (start, _) in zip(encoded["input_ids"], encoded["offset_mapping"], strict=True):
+        if start >= reply_end and token in special:
+            return token
+    return None
 
 
 def shift_for_next_token(
@@ -111,38 +169,33 @@ def tokenize_sft_dataset(
     tokenizer: PreTrainedTokenizerBase,
     *,
     format: str = "prompt_completion",
-    prompt_column: str = "prompt",
-    completion_column: str = "completion",
-    messages_column: str = "messages",
+    columns: Mapping[str, str] | None = None,
     max_length: int | None = None,
+    on_bad_row: str = "error",
+    origin: RowOrigin = _NO_ORIGIN,
     num_proc: int | None = None,
 ) -> datasets.Dataset:
-    """Tokenize SFT rows into ``input_ids``, ``labels`` and ``loss_mask`` (see the module docstring).
+    """Tokenize rows of one format into ``input_ids``, ``labels`` and ``loss_mask`` (module docstring).
 
     Args:
         dataset: raw rows, e.g. from :func:`automodel.data.sources.load_sft_source`.
-        tokenizer: a fast Hugging Face tokenizer with an eos token (e.g. :func:`load_tokenizer`).
-        format: ``"prompt_completion"``: ``ids = [bos?] + tok(prompt) + tok(completion) + [eos]``,
-            prompt and completion tokenized separately (so the boundary is exact), bos only where
-            the tokenizer adds one itself, the completion and eos learned.
-            ``"messages"``: ``ids`` = the chat template's rendering, learned on the assistant
-            turns. The template's ``{% generation %}`` markers locate them when present; otherwise
-            (Llama 3, Qwen 2.5) each assistant turn is the text between the conversation rendered
-            up to it with a generation prompt and rendered through it, which requires the template
-            to render every prefix of a conversation as a prefix of the whole.
-        prompt_column, completion_column: text columns of ``"prompt_completion"``; the completion
-            must not be empty.
-        messages_column: list-of-``{"role", "content"}`` column of ``"messages"``; roles are
-            system, user or assistant, the first message is not the assistant's, and assistant
-            content is not empty. A conversation without an assistant turn has nothing to learn.
-        max_length: keep at most this many tokens per sample (the tail is cut; counted and logged).
-            Set it to the packed sequence size so that no sample is too long to pack.
+        tokenizer: a fast Hugging Face tokenizer with an eos token (e.g. :func:`load_tokenizer`);
+            the chat formats need its chat template.
+        format: one of :data:`FORMATS`. ``prompt_completion`` tokenizes prompt and completion
+            separately (so the boundary is exact): ``[bos?] + tok(prompt) + tok(completion) + [eos]``.
+            The chat formats render the template; assistant turns are found by the template's
+            ``{% generation %}`` markers, or else (Llama 3, Qwen 2.5) as the text between the
+            conversation rendered up to the turn with a generation prompt and rendered through it.
+        columns: field -> column name, for columns named otherwise (``{"prompt": "question"}``).
+        max_length: keep at most this many positions per sample (the tail is cut; counted, logged).
+        on_bad_row: ``"error"``: a malformed row raises ``ValueError`` naming file, row and field;
+            ``"skip"``: it is dropped, and the drops are counted and logged by reason.
+        origin: maps a row index to ``"file row n"`` for messages (from ``load_sft_source``).
         num_proc: processes for ``datasets.map`` (None: this process).
 
     Returns:
         A ``datasets.Dataset`` with int list columns ``input_ids``, ``labels``, ``loss_mask`` of
-        equal length per row; samples with no token to learn (after truncation) are dropped and
-        logged with their count and share.
+        equal length per row; samples with no token to learn are dropped and logged.
 
     Example (``format="prompt_completion"``, the tiny tokenizer: bos 1, eos 2)::
 
@@ -152,134 +205,277 @@ def tokenize_sft_dataset(
         labels     [388 320 289 286 81  376 292 36  204 273 31  304 2  ]
         loss_mask  [0   0   0   0   0   0   0   0   0   0   0   1   1  ]
     """
-    dataset = _check_dataset(dataset)
-    if not isinstance(tokenizer, PreTrainedTokenizerBase):
-        raise TypeError(f"tokenizer must be a transformers tokenizer, got {type(tokenizer).__name__}")
-    if max_length is not None and (
-        isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1
-    ):
-        raise ValueError(f"max_length must be None or a positive int, got {max_length!r}")
-    if num_proc is not None and (isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1):
-        raise ValueError(f"num_proc must be None or a positive int, got {num_proc!r}")
-
-    if format == "prompt_completion":
-        encode = _prompt_completion_encoder(dataset, tokenizer, prompt_column, completion_column)
-        input_columns = [prompt_column, completion_column]
-    elif format == "messages":
-        encode = _messages_encoder(dataset, tokenizer, messages_column)
-        input_columns = [messages_column]
-    else:
-        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
-
-    tokenized = dataset.map(
-        functools.partial(_encode_batch, encode=encode, max_length=max_length),
-        batched=True,
-        input_columns=input_columns,
-        remove_columns=dataset.column_names,
-        features=_OUTPUT_FEATURES,
-        num_proc=num_proc,
-        desc=f"Tokenizing SFT samples ({format})",
-    )
-    return _drop_unlearnable(tokenized, max_length)
-
-
-# An encoder maps a batch of input columns to (ids, mask) per sample.
-_Encoder = Callable[..., tuple[list[list[int]], list[list[int]]]]
-
-
-def _encode_batch(*columns: list, encode: _Encoder, max_length: int | None) -> dict[str, list]:
-    out: dict[str, list] = {name: [] for name in _OUTPUT_FEATURES}
-    for ids, mask in zip(*encode(*columns), strict=True):
-        input_ids, labels, loss_mask = shift_for_next_token(ids, mask, max_length)
-        out["input_ids"].append(input_ids)
-        out["labels"].append(labels)
-        out["loss_mask"].append(loss_mask)
-        out["_learnable"].append(sum(loss_mask))
-        out["_truncated"].append(max_length is not None and len(ids) > max_length + 1)
-    return out
-
-
-def _drop_unlearnable(tokenized: datasets.Dataset, max_length: int | None) -> datasets.Dataset:
-    counters = tokenized.select_columns(["_learnable", "_truncated"]).with_format("arrow")[:]
-    learnable = counters.column("_learnable").to_numpy()
-    truncated = counters.column("_truncated").to_numpy(zero_copy_only=False)
-    total = len(learnable)
-    if truncated.any():
-        logger.warning(
-            "tokenize_sft_dataset truncated %d of %d samples (%.2f%%) to max_length=%d tokens",
-            truncated.sum(), total, 100 * truncated.mean(), max_length,
-        )  # fmt: skip
-    keep = np.flatnonzero(learnable > 0)
-    reason = "no assistant turn" + (f", or the prompt fills max_length={max_length}" if max_length else "")
-    if len(keep) == 0:
-        raise ValueError(f"none of the {total} samples has a token to learn ({reason})")
-    if len(keep) < total:
-        logger.warning(
-            "tokenize_sft_dataset dropped %d of %d samples (%.2f%%) with no token to learn (%s)",
-            total - len(keep), total, 100 * (total - len(keep)) / total, reason,
-        )  # fmt: skip
-        tokenized = tokenized.select(keep)
-    logger.info(
-        "tokenize_sft_dataset: %d samples, %d tokens to learn", len(keep), int(learnable.sum(dtype=np.int64))
-    )
-    return tokenized.remove_columns(["_learnable", "_truncated"])
-
-
-def _check_dataset(dataset: Any) -> datasets.Dataset:
     if isinstance(dataset, datasets.DatasetDict):
-        raise TypeError(
-            f"pass one split of the DatasetDict (available: {list(dataset)}), e.g. dataset['train']"
-        )
+        raise TypeError(f"pass one split of the DatasetDict (available: {list(dataset)}), e.g. dataset['train']")
     if not isinstance(dataset, datasets.Dataset):
         raise TypeError(f"dataset must be a map-style datasets.Dataset, got {type(dataset).__name__}")
     if len(dataset) == 0:
         raise ValueError("dataset is empty: nothing to tokenize")
-    return dataset
+    if not isinstance(tokenizer, PreTrainedTokenizerBase):
+        raise TypeError(f"tokenizer must be a transformers tokenizer, got {type(tokenizer).__name__}")
+    for name, value in (("max_length", max_length), ("num_proc", num_proc)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be None or a positive int, got {value!r}")
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {tuple(FORMATS)}, got {format!r}")
+    if on_bad_row not in BAD_ROW_MODES:
+        raise ValueError(f"on_bad_row must be one of {BAD_ROW_MODES}, got {on_bad_row!r}")
+    fields = _resolve_columns(dataset, format, dict(columns or {}))
+    _check_tokenizer(tokenizer, format)
+
+    tokenized = dataset.map(
+        functools.partial(
+            _encode_batch, fields=list(fields), format=format, tokenizer=tokenizer,
+            columns={f: c for f, c in fields.items()}, max_length=max_length, on_bad_row=on_bad_row, origin=origin,
+        ),
+        batched=True,
+        with_indices=True,
+        input_columns=list(fields.values()),
+        remove_columns=dataset.column_names,
+        features=_OUTPUT_FEATURES,
+        num_proc=num_proc,
+        desc=f"Tokenizing SFT samples ({format})",
+    )  # fmt: skip
+    return _drop_and_report(tokenized, max_length, origin)
 
 
-def _column(dataset: datasets.Dataset, name: str, role: str, hint: str) -> pa.ChunkedArray:
-    if name not in dataset.column_names:
+def _resolve_columns(dataset: datasets.Dataset, format: str, columns: dict[str, str]) -> dict[str, str]:
+    """field -> column for the fields this dataset has (required ones must be there)."""
+    required, optional = FORMATS[format]
+    unknown = set(columns) - set(required) - set(optional)
+    if unknown:
         raise ValueError(
-            f"{role}={name!r} is not a column of the dataset (columns: {dataset.column_names}); {hint}"
+            f"columns has {sorted(unknown)}, which format={format!r} does not use; its fields: {required + optional}"
         )
-    return dataset.select_columns([name]).with_format("arrow")[:].column(name)
+    fields = {}
+    for field in required + optional:
+        column = columns.get(field, field)
+        if column in dataset.column_names:
+            fields[field] = column
+        elif field in required:
+            raise ValueError(
+                f"format={format!r} needs field {field!r}, but column {column!r} is not in the dataset (columns: "
+                f"{dataset.column_names}); map it with columns={{'{field}': <column>}} or pick another format"
+            )
+    return fields
 
 
-def _first_true(flags: np.ndarray) -> int:
-    return int(np.flatnonzero(flags)[0])
+def _check_tokenizer(tokenizer: PreTrainedTokenizerBase, format: str) -> None:
+    if format in ("prompt_completion", "text") and tokenizer.eos_token_id is None:
+        raise ValueError(f"the tokenizer has no eos token, which ends every {format} sample; set tokenizer.eos_token")
+    if format in CHAT_FORMATS:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError(
+                f"format={format!r} renders the tokenizer's chat template, but it has no chat_template; "
+                "set tokenizer.chat_template or use format='prompt_completion'"
+            )
+        if not tokenizer.is_fast:
+            raise ValueError(f"format={format!r} needs a fast tokenizer (offsets locate the assistant turns)")
 
 
-# -- prompt/completion -------------------------------------------------------------------------------
+# A sample after encoding: (input_ids, labels, loss_mask), aligned.
+_Sample = tuple[list[int], list[int], list[int]]
 
 
-def _prompt_completion_encoder(
-    dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, prompt_column: str, completion_column: str
-) -> _Encoder:
-    hint = "set prompt_column/completion_column, or format='messages' for chat rows"
-    for role, name in (("prompt_column", prompt_column), ("completion_column", completion_column)):
-        column = _column(dataset, name, role, hint)
-        if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
-            raise ValueError(f"column {name!r} must hold text, got Arrow type {column.type}")
-        nulls = pc.is_null(column).to_numpy(zero_copy_only=False)
-        if nulls.any():
-            raise ValueError(f"row {_first_true(nulls)}: {name!r} is null; fill or drop such rows")
-        if name == completion_column:
-            empty = pc.equal(pc.utf8_length(column), 0).to_numpy(zero_copy_only=False)
-            if empty.any():
-                raise ValueError(
-                    f"row {_first_true(empty)}: completion column {name!r} is empty, so there is nothing to learn "
-                    "but the eos; fill or drop such rows"
-                )
-    if tokenizer.eos_token_id is None:
-        raise ValueError(
-            "the tokenizer has no eos token, which ends every completion; set tokenizer.eos_token"
-        )
-    return functools.partial(
-        _encode_prompt_completion,
-        tokenizer=tokenizer,
-        prefix=_special_prefix(tokenizer),
-        eos=tokenizer.eos_token_id,
-    )
+def _encode_batch(
+    *values: list,
+    fields: list[str],
+    format: str,
+    tokenizer: PreTrainedTokenizerBase,
+    columns: dict[str, str],
+    max_length: int | None,
+    on_bad_row: str,
+    origin: RowOrigin,
+) -> dict[str, list]:
+    *values, indices = values
+    parsed, bad = [], []
+    for index, row in zip(indices, zip(*values, strict=True), strict=True):
+        try:
+            parsed.append(_PARSERS[format](dict(zip(fields, row, strict=True)), tokenizer))
+            bad.append("")
+        except BadRow as error:
+            message = f"field {error.field!r} (column {columns.get(error.field, error.field)!r}): {error.reason}"
+            if on_bad_row == "error":
+                raise ValueError(f"{origin(index)}: {message}; fix the row, or set on_bad_row=skip") from None
+            bad.append(message)
+    samples = iter(_ENCODERS[format](parsed, tokenizer) if parsed else [])
+    out: dict[str, list] = {name: [] for name in _OUTPUT_FEATURES}
+    for reason in bad:
+        input_ids, labels, loss_mask = ([], [], []) if reason else next(samples)
+        truncated = max_length is not None and len(input_ids) > max_length
+        if truncated:
+            input_ids, labels, loss_mask = input_ids[:max_length], labels[:max_length], loss_mask[:max_length]
+        for name, value in zip(_OUTPUT_FEATURES, (input_ids, labels, loss_mask, sum(loss_mask), truncated, reason)):
+            out[name].append(value)
+    return out
+
+
+def _drop_and_report(tokenized: datasets.Dataset, max_length: int | None, origin: RowOrigin) -> datasets.Dataset:
+    counters = tokenized.select_columns(["_learnable", "_truncated", "_bad"]).with_format("arrow")[:]
+    learnable = counters.column("_learnable").to_numpy()
+    truncated = counters.column("_truncated").to_numpy(zero_copy_only=False)
+    bad = counters.column("_bad").to_pylist()
+    total = len(learnable)
+    share = lambda n: f"{n} of {total} rows ({100 * n / total:.2f}%)"  # noqa: E731
+    if truncated.any():
+        logger.warning("truncated %s to max_length=%d tokens", share(int(truncated.sum())), max_length)
+    skipped = Counter(reason for reason in bad if reason)
+    if skipped:
+        first = next(i for i, reason in enumerate(bad) if reason)
+        logger.warning(
+            "skipped %s that are malformed (on_bad_row=skip); first: %s: %s; by reason: %s",
+            share(sum(skipped.values())), origin(first), bad[first], dict(skipped.most_common(5)),
+        )  # fmt: skip
+    unlearnable = int(((learnable == 0) & ~np.array([bool(r) for r in bad], dtype=bool)).sum())
+    if unlearnable:
+        reason = "no assistant turn" + (f", or the prompt fills max_length={max_length}" if max_length else "")
+        logger.warning("dropped %s with no token to learn (%s)", share(unlearnable), reason)
+    keep = np.flatnonzero(learnable > 0)
+    if len(keep) == 0:
+        raise ValueError(f"none of the {total} rows has a token to learn (malformed, or nothing to learn)")
+    if len(keep) < total:
+        tokenized = tokenized.select(keep)
+    logger.info("tokenized %d samples, %d tokens to learn", len(keep), int(learnable.sum(dtype=np.int64)))
+    return tokenized.remove_columns(["_learnable", "_truncated", "_bad"])
+
+
+# -- parsing: one row of fields -> the values the encoder needs, or BadRow ------------------------------
+
+
+def _text(row: dict, field: str, *, empty_ok: bool = False) -> str:
+    value = row.get(field)
+    if not isinstance(value, str):
+        raise BadRow(field, f"must be text, got {type(value).__name__}")
+    if not value and not empty_ok:
+        raise BadRow(field, "is empty")
+    return value
+
+
+def _parse_messages(row: dict, tokenizer: Any = None, field: str = "messages") -> list[dict]:
+    messages = row[field]
+    if not isinstance(messages, list) or not messages:
+        raise BadRow(field, f"must be a non-empty list of {{'role', 'content'}} messages, got {messages!r:.60}")
+    out = []
+    for k, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise BadRow(field, f"message {k} must be a dict with 'role' and 'content', got {message!r:.60}")
+        role, content = message.get("role"), message.get("content")
+        if role not in CHAT_ROLES:
+            raise BadRow(field, f"message {k}: role {role!r} is not one of {CHAT_ROLES}")
+        if not isinstance(content, str):
+            raise BadRow(field, f"message {k} ({role}) has no text content, got {type(content).__name__}")
+        if role == "assistant" and not content:
+            raise BadRow(field, f"message {k}: an assistant message is empty")
+        # Extra keys (name, tool_calls...) go to the template; keys other rows have (read as None) do not.
+        out.append({key: value for key, value in message.items() if value is not None})
+    if out[0]["role"] == "assistant":
+        raise BadRow(field, "the conversation starts with an assistant message; it needs a system or user prompt")
+    return out
+
+
+def _parse_sharegpt(row: dict, tokenizer: Any) -> list[dict]:
+    turns = row["conversations"]
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, dict) for t in turns):
+        raise BadRow("conversations", f"must be a non-empty list of {{'from', 'value'}} turns, got {turns!r:.60}")
+    messages = []
+    for k, turn in enumerate(turns):
+        if turn.get("from") not in SHAREGPT_ROLES:
+            raise BadRow("conversations", f"turn {k}: 'from' {turn.get('from')!r} is not one of {tuple(SHAREGPT_ROLES)}")
+        messages.append({"role": SHAREGPT_ROLES[turn["from"]], "content": turn.get("value")})
+    return _parse_messages({"conversations": messages}, field="conversations")
+
+
+def _parse_alpaca(row: dict, tokenizer: Any) -> list[dict]:
+    instruction, output = _text(row, "instruction"), _text(row, "output")
+    extra = row.get("input")
+    if extra is not None and not isinstance(extra, str):
+        raise BadRow("input", f"must be text or empty, got {type(extra).__name__}")
+    prompt = f"{instruction}\n\n{extra}" if extra else instruction
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": output}]
+
+
+def _parse_tokens(row: dict, tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], ...]:
+    """``input_ids`` alone: every token learned, shifted like text. With ``loss_mask`` (one flag per
+    token of input_ids): shifted, learned where 1. With ``labels`` (already aligned, -100 ignored):
+    used as they are, ``loss_mask`` (if given) one flag per position."""
+    vocab = len(tokenizer)
+    columns = {}
+    for field in ("input_ids", "labels", "loss_mask"):
+        value = row.get(field)
+        if value is None and field != "input_ids":
+            continue
+        if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            raise BadRow(field, f"must be a list of ints, got {value!r:.60}")
+        if len(value) < 2:
+            raise BadRow(field, f"needs at least 2 entries, got {len(value)}")
+        if columns and len(value) != len(columns["input_ids"]):
+            raise BadRow(field, f"has {len(value)} entries but input_ids has {len(columns['input_ids'])}")
+        low, high = {"input_ids": (0, vocab), "labels": (0, vocab), "loss_mask": (0, 2)}[field]
+        if not all(low <= v < high or (field == "labels" and v == -100) for v in value):
+            raise BadRow(field, f"has a value outside {'0/1' if field == 'loss_mask' else f'[0, {vocab})'}")
+        columns[field] = value
+    if "labels" in columns and columns["labels"] == columns["input_ids"]:
+        raise BadRow("labels", "equal input_ids: labels must be the next tokens (labels[t] = input_ids[t + 1]); "
+                     "drop the labels column to have them derived")  # fmt: skip
+    return columns["input_ids"], columns.get("labels"), columns.get("loss_mask")
+
+
+_PARSERS: dict[str, Callable[[dict, Any], Any]] = {
+    "messages": _parse_messages,
+    "sharegpt": _parse_sharegpt,
+    "alpaca": _parse_alpaca,
+    "prompt_completion": lambda row, _: (_text(row, "prompt", empty_ok=True), _text(row, "completion")),
+    "text": lambda row, _: _text(row, "text"),
+    "tokens": _parse_tokens,
+}
+
+
+# -- encoding: parsed rows -> aligned samples ------------------------------------------------------------
+
+
+def _encode_chat(conversations: list[list[dict]], tokenizer: PreTrainedTokenizerBase) -> list[_Sample]:
+    if _GENERATION_TAG.search(tokenizer.get_chat_template()):
+        ids, masks = _encode_messages_marked(conversations, tokenizer=tokenizer)
+    else:
+        ids, masks = _encode_messages_by_prefix(conversations, tokenizer=tokenizer)
+    return [shift_for_next_token(i, m) for i, m in zip(ids, masks, strict=True)]
+
+
+def _encode_prompt_completion(pairs: list[tuple[str, str]], tokenizer: PreTrainedTokenizerBase) -> list[_Sample]:
+    prompts, completions = zip(*pairs, strict=True)
+    prefix, eos = _special_prefix(tokenizer), tokenizer.eos_token_id
+    prompt_ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+    completion_ids = tokenizer(list(completions), add_special_tokens=False)["input_ids"]
+    return [
+        shift_for_next_token(prefix + p + c + [eos], [0] * (len(prefix) + len(p)) + [1] * (len(c) + 1))
+        for p, c in zip(prompt_ids, completion_ids, strict=True)
+    ]
+
+
+def _encode_text(texts: list[str], tokenizer: PreTrainedTokenizerBase) -> list[_Sample]:
+    prefix, eos = _special_prefix(tokenizer), tokenizer.eos_token_id
+    ids = [prefix + t + [eos] for t in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    return [shift_for_next_token(i, [1] * len(i)) for i in ids]
+
+
+def _encode_tokens(rows: list[tuple], tokenizer: PreTrainedTokenizerBase) -> list[_Sample]:
+    samples = []
+    for input_ids, labels, loss_mask in rows:
+        if labels is None:
+            samples.append(shift_for_next_token(input_ids, loss_mask or [1] * len(input_ids)))
+        else:
+            flags = loss_mask or [1] * len(labels)
+            learned = [int(label != -100 and flag == 1) for label, flag in zip(labels, flags, strict=True)]
+            samples.append((input_ids, labels, learned))
+    return samples
+
+
+_ENCODERS: dict[str, Callable[[list, PreTrainedTokenizerBase], list[_Sample]]] = {
+    **dict.fromkeys(CHAT_FORMATS, _encode_chat),
+    "prompt_completion": _encode_prompt_completion,
+    "text": _encode_text,
+    "tokens": _encode_tokens,
+}
 
 
 def _special_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -291,96 +487,6 @@ def _special_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
             return full[:start]
     return []
 
-
-def _encode_prompt_completion(
-    prompts: list[str],
-    completions: list[str],
-    *,
-    tokenizer: PreTrainedTokenizerBase,
-    prefix: list[int],
-    eos: int,
-) -> tuple[list[list[int]], list[list[int]]]:
-    prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-    completion_ids = tokenizer(completions, add_special_tokens=False)["input_ids"]
-    ids, masks = [], []
-    for p, c in zip(prompt_ids, completion_ids, strict=True):
-        ids.append(prefix + p + c + [eos])
-        masks.append([0] * (len(prefix) + len(p)) + [1] * (len(c) + 1))
-    return ids, masks
-
-
-# -- messages ----------------------------------------------------------------------------------------
-
-
-def _messages_encoder(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, column: str) -> _Encoder:
-    _check_messages(
-        _column(dataset, column, "messages_column", "set messages_column, or format='prompt_completion'"),
-        column,
-    )
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError(
-            "the tokenizer has no chat_template; set tokenizer.chat_template or use format='prompt_completion'"
-        )
-    if not tokenizer.is_fast:
-        raise ValueError(
-            "format='messages' needs a fast tokenizer (character offsets locate the assistant turns)"
-        )
-    if _GENERATION_TAG.search(tokenizer.get_chat_template()):
-        encode = functools.partial(_encode_messages_marked, tokenizer=tokenizer)
-    else:
-        encode = functools.partial(_encode_messages_by_prefix, tokenizer=tokenizer)
-    encode([dataset[0][column]])  # fail fast on template errors, before the map over all rows
-    return encode
-
-
-def _check_messages(column: pa.ChunkedArray, name: str) -> None:
-    """Reject malformed conversations with the row at fault, reading Arrow only (no per-row Python)."""
-    is_list = pa.types.is_list(column.type) or pa.types.is_large_list(column.type)
-    message_type = column.type.value_type if is_list else None
-    if not (
-        is_list and pa.types.is_struct(message_type) and {"role", "content"} <= {f.name for f in message_type}
-    ):
-        raise ValueError(
-            f"column {name!r} must hold lists of {{'role': ..., 'content': ...}} messages, got Arrow type {column.type}"
-        )
-    for field in ("role", "content"):
-        field_type = message_type.field(field).type
-        if not (pa.types.is_string(field_type) or pa.types.is_large_string(field_type)):
-            raise ValueError(
-                f"message {field!r} in column {name!r} must be text, got Arrow type {field_type}"
-            )
-    row_base = 0
-    for chunk in column.chunks:
-        lengths = pc.list_value_length(chunk).to_numpy(zero_copy_only=False)
-        if chunk.null_count or (lengths == 0).any():
-            bad = pc.is_null(chunk).to_numpy(zero_copy_only=False) | (np.nan_to_num(lengths) == 0)
-            raise ValueError(f"row {row_base + _first_true(bad)}: {name!r} has no messages; drop such rows")
-        rows = pc.list_parent_indices(chunk).to_numpy() + row_base
-        messages = pc.list_flatten(chunk)
-        roles, contents = pc.struct_field(messages, "role"), pc.struct_field(messages, "content")
-        for field, values in (("role", roles), ("content", contents)):
-            nulls = pc.or_(pc.is_null(values), pc.is_null(messages)).to_numpy(zero_copy_only=False)
-            if nulls.any():
-                raise ValueError(f"row {rows[_first_true(nulls)]}: a message in {name!r} has no {field}")
-        unknown = pc.invert(pc.is_in(roles, value_set=pa.array(CHAT_ROLES))).to_numpy(zero_copy_only=False)
-        if unknown.any():
-            i = _first_true(unknown)
-            raise ValueError(
-                f"row {rows[i]}: role {roles[i].as_py()!r} in {name!r}; roles must be one of {CHAT_ROLES}"
-            )
-        assistant = pc.equal(roles, "assistant").to_numpy(zero_copy_only=False)
-        starts = np.r_[True, rows[1:] != rows[:-1]]
-        if (assistant & starts).any():
-            raise ValueError(
-                f"row {rows[_first_true(assistant & starts)]}: the conversation in {name!r} starts with an assistant "
-                "message; it must start with a system or user message (the prompt)"
-            )
-        empty = assistant & pc.equal(pc.utf8_length(contents), 0).to_numpy(zero_copy_only=False)
-        if empty.any():
-            raise ValueError(
-                f"row {rows[_first_true(empty)]}: an assistant message in {name!r} is empty; fill or drop it"
-            )
-        row_base += len(chunk)
 
 
 def _encode_messages_marked(

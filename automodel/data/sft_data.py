@@ -1,57 +1,153 @@
-"""The ``data`` section of a recipe: SFT rows from disk, tokenized with their loss masks."""
+"""The ``data`` section of a recipe: one or several sources, tokenized with their loss masks, mixed
+with weights, and an optional validation set."""
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
+import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from automodel.data.sft import FORMATS, load_tokenizer, tokenize_sft_dataset
-from automodel.data.sources import BUILTIN_SOURCES, load_sft_source
+from automodel.data.sft import BAD_ROW_MODES, FORMATS, load_tokenizer, tokenize_sft_dataset
+from automodel.data.sources import BUILTIN_SOURCES, is_hub_id, load_sft_source
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DataSource:
+    """One source of rows (an entry of ``data.sources``, or ``data.validation``).
+
+    Attributes:
+        source: ``tiny_sft`` (shipped), a json/jsonl/csv/parquet file, a directory or glob of them,
+            a ``save_to_disk`` directory, or a Hub dataset id (``org/name``) in the datasets cache.
+        split: split to read (``train``, ``train[:1000]``, ``validation``...).
+        format: one of ``messages``, ``sharegpt``, ``alpaca``, ``prompt_completion``, ``text``, ``tokens``.
+        columns: field -> column name for columns named otherwise, e.g. ``{prompt: question}``.
+        weight: share of this source's rows per epoch: 1 all, 0.5 a seeded half, 2 every row twice.
+    """
+
+    source: str
+    split: str = "train"
+    format: str = "prompt_completion"
+    columns: dict[str, str] | None = None
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(f"format={self.format!r} for source {self.source!r}: must be one of {tuple(FORMATS)}")
+        if not (isinstance(self.weight, (int, float)) and self.weight > 0):
+            raise ValueError(f"weight={self.weight!r} for source {self.source!r}: must be a positive number")
+        exists = self.source in BUILTIN_SOURCES or Path(os.path.expanduser(self.source)).exists()
+        if not (exists or re.search(r"[*?\[]", self.source) or is_hub_id(self.source)):
+            raise ValueError(
+                f"data.source={self.source!r} does not exist; give a json/jsonl/csv/parquet file, a directory or "
+                f"glob of them, a save_to_disk directory, a Hub id (org/name), or a built-in name "
+                f"({', '.join(BUILTIN_SOURCES)})"
+            )
+
+    def tokenize(self, tokenizer: PreTrainedTokenizerBase, **options) -> datasets.Dataset:
+        rows, origin = load_sft_source(self.source, self.split)
+        return tokenize_sft_dataset(rows, tokenizer, format=self.format, columns=self.columns, origin=origin, **options)
 
 
 @dataclass
 class SFTData:
     """Attributes:
-        source: ``tiny_sft`` (shipped), a json/jsonl/parquet file, a directory or glob of them, or a
-            ``save_to_disk`` directory.
-        split: split to read (``train``, ``train[:1000]``...).
-        format: ``prompt_completion`` or ``messages`` (chat, through the tokenizer's template).
+        source, split, format, columns: the training data when it is one source (see :class:`DataSource`).
+        sources: several sources mixed by weight, each a :class:`DataSource` or a dict of its fields
+            (then set ``source: null``).
         tokenizer: ``tiny`` (shipped) or a local tokenizer directory (often the checkpoint's).
         max_length: cut samples to at most this many tokens (counted and reported).
+        on_bad_row: ``error`` (raise naming file, row and field) or ``skip`` (drop, count, report).
+        validation: a validation set: a :class:`DataSource` or a dict of its fields, which default
+            to the single training source's (``{split: validation}`` reads another split of it).
+        val_fraction: or hold out this fraction of every training source (seeded, before weighting).
+        seed: seeds the held-out split and the weighted subsampling.
         num_proc: tokenization processes.
     """
 
-    source: str = "tiny_sft"
+    source: str | None = "tiny_sft"
     split: str = "train"
     format: str = "prompt_completion"
+    columns: dict[str, str] | None = None
+    sources: list[DataSource | dict] | None = None
     tokenizer: str = "tiny"
-    prompt_column: str = "prompt"
-    completion_column: str = "completion"
-    messages_column: str = "messages"
     max_length: int | None = None
+    on_bad_row: str = "error"
+    validation: DataSource | dict | None = None
+    val_fraction: float | None = None
+    seed: int = 1234
     num_proc: int | None = None
 
     def __post_init__(self) -> None:
-        if self.format not in FORMATS:
-            raise ValueError(f"data.format must be one of {FORMATS}, got {self.format!r}")
-        is_pattern = any(c in self.source for c in "*?[")
-        if self.source not in BUILTIN_SOURCES and not is_pattern and not Path(os.path.expanduser(self.source)).exists():
-            raise ValueError(
-                f"data.source={self.source!r} does not exist; give a json/jsonl/parquet file, a directory or glob "
-                f"of them, a save_to_disk directory, or a built-in name ({', '.join(BUILTIN_SOURCES)})"
-            )
+        if (self.source is None) == (not self.sources):
+            raise ValueError("give data.source (one source) or data.sources (a list to mix), and set the other to null")
+        single = {"source": self.source, "split": self.split, "format": self.format, "columns": self.columns}
+        self.sources = [_source(s, {}) for s in self.sources] if self.sources else [DataSource(**single)]
+        if self.validation is not None:
+            self.validation = _source(self.validation, single if self.source else {})
+        if self.val_fraction is not None and not 0 < self.val_fraction < 1:
+            raise ValueError(f"data.val_fraction must be in (0, 1), got {self.val_fraction!r}")
+        if self.validation is not None and self.val_fraction is not None:
+            raise ValueError("give data.validation or data.val_fraction, not both")
+        if self.on_bad_row not in BAD_ROW_MODES:
+            raise ValueError(f"data.on_bad_row must be one of {BAD_ROW_MODES}, got {self.on_bad_row!r}")
 
     def load_tokenizer(self) -> PreTrainedTokenizerBase:
         return load_tokenizer(self.tokenizer)
 
-    def build(self, tokenizer: PreTrainedTokenizerBase) -> datasets.Dataset:
-        """Rows ``input_ids``, ``labels``, ``loss_mask`` ready for a batching mode."""
-        return tokenize_sft_dataset(
-            load_sft_source(self.source, self.split), tokenizer, format=self.format,
-            prompt_column=self.prompt_column, completion_column=self.completion_column,
-            messages_column=self.messages_column, max_length=self.max_length, num_proc=self.num_proc,
-        )
+    def build(self, tokenizer: PreTrainedTokenizerBase) -> tuple[datasets.Dataset, datasets.Dataset | None]:
+        """``(train, validation or None)``, rows ``input_ids``, ``labels``, ``loss_mask`` ready for a
+        batching mode. Every row of a source is tokenized once; the mix is logged per source."""
+        options = {"max_length": self.max_length, "on_bad_row": self.on_bad_row, "num_proc": self.num_proc}
+        train, held_out, report = [], [], []
+        for index, spec in enumerate(self.sources):
+            rows = spec.tokenize(tokenizer, **options)
+            if self.val_fraction is not None:
+                split = rows.train_test_split(test_size=self.val_fraction, shuffle=True, seed=self.seed)
+                rows, held = split["train"], split["test"]
+                held_out.append(held)
+            weighted = weight_rows(rows, spec.weight, np.random.default_rng([self.seed, index]))
+            train.append(weighted)
+            report.append((spec.source, len(rows), spec.weight, len(weighted)))
+        total = sum(n for *_, n in report)
+        for source, rows, weight, taken in report:
+            logger.info("data: %s: %d rows x weight %g -> %d samples (%.1f%% of %d)",
+                        source, rows, weight, taken, 100 * taken / total, total)  # fmt: skip
+        validation = self.validation.tokenize(tokenizer, **options) if self.validation else None
+        if held_out:
+            validation = datasets.concatenate_datasets(held_out)
+        if validation is not None:
+            logger.info("data: validation set of %d samples", len(validation))
+        return datasets.concatenate_datasets(train) if len(train) > 1 else train[0], validation
+
+
+def weight_rows(rows: datasets.Dataset, weight: float, rng: np.random.Generator) -> datasets.Dataset:
+    """``round(weight * len(rows))`` rows: whole copies, then a seeded sample without replacement.
+
+    Example: 4 rows, weight 1.5 -> rows 0 1 2 3 then 2 of them drawn by ``rng`` (6 in all).
+    """
+    if weight == 1:
+        return rows
+    copies, extra = divmod(round(weight * len(rows)), len(rows))
+    if copies + extra == 0:
+        raise ValueError(f"weight {weight} of a source with {len(rows)} rows keeps none of them")
+    picked = np.sort(rng.choice(len(rows), size=extra, replace=False))
+    return rows.select(np.concatenate([np.tile(np.arange(len(rows)), copies), picked]))
+
+
+def _source(value: DataSource | dict, defaults: dict) -> DataSource:
+    if isinstance(value, DataSource):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"a data source must be a mapping of {list(DataSource.__dataclass_fields__)}, got {value!r}")
+    unknown = set(value) - set(DataSource.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"unknown key(s) {sorted(unknown)} in a data source; valid: {list(DataSource.__dataclass_fields__)}")
+    return DataSource(**{**defaults, **value})

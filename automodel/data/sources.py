@@ -1,14 +1,17 @@
-"""``load_sft_source``: files on disk (or a built-in name) -> a ``datasets.Dataset`` of raw SFT rows.
+"""``load_sft_source``: data as users have it -> a ``datasets.Dataset`` of raw rows, and where each came from.
 
-Everything here is local and offline: json/jsonl/parquet files, directories or globs of them,
-directories written by ``Dataset.save_to_disk``, and the shipped ``"tiny_sft"`` dataset.
+Local json/jsonl/csv/parquet files, directories or globs of them, directories written by
+``save_to_disk``, a Hub dataset id already in (or fetchable into) the ``datasets`` cache, and the
+shipped ``"tiny_sft"`` dataset.
 """
 
 from __future__ import annotations
 
+import bisect
 import glob
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
@@ -17,9 +20,24 @@ from automodel.assets import TINY_SFT_PATH
 
 # Built-in names are reserved: they never resolve to a local path of the same name.
 BUILTIN_SOURCES = {"tiny_sft": TINY_SFT_PATH}
-_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 SUPPORTED_EXTENSIONS = tuple(_BUILDERS)
 _GLOB_CHARS = re.compile(r"[*?\[]")
+_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+@dataclass(frozen=True)
+class RowOrigin:
+    """Maps a row of a loaded source back to its file and its 0-based row in that file."""
+
+    files: tuple[str, ...]
+    starts: tuple[int, ...]  # first dataset row of each file
+    offset: int = 0  # rows of the first file skipped by a split slice such as "train[100:]"
+
+    def __call__(self, row: int) -> str:
+        row += self.offset
+        i = bisect.bisect_right(self.starts, row) - 1
+        return f"{self.files[i]} row {row - self.starts[i]}"
 
 
 def load_sft_source(
@@ -27,45 +45,51 @@ def load_sft_source(
     split: str = "train",
     *,
     cache_dir: str | os.PathLike | None = None,
-) -> datasets.Dataset:
-    """Load raw SFT rows (e.g. ``prompt``/``completion`` or ``messages`` columns) from disk.
+) -> tuple[datasets.Dataset, RowOrigin]:
+    """Load raw rows (``messages``, ``prompt``/``completion``, ``text``...) without changing them.
 
     Args:
         path_or_name: one of
 
             - a built-in name: ``"tiny_sft"`` (the shipped 3,000-row dataset);
-            - a ``.json``, ``.jsonl`` or ``.parquet`` file;
-            - a directory or glob pattern of such files (all with one extension; a directory is
-              searched recursively, skipping names that start with ``.`` or ``_``);
-            - a directory written by ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk``.
+            - a ``.json``, ``.jsonl``, ``.csv`` or ``.parquet`` file;
+            - a directory or glob pattern of such files (all of one type; a directory is searched
+              recursively, skipping names that start with ``.`` or ``_``);
+            - a directory written by ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk``;
+            - a Hub dataset id (``org/name``), read from the ``datasets`` cache (with
+              ``HF_DATASETS_OFFLINE=1`` nothing is downloaded).
         split: files form one split named ``"train"``, which may be sliced the ``datasets`` way
-            (``"train[:1000]"``, ``"train[:10%]"``); for a saved ``DatasetDict`` the name of one of
-            its splits; ignored for a saved ``Dataset``.
-        cache_dir: where ``datasets`` caches the Arrow conversion of files (default: its own).
+            (``"train[:1000]"``, ``"train[:10%]"``); for a saved ``DatasetDict`` or a Hub id the
+            name (and slice) of one of its splits; ignored for a saved ``Dataset``.
+        cache_dir: where ``datasets`` caches the Arrow conversion (default: its own).
 
     Returns:
-        The rows, unchanged (tokenize them with :func:`automodel.data.sft.tokenize_sft_dataset`).
+        ``(rows, origin)``: the rows unchanged, and ``origin(i)`` -> ``"data/a.jsonl row 3"`` for
+        error messages.
 
     Example::
 
-        load_sft_source("data/chats/*.jsonl", split="train[:100]")   # first 100 rows of all files
-        load_sft_source("tiny_sft").column_names                     # ['prompt', 'completion', 'messages']
+        rows, origin = load_sft_source("data/chats/*.jsonl", split="train[:100]")
+        load_sft_source("tiny_sft")[0].column_names      # ['prompt', 'completion', 'messages']
     """
     if not isinstance(path_or_name, (str, os.PathLike)):
         raise ValueError(f"path_or_name must be a path or a built-in name, got {type(path_or_name).__name__}")
     name = os.fspath(path_or_name)
+    cache = None if cache_dir is None else str(cache_dir)
     if name in BUILTIN_SOURCES:
-        return _load_files([str(BUILTIN_SOURCES[name])], split, cache_dir)
+        return _load_files([str(BUILTIN_SOURCES[name])], split, cache)
     path = Path(name).expanduser()
     if _GLOB_CHARS.search(name) and not path.exists():
         files = sorted(p for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
         if not files:
             raise ValueError(f"no file matches the pattern {name!r}")
-        return _load_files(files, split, cache_dir)
+        return _load_files(files, split, cache)
+    if not path.exists() and is_hub_id(name):
+        return _load_hub(name, split, cache)
     if not path.exists():
         raise ValueError(
-            f"SFT source {name!r} does not exist: pass an existing file, directory or glob pattern, "
-            f"or a built-in name ({', '.join(BUILTIN_SOURCES)})"
+            f"source {name!r} does not exist: pass an existing file, directory or glob pattern, a Hub "
+            f"dataset id (org/name), or a built-in name ({', '.join(BUILTIN_SOURCES)})"
         )
     if path.is_dir() and _is_saved_dataset(path):
         return _load_saved(path, split)
@@ -74,11 +98,11 @@ def load_sft_source(
         files = [f for f in files if _extension(f) in _BUILDERS] or files
         if not files:
             raise ValueError(f"directory {name!r} holds no data files")
-        return _load_files(files, split, cache_dir)
-    return _load_files([str(path)], split, cache_dir)
+        return _load_files(files, split, cache)
+    return _load_files([str(path)], split, cache)
 
 
-def _load_files(files: list[str], split: str, cache_dir: str | os.PathLike | None) -> datasets.Dataset:
+def _load_files(files: list[str], split: str, cache_dir: str | None) -> tuple[datasets.Dataset, RowOrigin]:
     extensions = sorted({_extension(f) for f in files})
     unsupported = [e for e in extensions if e not in _BUILDERS]
     if unsupported:
@@ -97,23 +121,47 @@ def _load_files(files: list[str], split: str, cache_dir: str | os.PathLike | Non
             f"split={split!r}: data files form one split named 'train' (optionally sliced, e.g. 'train[:1000]'); "
             "to use several splits, save a DatasetDict with save_to_disk or pass one file per split"
         )
-    return datasets.load_dataset(
-        builders.pop(),
-        data_files={"train": files},
-        split=split,
-        cache_dir=None if cache_dir is None else str(cache_dir),
-    )
+    builder = builders.pop()
+    # One load per file, so that a row can be traced back to its file.
+    parts = [datasets.load_dataset(builder, data_files=[f], split="train", cache_dir=cache_dir) for f in files]
+    try:
+        rows = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+    except ValueError as error:
+        raise ValueError(f"the files of one source must have the same columns and types ({error})") from None
+    starts = [0]
+    for part in parts[:-1]:
+        starts.append(starts[-1] + len(part))
+    (instruction,) = datasets.ReadInstruction.from_spec(split).to_absolute({"train": len(rows)})
+    if (instruction.from_, instruction.to) != (0, len(rows)):
+        rows = rows.select(range(instruction.from_, instruction.to))
+    return rows, RowOrigin(tuple(files), tuple(starts), instruction.from_)
 
 
-def _load_saved(path: Path, split: str) -> datasets.Dataset:
+def _load_saved(path: Path, split: str) -> tuple[datasets.Dataset, RowOrigin]:
     saved = datasets.load_from_disk(str(path))
     if isinstance(saved, datasets.DatasetDict):
         if split not in saved:
             raise ValueError(
                 f"split {split!r} is not in the saved DatasetDict {str(path)!r}; available: {list(saved)}"
             )
-        return saved[split]
-    return saved
+        return saved[split], RowOrigin((f"{path} [{split}]",), (0,))
+    return saved, RowOrigin((str(path),), (0,))
+
+
+def _load_hub(name: str, split: str, cache_dir: str | None) -> tuple[datasets.Dataset, RowOrigin]:
+    try:
+        rows = datasets.load_dataset(name, split=split, cache_dir=cache_dir)
+    except (ConnectionError, FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as error:
+        raise ValueError(
+            f"Hub dataset {name!r} (split {split!r}) is neither in the datasets cache nor reachable: download it "
+            f"once with network access, or pass a local path ({type(error).__name__}: {error})"
+        ) from None
+    return rows, RowOrigin((f"{name} [{split}]",), (0,))
+
+
+def is_hub_id(name: str) -> bool:
+    """``org/name`` that is not a path to a data file (``data/train.jsonl`` is not a Hub id)."""
+    return bool(_HUB_ID.fullmatch(name)) and _extension(name) not in _BUILDERS
 
 
 def _is_saved_dataset(path: Path) -> bool:

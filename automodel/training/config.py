@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from automodel.training.tracking import TrackingConfig
+
 RESUME_MODES = ("auto", "never")
 
 
@@ -52,8 +54,9 @@ class OptimConfig:
                f"optim.max_grad_norm must be a finite positive number or null, got {self.max_grad_norm!r}")
 
     def build(self, model: torch.nn.Module, max_steps: int):
+        trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: adapters only, no base state
         optimizer = torch.optim.AdamW(
-            model.parameters(), lr=self.lr, betas=tuple(self.betas), eps=self.eps, weight_decay=self.weight_decay
+            trainable, lr=self.lr, betas=tuple(self.betas), eps=self.eps, weight_decay=self.weight_decay
         )
         return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_factor_schedule(max_steps))
 
@@ -84,6 +87,7 @@ class TrainerConfig:
         export_hf: write the final model as a Hugging Face checkpoint (output_dir/hf).
         bf16_autocast: bf16 autocast on CUDA (ignored on CPU).
         progress_bar: a tqdm bar on rank 0.
+        tracking: experiment trackers (:class:`TrackingConfig`): TensorBoard by default, W&B, MLflow.
     """
 
     max_steps: int = 100
@@ -99,8 +103,14 @@ class TrainerConfig:
     export_hf: bool = True
     bf16_autocast: bool = True
     progress_bar: bool = True
+    tracking: TrackingConfig | dict | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.tracking, TrackingConfig):
+            try:
+                self.tracking = TrackingConfig(**(self.tracking or {}))
+            except TypeError as error:
+                raise ValueError(f"trainer.tracking: {error}; keys: tensorboard, wandb, mlflow") from None
         for name in ("max_steps", "grad_accum_steps", "log_every", "keep_last"):
             value = getattr(self, name)
             _check(_is_int(value) and value >= 1, f"trainer.{name} must be a positive int, got {value!r}")

@@ -77,7 +77,7 @@ class FinetuneRecipe:
             max_sample_tokens=getattr(self.data, "max_length", None),
         )
         with _main_rank_first(self.dims.is_main):  # rank 0 fills the datasets cache, the others read it
-            dataset = self.data.build(self.tokenizer)
+            dataset, self.val_dataset = self.data.build(self.tokenizer)
         padding_idx = self.tokenizer.pad_token_id
         env = LoaderEnv(
             dp_rank=self.dims.dp_rank, dp_size=self.dims.dp_size, seed=self.trainer.seed,
@@ -97,7 +97,9 @@ class FinetuneRecipe:
         if resume_from is not None:
             self.step = self.checkpointer.load(resume_from, self.model, self.optimizer, self.scheduler, self.stream)
             logger.info("resumed from %s at step %d", resume_from.path, self.step)
-        self.metrics = MetricsLog(self.output_dir / "metrics.jsonl", self.step) if self.dims.is_main else None
+        self.metrics = (
+            MetricsLog(self.output_dir / "metrics.jsonl", self.step, self.trainer.tracking) if self.dims.is_main else None
+        )
 
     def _build_model(self) -> CausalLMForTraining:
         shard = functools.partial(

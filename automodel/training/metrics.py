@@ -1,24 +1,39 @@
-"""Per-step metrics: a JSONL file and a PNG loss curve."""
+"""Per-step metrics: a JSONL file, the experiment trackers, and a PNG loss curve."""
 
 from __future__ import annotations
 
 import json
+import numbers
 from pathlib import Path
 from typing import Any
 
+from automodel.training.tracking import TrackingConfig
+
 
 class MetricsLog:
-    """Appends one JSON object per logged step to ``path``. On resume, records after the resumed
-    step (written by the interrupted run) are dropped so that every step appears once."""
+    """Appends one JSON object per logged step to ``path`` and sends its numbers to the trackers
+    (TensorBoard beside ``path`` by default). On resume, records after the resumed step (written by
+    the interrupted run) are dropped so that every step appears once."""
 
-    def __init__(self, path: str | Path, resumed_step: int = 0):
+    def __init__(self, path: str | Path, resumed_step: int = 0, tracking: TrackingConfig | None = None):
         self.path = Path(path)
         kept = [r for r in read_metrics(self.path) if r["step"] <= resumed_step] if resumed_step else []
         self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self.sinks = (tracking or TrackingConfig()).build(self.path.parent, resumed_step)
 
     def write(self, record: dict[str, Any]) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        scalars = {
+            k: float(v) for k, v in record.items()
+            if k != "step" and isinstance(v, numbers.Real) and not isinstance(v, bool)
+        }  # fmt: skip
+        for sink in self.sinks:
+            sink.write(record["step"], scalars)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -29,6 +44,7 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 
 def plot_loss_curve(metrics_path: str | Path, png_path: str | Path, title: str = "training loss") -> None:
+    """Training loss per step, and ``val_loss`` where records carry it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -36,11 +52,15 @@ def plot_loss_curve(metrics_path: str | Path, png_path: str | Path, title: str =
 
     records = read_metrics(metrics_path)
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["step"] for r in records], [r["loss"] for r in records], marker=".", linewidth=1)
+    for key, label, style in (("loss", "train", "."), ("val_loss", "validation", "o")):
+        points = [(r["step"], r[key]) for r in records if key in r]
+        if points:
+            ax.plot(*zip(*points, strict=True), marker=style, linewidth=1, label=label)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (token mean)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
+    ax.legend()
     fig.tight_layout()
     fig.savefig(png_path, dpi=100)
     plt.close(fig)

@@ -97,7 +97,7 @@ def test_shift_properties(ids, data, max_length):
 
 def test_prompt_completion_worked_example():
     dataset = datasets.Dataset.from_dict({"q": ["what is two plus two", "be brief"], "a": ["four", "ok"]})
-    out = tokenize_sft_dataset(dataset, word_tokenizer(), prompt_column="q", completion_column="a")
+    out = tokenize_sft_dataset(dataset, word_tokenizer(), columns={"prompt": "q", "completion": "a"})
     # ids = <s> what is two plus two four </s> = [1 6 7 8 9 8 10 2], mask [0 0 0 0 0 0 1 1]
     assert rows(out) == [
         {
@@ -198,7 +198,7 @@ def test_fallback_equals_generation_markers_on_shipped_data(tiny):
     fallback = load_tokenizer("tiny")
     fallback.chat_template = strip_generation_tags(tiny.chat_template)
     assert fallback.chat_template != tiny.chat_template
-    source = in_memory(load_sft_source("tiny_sft").select_columns(["messages"]))
+    source = in_memory(load_sft_source("tiny_sft")[0].select_columns(["messages"]))
     marked = tokenize_sft_dataset(source, tiny, format="messages")
     assert marked.to_dict() == tokenize_sft_dataset(source, fallback, format="messages").to_dict()
 
@@ -243,7 +243,7 @@ def test_fallback_rejects_a_template_that_is_not_prefix_stable():
 
 
 def test_num_proc_gives_the_same_rows(tiny):
-    source = in_memory(load_sft_source("tiny_sft").select(range(200)))
+    source = in_memory(load_sft_source("tiny_sft")[0].select(range(200)))
     single = tokenize_sft_dataset(source, tiny, format="messages")
     assert single.to_dict() == tokenize_sft_dataset(source, tiny, format="messages", num_proc=2).to_dict()
 
@@ -258,7 +258,7 @@ def test_conversation_without_assistant_turn_is_dropped_and_reported(caplog):
     with caplog.at_level(logging.WARNING, logger="automodel.data.sft"):
         out = tokenize_sft_dataset(dataset, word_tokenizer(), format="messages")
     assert len(out) == 2 and out[1]["labels"] == CONVERSATION_IDS[1:13]
-    assert "dropped 1 of 3 samples (33.33%)" in caplog.text
+    assert "dropped 1 of 3 rows (33.33%)" in caplog.text
 
 
 def test_max_length_truncates_and_drops_with_a_report(caplog):
@@ -272,9 +272,9 @@ def test_max_length_truncates_and_drops_with_a_report(caplog):
         {"input_ids": [1, 11, 12], "labels": [11, 12, 14], "loss_mask": [0, 0, 1]},
         {"input_ids": [1, 14, 10], "labels": [14, 10, 2], "loss_mask": [0, 1, 1]},
     ]
-    assert "truncated 2 of 3 samples (66.67%) to max_length=3" in caplog.text
-    assert "dropped 1 of 3 samples (33.33%)" in caplog.text
-    with pytest.raises(ValueError, match="none of the 3 samples"):
+    assert "truncated 2 of 3 rows (66.67%) to max_length=3" in caplog.text
+    assert "dropped 1 of 3 rows (33.33%)" in caplog.text
+    with pytest.raises(ValueError, match="none of the 3 rows"):
         tokenize_sft_dataset(dataset, word_tokenizer(), max_length=1)
 
 
@@ -292,20 +292,20 @@ def prompt_completion(**columns) -> datasets.Dataset:
     [
         (
             prompt_completion(),
-            {"completion_column": "answer"},
-            r"completion_column='answer' is not a column.*prompt",
+            {"columns": {"completion": "answer"}},
+            r"field 'completion', but column 'answer' is not in the dataset.*prompt",
         ),
-        (prompt_completion(completion=["ok", ""]), {}, r"row 1: completion column 'completion' is empty"),
-        (prompt_completion(prompt=["x", None]), {}, r"row 1: 'prompt' is null"),
-        (prompt_completion(completion=[1, 2]), {}, r"column 'completion' must hold text"),
+        (prompt_completion(completion=["ok", ""]), {}, r"row 1: field 'completion' .*is empty"),
+        (prompt_completion(prompt=["x", None]), {}, r"row 1: field 'prompt' .*must be text"),
+        (prompt_completion(completion=[1, 2]), {}, r"row 0: field 'completion' .*must be text"),
         (
             prompt_completion(),
             {"format": "chat"},
-            r"format must be one of \('prompt_completion', 'messages'\)",
+            r"format must be one of \('messages', 'sharegpt'",
         ),
         (prompt_completion(), {"max_length": 0}, r"max_length must be None or a positive int"),
         (prompt_completion(), {"num_proc": 0}, r"num_proc must be None or a positive int"),
-        (prompt_completion(), {"format": "messages"}, r"messages_column='messages' is not a column"),
+        (prompt_completion(), {"format": "messages"}, r"needs field 'messages', but column 'messages' is not in the dataset"),
         (datasets.Dataset.from_dict({"prompt": [], "completion": []}), {}, r"dataset is empty"),
     ],
 )
@@ -321,12 +321,12 @@ def chat(*messages) -> list[dict]:
 @pytest.mark.parametrize(
     ("conversations", "match"),
     [
-        ([chat(("user", "what is")), chat(("human", "what is"), ("assistant", "four"))], r"row 1: role 'human'"),
-        ([chat(("assistant", "four"), ("user", "ok"))], r"row 0: the conversation .* starts with an assistant"),
-        ([chat(("user", "what"), ("assistant", "four")), chat(("user", "is"), ("assistant", ""))], r"row 1: an assistant message .* is empty"),
-        ([chat(("user", "what"), ("assistant", "four")), []], r"row 1: 'messages' has no messages"),
-        ([chat(("user", "what"), ("assistant", "four")), chat(("user", None), ("assistant", "ok"))], r"row 1: a message .* has no content"),
-        (["what is two plus two"], r"column 'messages' must hold lists of"),
+        ([chat(("user", "what is")), chat(("human", "what is"), ("assistant", "four"))], r"row 1: field 'messages'.*role 'human'"),
+        ([chat(("assistant", "four"), ("user", "ok"))], r"row 0: field 'messages'.*starts with an assistant"),
+        ([chat(("user", "what"), ("assistant", "four")), chat(("user", "is"), ("assistant", ""))], r"row 1: field 'messages'.*assistant message is empty"),
+        ([chat(("user", "what"), ("assistant", "four")), []], r"row 1: field 'messages'.*must be a non-empty list"),
+        ([chat(("user", "what"), ("assistant", "four")), chat(("user", None), ("assistant", "ok"))], r"row 1: field 'messages'.*message 0 \(user\) has no text content"),
+        (["what is two plus two"], r"row 0: field 'messages'.*must be a non-empty list"),
     ],
 )  # fmt: skip
 def test_bad_messages_input(conversations, match):
@@ -369,7 +369,7 @@ def test_load_tokenizer_errors(tmp_path):
 @pytest.mark.parametrize("format", ["prompt_completion", "messages"])
 def test_tiny_sft_to_packs_learns_only_completions(tiny, tmp_path, format):
     size = 512
-    source = load_sft_source("tiny_sft", cache_dir=tmp_path)
+    source, _ = load_sft_source("tiny_sft", cache_dir=tmp_path)
     tokenized = tokenize_sft_dataset(source, tiny, format=format)
     packs = pack_dataset(tokenized, "train", size, algorithm="sequential").with_format("numpy")[
         :

@@ -1,0 +1,116 @@
+"""LoRA adapters with the ``peft`` library on a transformers causal LM, applied before FSDP2.
+
+Order in the trainer (what the recipe must do once models are transformers classes)::
+
+    model = AutoModelForCausalLM.from_config(...)        # or from_pretrained, on meta or CPU
+    model = lora.apply(model)                            # PeftModel; base weights requires_grad=False
+    for layer in lora_decoder_layers(model):             # base_model.model.model.layers
+        fully_shard(layer, mesh=...)
+    fully_shard(model, mesh=...)                         # the PeftModel itself is the root
+    optimizer = AdamW(trainable_parameters(model))       # adapter params only: no state for the base
+    logits = model(input_ids=..., position_ids=...).logits   # call the PeftModel for forward
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    export_adapter(model, full, out / "adapter")         # rank 0
+    save_merged(...) with merged_state_dict(full, lora)  # optional
+
+State-dict keys under peft: ``base_model.model.<transformers key>`` with each targeted Linear split
+into ``...q_proj.base_layer.weight``, ``...q_proj.lora_A.default.weight`` ``[r, in]`` and
+``...q_proj.lora_B.default.weight`` ``[out, r]`` (B starts at zero, so step 0 equals the base model).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import peft
+import torch
+
+_PREFIX = "base_model.model."
+
+
+@dataclass
+class LoraConfig:
+    """The ``peft`` config group.
+
+    Attributes:
+        target_modules: module names or regex-free suffixes (``[q_proj, k_proj, v_proj, o_proj]``,
+            or a comma-separated string), or ``all-linear`` (every Linear but the output head).
+        rank: adapter rank r.
+        alpha: scaling numerator: the update is ``alpha / rank * B @ A``.
+        dropout: dropout on the adapter input during training.
+        export_merged: also export the model with the adapter merged into the base weights.
+    """
+
+    target_modules: list[str] | str = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    export_merged: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
+            self.target_modules = [name.strip() for name in self.target_modules.split(",") if name.strip()]
+        if not self.target_modules:
+            raise ValueError("peft.target_modules is empty; name modules (q_proj,v_proj...) or use all-linear")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"peft.rank must be a positive int, got {self.rank!r}")
+        if not self.alpha > 0:
+            raise ValueError(f"peft.alpha must be positive, got {self.alpha!r}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"peft.dropout must be in [0, 1), got {self.dropout!r}")
+
+    def peft_config(self) -> peft.LoraConfig:
+        return peft.LoraConfig(
+            r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
+            target_modules=self.target_modules, task_type=peft.TaskType.CAUSAL_LM,
+        )  # fmt: skip
+
+    def apply(self, model: torch.nn.Module) -> peft.PeftModel:
+        """Wrap a transformers causal LM; only the adapter parameters keep ``requires_grad``."""
+        try:
+            wrapped = peft.get_peft_model(model, self.peft_config())
+        except ValueError as error:  # peft names the targets it could not find
+            raise ValueError(f"peft.target_modules={self.target_modules!r}: {error}") from None
+        return wrapped
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters the optimizer should hold (the adapters under LoRA, all of them otherwise)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def lora_decoder_layers(model: peft.PeftModel) -> torch.nn.ModuleList:
+    """The decoder layers to ``fully_shard`` one by one (``base_model.model.model.layers``)."""
+    return model.get_base_model().model.layers
+
+
+def export_adapter(model: peft.PeftModel, full_state_dict: dict[str, torch.Tensor], out_dir: str | os.PathLike) -> None:
+    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` for ``PeftModel.from_pretrained``.
+
+    Args:
+        model: the (possibly FSDP-sharded) PeftModel, for its config.
+        full_state_dict: the gathered state dict of ``model`` (keys as in ``model.state_dict()``),
+            e.g. ``get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))``.
+    """
+    model.save_pretrained(str(out_dir), state_dict=full_state_dict, safe_serialization=True)
+
+
+def merged_state_dict(full_state_dict: dict[str, torch.Tensor], lora: LoraConfig) -> dict[str, torch.Tensor]:
+    """The transformers state dict with every adapter folded in: ``W + alpha / r * B @ A``.
+
+    Keys lose the ``base_model.model.`` prefix and ``.base_layer``; ready for ``save_pretrained``
+    of the base class (or ``load_state_dict`` on it).
+    """
+    scale = lora.alpha / lora.rank
+    merged = {}
+    for key, tensor in full_state_dict.items():
+        if ".lora_A." in key or ".lora_B." in key:
+            continue
+        if ".base_layer." in key and key.endswith(".weight"):
+            module = key[: -len(".base_layer.weight")]
+            a = full_state_dict[f"{module}.lora_A.default.weight"].float()
+            b = full_state_dict[f"{module}.lora_B.default.weight"].float()
+            tensor = (tensor.float() + scale * (b @ a)).to(tensor.dtype)
+        merged[key.removeprefix(_PREFIX).replace(".base_layer.", ".")] = tensor
+    return merged
