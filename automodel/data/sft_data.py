@@ -40,9 +40,9 @@ class DataSource:
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
-            raise ValueError(f"format={self.format!r} for source {self.source!r}: must be one of {tuple(FORMATS)}")
+            raise ValueError(f"data.format={self.format!r} for source {self.source!r}: must be one of {tuple(FORMATS)}")
         if not (isinstance(self.weight, (int, float)) and self.weight > 0):
-            raise ValueError(f"weight={self.weight!r} for source {self.source!r}: must be a positive number")
+            raise ValueError(f"data.weight={self.weight!r} for source {self.source!r}: must be a positive number")
         exists = self.source in BUILTIN_SOURCES or Path(os.path.expanduser(self.source)).exists()
         if not (exists or re.search(r"[*?\[]", self.source) or is_hub_id(self.source)):
             raise ValueError(

@@ -77,7 +77,7 @@ RECIPE_CASES = [
     (["parallel.cp_comm_type=ring"], "cp_comm_type"),
     (["parallel.timeout_minutes=-1"], "parallel.timeout_minutes"),
     (["data.source=/nonexistent/train.jsonl"], "data.source"),
-    (["data.format=alpaca"], "data.format"),
+    (["data.format=alpacca"], "data.format"),
 ]
 
 
