@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from automodel.attention import ThdAttentionMetadata
 from automodel.config import ConfigError, build_section
-from automodel.data.loader import LoaderEnv
+from automodel.data.batching import LoaderEnv
 from automodel.distributed import make_cp_batch_for_te
 from automodel.distributed.parallel import apply_fsdp, init_distributed
 from automodel.loss import count_label_tokens, cross_entropy_sum
@@ -78,7 +78,7 @@ class FinetuneRecipe:
             dataset = self.data.build(self.tokenizer)
         padding_idx = self.tokenizer.pad_token_id
         env = LoaderEnv(
-            dp_rank=self.dims.dp_rank, dp_size=self.dims.dp_size, seed=self.trainer.seed,
+            dp_rank=self.dims.dp_rank, dp_size=self.dims.dp_size, cp_size=self.dims.cp_size, seed=self.trainer.seed,
             padding_idx=padding_idx if padding_idx is not None else 0,
         )
         # No collective is open while packing: with packing.cache_dir one rank packs and the others
