@@ -230,6 +230,13 @@ def read_lengths(dataset: datasets.Dataset) -> np.ndarray:
         raise ValueError("dataset is empty: nothing to pack or batch")
     names = [c for c in ("input_ids", "labels", "loss_mask") if c in dataset.column_names]
     table = dataset.select_columns(names).with_format("arrow")[:]
+    for name in names:
+        column = table.column(name)
+        if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)
+                or pa.types.is_fixed_size_list(column.type)):  # fmt: skip
+            raise ValueError(f"{name} must hold lists of token ids, got Arrow type {column.type}")
+        if column.null_count:
+            raise ValueError(f"{name}: sample {int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])} is null")
     lengths = {c: pc.list_value_length(table.column(c)).to_numpy(zero_copy_only=False) for c in names}
     tokens = lengths["input_ids"].astype(np.int64)
     if tokens.min() == 0:
