@@ -97,6 +97,8 @@ class _Dealt(torch.utils.data.Dataset):
         return self.length
 
     def __getitem__(self, k: int) -> dict[str, Any]:
+        if not 0 <= k < self.length:
+            raise IndexError(k)
         index = self.start + k * self.env.dp_size + self.env.dp_rank
         filler = index >= self.plan.num_packs
         a, b = self.plan.pack_offsets[[0, 1] if filler else [index, index + 1]]
