@@ -21,7 +21,13 @@ from datasets.table import InMemoryTable
 from tqdm.auto import tqdm
 
 from automodel.data.collate import CROSS_ENTROPY_IGNORE_INDEX, cp_multiple
-from automodel.data.planning import PACKING_ALGORITHMS, PackPlan, check_positive_int, lower_bound_packs, plan_packs
+from automodel.data.planning import (
+    PACKING_ALGORITHMS,
+    PackPlan,
+    check_positive_int,
+    lower_bound_packs,
+    plan_packs,
+)
 
 logger = logging.getLogger(__name__)
 

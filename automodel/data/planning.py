@@ -10,10 +10,9 @@ output order) and ``pack_offsets`` ``[P+1]`` (pack ``p`` holds
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import heapq
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numba
 import numpy as np
