@@ -76,7 +76,7 @@ def bench_dyn_bsz(
     lengths = sample_lengths(distribution, num_samples, budget, seed)
     multiple = 2 * cp_size if cp_size > 1 else 1
     slots = -(-lengths // multiple) * multiple
-    order = epoch_order(num_samples, seed, 0, shuffle=True)
+    order = np.random.default_rng((seed, 0)).permutation(num_samples)
     plan_token_budget(order[:100], slots, slots, budget, budget, buffer_size)  # load the compiled kernel
     arrival_order_scan(order[:100], slots, budget, buffer_size)
     plan = plan_token_budget(order, slots, slots, budget, budget, buffer_size)
