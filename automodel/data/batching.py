@@ -182,10 +182,14 @@ class MicroBatchStream:
         self.epoch, self.start, self.taken, self._iterator = state["epoch"], state["consumed"], 0, None
 
 
+@dataclass
 class _Mode:
     """Shared fields and ``build``/``build_eval`` of the map-style modes."""
 
-    def _check_common(self) -> None:
+    shuffle: bool = True
+    num_workers: int = 0
+
+    def __post_init__(self) -> None:
         if not isinstance(self.shuffle, bool):
             raise ValueError(f"packing.shuffle must be true or false, got {self.shuffle!r}")
         if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) or self.num_workers < 0:
@@ -232,11 +236,9 @@ class PackedBatching(_Mode):
     drop_long_samples: bool = True
     max_packs: int | None = None
     cache_dir: str | None = None
-    shuffle: bool = True
-    num_workers: int = 0
 
     def __post_init__(self) -> None:
-        self._check_common()
+        super().__post_init__()
         if self.algorithm not in PACKING_ALGORITHMS:
             raise ValueError(f"packing.algorithm must be one of {PACKING_ALGORITHMS}, got {self.algorithm!r}")
         for name in ("packed_sequence_size", "micro_batch_size"):
@@ -261,11 +263,9 @@ class PaddedBatching(_Mode):
 
     micro_batch_size: int = 8
     max_length: int = 2048
-    shuffle: bool = True
-    num_workers: int = 0
 
     def __post_init__(self) -> None:
-        self._check_common()
+        super().__post_init__()
         for name in ("micro_batch_size", "max_length"):
             check_positive_int(f"packing.{name}", getattr(self, name))
 
@@ -285,28 +285,41 @@ def _flat_collate(samples: list[dict[str, Any]], padding_idx: int, cp_size: int,
     return packed_sequence_thd_collater([build_row(samples, padding_idx, cp_size, length)])
 
 
-def _check_static_length(mode: Any, longest: int, what: str, cp_size: int) -> int | None:
-    """``pad_packed_to_length`` (default ``longest``) when ``pad_packed_input``; it must hold the
-    longest micro-batch and split into 2W chunks."""
-    if not isinstance(mode.pad_packed_input, bool):
-        raise ValueError(f"packing.pad_packed_input must be true or false, got {mode.pad_packed_input!r}")
-    if mode.pad_packed_to_length is not None:
-        check_positive_int("packing.pad_packed_to_length", mode.pad_packed_to_length)
-        if not mode.pad_packed_input:
-            raise ValueError("packing.pad_packed_to_length needs packing.pad_packed_input=true; set it or remove it")
-    if not mode.pad_packed_input:
-        return None
-    length = mode.pad_packed_to_length or longest
-    if length < longest or length % cp_multiple(cp_size):
-        raise ValueError(
-            f"packing.pad_packed_to_length={length} must be >= the longest micro-batch ({what} = {longest}) and a "
-            f"multiple of 2*cp_size={cp_multiple(cp_size)}"
-        )
-    return length
+@dataclass
+class _FlatMode(_Mode):
+    """Modes whose micro-batch is one flattened row; ``pad_packed_input`` pads it to a fixed length."""
+
+    pad_packed_input: bool = False
+    pad_packed_to_length: int | None = None
+
+    def _static_length(self, longest: int, what: str, cp_size: int) -> int | None:
+        """``pad_packed_to_length`` (default ``longest``) when ``pad_packed_input``; it must hold the
+        longest micro-batch and split into 2W chunks."""
+        if not isinstance(self.pad_packed_input, bool):
+            raise ValueError(f"packing.pad_packed_input must be true or false, got {self.pad_packed_input!r}")
+        if self.pad_packed_to_length is not None:
+            check_positive_int("packing.pad_packed_to_length", self.pad_packed_to_length)
+            if not self.pad_packed_input:
+                raise ValueError("packing.pad_packed_to_length needs packing.pad_packed_input=true; set it or remove it")
+        if not self.pad_packed_input:
+            return None
+        length = self.pad_packed_to_length or longest
+        if length < longest or length % cp_multiple(cp_size):
+            raise ValueError(
+                f"packing.pad_packed_to_length={length} must be >= the longest micro-batch ({what} = {longest}) "
+                f"and a multiple of 2*cp_size={cp_multiple(cp_size)}"
+            )
+        return length
+
+
+def _flat_prepared(dataset: datasets.Dataset, env: LoaderEnv, kept: np.ndarray, plan: Callable, length: int | None) -> Prepared:
+    """Samples flattened into one row per micro-batch (rmpad, dyn_bsz, balanced)."""
+    collate = functools.partial(_flat_collate, padding_idx=env.padding_idx, cp_size=env.cp_size, length=length)
+    return Prepared(_sample_rows(dataset), kept, plan, collate, "")
 
 
 @dataclass
-class RmpadBatching(_Mode):
+class RmpadBatching(_FlatMode):
     """``packing: rmpad`` (VeOmni's ``rmpad_with_pos_ids``): ``micro_batch_size`` samples per
     micro-batch, flattened into one row ``[1, T]`` without padding between them. With
     ``pad_packed_input`` every row is padded to ``pad_packed_to_length`` (default
@@ -319,24 +332,18 @@ class RmpadBatching(_Mode):
 
     micro_batch_size: int = 1
     max_seq_len: int = 2048
-    pad_packed_input: bool = False
-    pad_packed_to_length: int | None = None
-    shuffle: bool = True
-    num_workers: int = 0
 
     def __post_init__(self) -> None:
-        self._check_common()
+        super().__post_init__()
         for name in ("micro_batch_size", "max_seq_len"):
             check_positive_int(f"packing.{name}", getattr(self, name))
-        _check_static_length(self, self.micro_batch_size * self.max_seq_len, "micro_batch_size * max_seq_len", 1)
+        self._static_length(self.micro_batch_size * self.max_seq_len, "micro_batch_size * max_seq_len", 1)
 
     def prepare(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
-        longest = self.micro_batch_size * self.max_seq_len
-        length = _check_static_length(self, longest, "micro_batch_size * max_seq_len", env.cp_size)
+        length = self._static_length(self.micro_batch_size * self.max_seq_len, "micro_batch_size * max_seq_len", env.cp_size)
         padded = _padded_lengths(read_lengths(dataset), env.cp_size)
         kept = np.flatnonzero(keep_fitting("packing rmpad", padded, self.max_seq_len, True, env.cp_size))
-        collate = functools.partial(_flat_collate, padding_idx=env.padding_idx, cp_size=env.cp_size, length=length)
-        return Prepared(_sample_rows(dataset), kept, functools.partial(_groups, size=self.micro_batch_size), collate, "")
+        return _flat_prepared(dataset, env, kept, functools.partial(_groups, size=self.micro_batch_size), length)
 
 
 def label_token_counts(dataset: datasets.Dataset) -> np.ndarray:
@@ -351,7 +358,7 @@ def label_token_counts(dataset: datasets.Dataset) -> np.ndarray:
 
 
 @dataclass
-class DynBszBatching(_Mode):
+class DynBszBatching(_FlatMode):
     """``packing: dyn_bsz`` (VeOmni's ``dyn_bsz``): each micro-batch takes, largest first from a
     buffer of ``buffer_size`` upcoming samples, every sample that fits the budget
     (:func:`plan_token_budget`), flattened into one row. ``count: tokens`` budgets the slots
@@ -368,13 +375,9 @@ class DynBszBatching(_Mode):
     count: str = "tokens"
     max_packed_length: int | None = None
     buffer_size: int = 200
-    pad_packed_input: bool = False
-    pad_packed_to_length: int | None = None
-    shuffle: bool = True
-    num_workers: int = 0
 
     def __post_init__(self) -> None:
-        self._check_common()
+        super().__post_init__()
         for name in ("max_tokens_per_micro_batch", "buffer_size"):
             check_positive_int(f"packing.{name}", getattr(self, name))
         if self.count not in ("tokens", "label_tokens"):
@@ -392,7 +395,7 @@ class DynBszBatching(_Mode):
                     f"packing.max_packed_length={self.max_packed_length} must be >= max_tokens_per_micro_batch="
                     f"{self.max_tokens_per_micro_batch}"
                 )
-        _check_static_length(self, self.length_cap, "the length cap", 1)
+        self._static_length(self.length_cap, "the length cap", 1)
 
     @property
     def length_cap(self) -> int:
@@ -400,7 +403,7 @@ class DynBszBatching(_Mode):
         return self.max_packed_length or self.max_tokens_per_micro_batch
 
     def prepare(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
-        length = _check_static_length(self, self.length_cap, "the length cap", env.cp_size)
+        length = self._static_length(self.length_cap, "the length cap", env.cp_size)
         sizes = _padded_lengths(read_lengths(dataset), env.cp_size)
         weights = sizes if self.count == "tokens" else label_token_counts(dataset)
         fits = keep_fitting("packing dyn_bsz", sizes, self.length_cap, True, env.cp_size)
@@ -409,8 +412,7 @@ class DynBszBatching(_Mode):
             plan_token_budget, weights=weights, sizes=sizes, budget=self.max_tokens_per_micro_batch,
             max_size=self.length_cap, buffer_size=self.buffer_size,
         )  # fmt: skip
-        collate = functools.partial(_flat_collate, padding_idx=env.padding_idx, cp_size=env.cp_size, length=length)
-        return Prepared(_sample_rows(dataset), np.flatnonzero(fits), plan, collate, "")
+        return _flat_prepared(dataset, env, np.flatnonzero(fits), plan, length)
 
 
 def plan_balanced_epoch(
@@ -459,11 +461,9 @@ class BalancedBatching(_Mode):
     packs_per_rank: int = 1
     cost_coefficients: tuple[float, float] = (1.0, 0.0)
     drop_long_samples: bool = True
-    shuffle: bool = True
-    num_workers: int = 0
 
     def __post_init__(self) -> None:
-        self._check_common()
+        super().__post_init__()
         for name in ("packed_sequence_size", "micro_batch_size", "packs_per_rank"):
             check_positive_int(f"packing.{name}", getattr(self, name))
         self.cost_coefficients = check_cost_coefficients(self.cost_coefficients)
@@ -479,5 +479,4 @@ class BalancedBatching(_Mode):
             packs_per_rank=self.packs_per_rank, max_tokens_per_gpu=self.packed_sequence_size,
             cost_coefficients=self.cost_coefficients,
         )  # fmt: skip
-        collate = functools.partial(_flat_collate, padding_idx=env.padding_idx, cp_size=env.cp_size, length=None)
-        return Prepared(_sample_rows(dataset), np.flatnonzero(keep), plan, collate, "")
+        return _flat_prepared(dataset, env, np.flatnonzero(keep), plan, None)

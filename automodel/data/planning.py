@@ -172,17 +172,6 @@ def plan_token_budget(
     Largest-first leaves small samples to fill the gaps (first-fit decreasing for one bin), which
     is why this beats a scan in arrival order. Inside a micro-batch samples keep arrival order.
 
-    Args:
-        order: ``[K]`` sample indices in arrival order.
-        weights: ``[N]`` what the budget counts per sample (slots, or label tokens).
-        sizes: ``[N]`` physical slots per sample (length rounded up for CP).
-        budget: most weight per micro-batch.
-        max_size: most slots per micro-batch (equal to ``budget`` when weights are sizes).
-        buffer_size: samples the buffer holds.
-
-    Returns:
-        A :class:`PackPlan` of the micro-batches in the order they are emitted.
-
     Example (sizes 4, 2, 3, 1 = S1..S4 arriving in order, budget 6, buffer 4)::
 
         buffer sorted [S1:4, S3:3, S2:2, S4:1] -> take S1, S2 (4+2)  -> micro-batch [S1 S2]
@@ -290,13 +279,6 @@ def karmarkar_karp(costs: Sequence[float], num_packs: int) -> list[list[int]]:
     the smallest of the other, until one is left. Ties go to the earlier one (sample order first),
     so the result is deterministic.
 
-    Args:
-        costs: ``[K]`` work of each sample.
-        num_packs: k.
-
-    Returns:
-        k lists of sample indices (ascending), ordered by descending load.
-
     Example (k=2, costs [8, 7, 6, 5, 4])::
 
         merge 8|7 -> [8, 7]; merge 6|5 -> [6, 5]; merge [4, 0] with [8, 7] -> [4+7, 0+8] = [11, 8];
@@ -334,19 +316,13 @@ def improve_packs(
 ) -> list[list[int]]:
     """Local improvement of a partition: lower the heaviest pack by moving or swapping one sample.
 
-    Each round takes the heaviest pack H and, over every other pack P at once, the move (a sample
-    of H to P) or swap (a of H with b of P) that minimizes ``max(H - d, P + d)`` (d = cost moved),
-    accepted only when that is below H: then ``H^2 + P^2`` strictly drops, so the loop ends. A
-    pack never becomes empty, and P never goes over ``max_tokens_per_gpu``. At the end no move
-    lowers H against the lightest pack, so ``max load - min load <= cost of the cheapest sample of
-    H`` (at most the cost of the longest sample) wherever the cap did not block that move (never
-    when balancing tokens under the cap: P + d < H <= cap).
+    Each round takes the heaviest pack H and the move (a sample of H to P) or swap (a of H, b of P)
+    that minimizes ``max(H - d, P + d)``, accepted only below H (so ``H^2 + P^2`` drops and the loop
+    ends). No pack empties; none goes over ``max_tokens_per_gpu``. Returns packs by descending load.
 
     Example: KK's [[1, 3, 4], [0, 2]] for costs [8, 7, 6, 5, 4] (16 vs 14): swapping sample 1 (7)
     with sample 2 (6) moves d = 1 -> [[0, 1], [2, 3, 4]] (15 vs 15).
 
-    Returns:
-        The improved packs, samples ascending, ordered by descending load (ties: first sample).
     """
     num_packs = len(packs)
     pack_of = np.empty(len(costs), dtype=np.int64)  # [K] pack of each sample
@@ -399,22 +375,8 @@ def plan_balanced_packs(
     ``max_tokens_per_gpu`` tokens, k grows by ``multiple_of`` and the split is redone.
     ``ceil(total / cap)`` is only a lower bound (slime and verl stop there and break the cap).
 
-    Why the loop ends: with k >= K every merge of :func:`karmarkar_karp` pairs each sample with an
-    empty slot, so each pack holds one sample (and :func:`improve_packs` cannot change such a
-    split: a lone sample is never moved, and a swap of two lone samples never lowers the max); no
-    sample is longer than the cap (checked first), so that split fits. Hence k never passes the
-    first multiple of ``multiple_of`` at or above K. A k above K would leave a pack empty and
-    raises instead.
-
-    Args:
-        lengths: ``[K]`` positive token counts.
-        num_packs: the fewest packs (exactly this many when no cap is given).
-        max_tokens_per_gpu: most tokens in one pack.
-        cost_coefficients: ``(linear, quadratic)`` of :func:`sample_costs`; (1, 0) balances tokens.
-        multiple_of: k is a multiple of this (the data-parallel size, for equal packs per rank).
-
-    Returns:
-        A :class:`PackPlan`; packs by descending load, samples ascending inside a pack.
+    The loop ends: with k >= K every pack holds one sample, which fits (checked first); a k above
+    K would leave a pack empty and raises instead. Returns packs by descending load, samples ascending.
 
     Example (cap 10, lengths [6, 6, 6, 2])::
 

@@ -83,7 +83,10 @@ class FinetuneRecipe:
         )
         # No collective is open while packing: with packing.cache_dir one rank packs and the others
         # wait on the filesystem, so a long pack cannot trip the collective timeout.
-        self.stream = self.batching.build(dataset, env)
+        try:
+            self.stream = self.batching.build(dataset, env)
+        except ValueError as error:  # the packing section against this run (cp_size, data): a config error
+            raise ConfigError(str(error)) from None
         logger.info("%d micro-batches per epoch on each data-parallel rank", self.stream.batches_per_epoch)
 
         self.model = self._build_model()
