@@ -14,6 +14,7 @@ complete and read it. No collective (NCCL or gloo) is open while they wait, so
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -63,79 +64,45 @@ def input_digest(dataset: datasets.Dataset) -> str:
     return digest.hexdigest()
 
 
-def pack_cache_key(
-    dataset,
-    split,
-    packed_sequence_size,
-    max_packs=None,
-    padding_idx=0,
-    drop_long_samples=True,
-    cp_size=1,
-    *,
-    algorithm="bfd",
-    seed=0,
-) -> str:
-    """The cache key of ``pack_dataset(dataset, split, ...)``: a digest of the input tokens, every
-    packing parameter and the packer's code version (32 hex digits)."""
-    _check_arguments(
-        packed_sequence_size, max_packs, padding_idx, drop_long_samples, cp_size, algorithm, seed
-    )
-    return _key(input_digest(_select_split(dataset, split)), _parameters(
-        packed_sequence_size, max_packs, padding_idx, drop_long_samples, cp_size, algorithm, seed
-    ))  # fmt: skip
+def _parameters(*args, **kwargs) -> dict:
+    """``pack_dataset``'s packing parameters (dataset and split excluded), checked, defaults filled in."""
+    bound = inspect.signature(pack_dataset).bind(None, None, *args, **kwargs)
+    bound.apply_defaults()
+    parameters = dict(list(bound.arguments.items())[2:])
+    _check_arguments(**parameters)
+    return {k: v if v is None or isinstance(v, (bool, str)) else int(v) for k, v in parameters.items()}
 
 
-def _parameters(
-    packed_sequence_size, max_packs, padding_idx, drop_long_samples, cp_size, algorithm, seed
-) -> dict:
-    return {
-        "packed_sequence_size": int(packed_sequence_size), "max_packs": None if max_packs is None else int(max_packs),
-        "padding_idx": int(padding_idx), "drop_long_samples": drop_long_samples, "cp_size": int(cp_size),
-        "algorithm": algorithm, "seed": int(seed), "packer_code_version": PACKER_CODE_VERSION,
-    }  # fmt: skip
-
-
-def _key(digest: str, parameters: dict) -> str:
-    text = json.dumps({"input": digest, **parameters}, sort_keys=True)
+def pack_cache_key(dataset, split, *args, **kwargs) -> str:
+    """The cache key of ``pack_dataset(dataset, split, *args, **kwargs)``: a digest of the input
+    tokens, every packing parameter and the packer's code version (32 hex digits)."""
+    parameters = {**_parameters(*args, **kwargs), "packer_code_version": PACKER_CODE_VERSION}
+    text = json.dumps({"input": input_digest(_select_split(dataset, split)), **parameters}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def cached_pack_dataset(
-    dataset,
-    split,
-    packed_sequence_size,
-    max_packs=None,
-    padding_idx=0,
-    drop_long_samples=True,
-    cp_size=1,
-    *,
-    algorithm="bfd",
-    seed=0,
-    cache_dir: str | os.PathLike,
-    wait_timeout_s: float = 4 * 3600.0,
+    dataset, split, *args, cache_dir: str | os.PathLike, wait_timeout_s: float = 4 * 3600.0, **kwargs
 ) -> datasets.Dataset:
-    """:func:`pack_dataset` through a cache: the rows memory-mapped from ``cache_dir/packed-<key>/``,
-    packed and written first (under the entry's lock) if no entry exists.
+    """:func:`pack_dataset` ``(dataset, split, *args, **kwargs)`` through a cache: the rows
+    memory-mapped from ``cache_dir/packed-<key>/``, packed and written first (under the entry's
+    lock) if no entry exists.
 
     Raises:
         filelock.Timeout: another process held the lock longer than ``wait_timeout_s``.
     """
-    _check_arguments(packed_sequence_size, max_packs, padding_idx, drop_long_samples, cp_size, algorithm, seed)
+    parameters = _parameters(*args, **kwargs)
     if not wait_timeout_s > 0:
         raise ValueError(f"wait_timeout_s must be positive, got {wait_timeout_s!r}")
-    selected = _select_split(dataset, split)
-    parameters = _parameters(packed_sequence_size, max_packs, padding_idx, drop_long_samples, cp_size, algorithm, seed)
     root = Path(cache_dir).expanduser()
     root.mkdir(parents=True, exist_ok=True)
-    key = _key(input_digest(selected), parameters)
+    selected = _select_split(dataset, split)
+    key = pack_cache_key(selected, None, **parameters)
     entry = root / f"packed-{key}"
     with FileLock(root / f"packed-{key}.lock", timeout=wait_timeout_s):
         if not entry.is_dir():
             start = time.perf_counter()
-            packed = pack_dataset(
-                selected, None, packed_sequence_size, max_packs, padding_idx, drop_long_samples, cp_size,
-                algorithm=algorithm, seed=seed,
-            )  # fmt: skip
+            packed = pack_dataset(selected, None, **parameters)
             staging = root / f"tmp-{key}-{os.getpid()}"
             shutil.rmtree(staging, ignore_errors=True)  # a dead writer's leftovers: we hold the lock
             packed.save_to_disk(str(staging))
