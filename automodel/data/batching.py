@@ -182,6 +182,9 @@ class MicroBatchStream:
         self.epoch, self.start, self.taken, self._iterator = state["epoch"], state["consumed"], 0, None
 
 
+_NOT_IN_PLAN = ("num_workers", "cache_dir")  # settings that change no micro-batch: a resume may change them
+
+
 @dataclass
 class _Mode:
     """Shared fields and ``build``/``build_eval`` of the map-style modes."""
@@ -203,7 +206,8 @@ class _Mode:
             raise ValueError(f"dataset: this mode needs a map-style datasets.Dataset, got {type(dataset).__name__}")
         prepared = self.prepare(dataset, env)
         prepared.fingerprint = _fingerprint(
-            type(self).__name__, asdict(self), getattr(dataset, "_fingerprint", None), env.seed, env.cp_size,
+            type(self).__name__, {k: v for k, v in asdict(self).items() if k not in _NOT_IN_PLAN},
+            hashlib.sha256(prepared.kept.tobytes()).hexdigest(), len(prepared.units), env.seed, env.cp_size,
             *plan_dependencies,
         )
         return prepared
