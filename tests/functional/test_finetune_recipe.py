@@ -140,8 +140,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     [
         (["trainer.max_stepz=3"], "Could not override 'trainer.max_stepz'"),
         (["data.source=/nonexistent/train.jsonl"], "data.source='/nonexistent/train.jsonl' does not exist"),
-        (["packing.packed_sequence_size=102", "parallel.cp_size=2"],
-         "packed_sequence_size=102 must be a multiple of 2*cp_size=4"),
+        (["packing=rmpad", "packing.pad_packed_input=true", "packing.pad_packed_to_length=13"],
+         "packing.pad_packed_to_length=13"),
         (["optim.lr=-1"], "optim.lr must be positive, got -1"),
     ],
 )
