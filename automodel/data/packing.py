@@ -143,7 +143,9 @@ def pack_dataset(
         lower_bound=lower_bound,
         real_tokens=int(columns.lengths[plan.sample_order].sum()),
     )
-    _warn_about_left_out_samples(report, multiple, max_packs)
+    if report.num_over_max_packs:
+        logger.warning("pack_dataset left out %d of %d samples: max_packs=%d was reached",
+                       report.num_over_max_packs, report.num_samples, max_packs)  # fmt: skip
     table = _build_table(columns, plan, padded_lens, packed_sequence_size, padding_idx)
     logger.info("pack_dataset: %s", report)
     fingerprint = Hasher.hash(
@@ -291,15 +293,6 @@ def _list_column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray, np
     if values.dtype not in (np.int32, np.int64, np.bool_):
         values = values.astype(np.int64)
     return values, offsets[:-1], np.diff(offsets)
-
-
-def _warn_about_left_out_samples(report: PackingReport, multiple: int, max_packs: int | None) -> None:
-    if report.num_over_max_packs:
-        logger.warning(
-            "pack_dataset left out %d of %d samples (%.3f%%): max_packs=%d was reached",
-            report.num_over_max_packs, report.num_samples, 100 * report.num_over_max_packs / report.num_samples,
-            max_packs,
-        )
 
 
 def _build_table(

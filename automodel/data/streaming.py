@@ -47,12 +47,7 @@ class _WindowPlanner:
     """
 
     def __init__(self, capacity: int, buffer_size: int, max_wait_rounds: int, seed: int):
-        self.capacity, self.buffer_size, self.max_wait_rounds, self.seed = (
-            capacity,
-            buffer_size,
-            max_wait_rounds,
-            seed,
-        )
+        self.capacity, self.buffer_size, self.max_wait_rounds, self.seed = capacity, buffer_size, max_wait_rounds, seed
         self.keys: list[int] = []  # waiting samples, in arrival order
         self.lengths: list[int] = []
         self.first_round: list[int] = []  # the first round each waiting sample takes part in
@@ -64,37 +59,28 @@ class _WindowPlanner:
         self.keys += keys
         self.lengths += lengths
         self.first_round += [self.rounds] * len(keys)
-        return self._round(final=False) if len(self.keys) >= self.buffer_size else []
+        return self._round() if len(self.keys) >= self.buffer_size else []
 
     @property
     def room(self) -> int:
         return self.buffer_size - len(self.keys)
 
-    def finish(self) -> list[list[int]]:
-        """End of data: every waiting sample goes into a pack."""
-        return self._round(final=True) if self.keys else []
-
-    def _round(self, final: bool) -> list[list[int]]:
+    def _round(self) -> list[list[int]]:
         lengths = np.asarray(self.lengths, np.int64)
         plan = plan_packs(lengths, self.capacity, "bfd", self.seed + self.rounds)
         starts = plan.pack_offsets[:-1]
         members = np.diff(plan.pack_offsets)
-        if final:
-            emit = np.ones(plan.num_packs, np.bool_)
-        else:
-            used = np.add.reduceat(lengths[plan.sample_order], starts)
-            waited = self.rounds + 1 - np.asarray(self.first_round)[plan.sample_order]
-            emit = (used == self.capacity) | np.logical_or.reduceat(waited >= self.max_wait_rounds, starts)
-            missing = (len(lengths) + 1) // 2 - int(members[emit].sum())
-            if missing > 0:  # progress: at least half leave, the fullest packs first
-                candidates = np.argsort(-used, kind="stable")
-                candidates = candidates[~emit[candidates]]
-                emit[candidates[: np.searchsorted(np.cumsum(members[candidates]), missing) + 1]] = True
+        used = np.add.reduceat(lengths[plan.sample_order], starts)
+        waited = self.rounds + 1 - np.asarray(self.first_round)[plan.sample_order]
+        emit = (used == self.capacity) | np.logical_or.reduceat(waited >= self.max_wait_rounds, starts)
+        missing = (len(lengths) + 1) // 2 - int(members[emit].sum())
+        if missing > 0:  # progress: at least half leave, the fullest packs first
+            candidates = np.argsort(-used, kind="stable")
+            candidates = candidates[~emit[candidates]]
+            emit[candidates[: np.searchsorted(np.cumsum(members[candidates]), missing) + 1]] = True
         self.rounds += 1
         keys = np.asarray(self.keys, np.int64)
-        packs = [
-            keys[plan.sample_order[starts[p] : starts[p] + members[p]]].tolist() for p in np.flatnonzero(emit)
-        ]
+        packs = [keys[plan.sample_order[starts[p] : starts[p] + members[p]]].tolist() for p in np.flatnonzero(emit)]
         stays = np.empty(len(lengths), np.bool_)
         stays[plan.sample_order] = ~np.repeat(emit, members)
         self.keys = keys[stays].tolist()

@@ -143,7 +143,7 @@ def test_max_packs_keeps_first_packs_and_reports(caplog):
     with caplog.at_level(logging.WARNING):
         packed = pack_dataset(make_dataset([3, 4, 2, 5]), "train", 10, max_packs=1, algorithm="sequential")
     assert len(packed) == 1 and packed[0]["seq_lens"] == [3, 4, 2]
-    assert "left out 1 of 4 samples (25.000%): max_packs=1" in caplog.text
+    assert "left out 1 of 4 samples" in caplog.text and "max_packs" in caplog.text
 
 
 def test_long_samples_are_dropped_counted_and_reported_once(caplog):
