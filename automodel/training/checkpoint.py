@@ -67,23 +67,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-class _NumpyJSON(json.JSONEncoder):
-    """numpy arrays and scalars in a data state become tagged JSON (decoded by ``_from_json``)."""
-
-    def default(self, value: Any) -> Any:
-        if isinstance(value, np.ndarray):
-            return {"__ndarray__": value.tolist(), "dtype": value.dtype.str}
-        if isinstance(value, np.generic):
-            return value.item()
-        return super().default(value)
-
-
-def _from_json(obj: dict[str, Any]) -> Any:
-    if "__ndarray__" in obj:
-        return np.asarray(obj["__ndarray__"], dtype=np.dtype(obj["dtype"]))
-    return obj
-
-
 @dataclass(frozen=True)
 class CheckpointInfo:
     """What ``meta.json`` says about a complete checkpoint."""
@@ -186,7 +169,7 @@ class Checkpointer:
             dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=staging)
             torch.save(rng_state(), staging / f"rng_rank_{self.rank:05d}.pt")
             if self.rank == 0:
-                (staging / DATA).write_text(json.dumps(stream.state_dict(), cls=_NumpyJSON))
+                (staging / DATA).write_text(json.dumps(stream.state_dict()))
         except (Exception, CheckpointException) as error:  # a full disk, in DCP's or torch.save's words
             failed[0] = 1
             cause = _first_failure(error)
@@ -234,7 +217,7 @@ class Checkpointer:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         check_finite_parameters(model, f"checkpoint {info.path}")
         scheduler.load_state_dict(info.scheduler)
-        stream.load_state_dict(json.loads((info.path / DATA).read_text(), object_hook=_from_json))
+        stream.load_state_dict(json.loads((info.path / DATA).read_text()))
         if info.world_size == self.world_size:  # another world size cannot continue each rank's RNG streams
             set_rng_state(torch.load(info.path / f"rng_rank_{self.rank:05d}.pt", weights_only=True))
         return info.step
