@@ -68,12 +68,12 @@ RECIPE_CASES = [
     (["model.dtype=float16"], "model.dtype"),
     (["model.attention_backend=flash"], "model.attention_backend"),
     (["packing.packed_sequence_size=0"], "packed_sequence_size"),
-    (["packing.packed_sequence_size=102", "parallel.cp_size=2"], "packed_sequence_size"),
+    (["parallel.cp_size=2"], "parallel.cp_size=2"),  # 2 does not divide world size 1
     (["packing.micro_batch_size=0"], "micro_batch_size"),
     (["packing.algorithm=ffd"], "algorithm"),
     (["packing=bdf"], "packing"),
     (["parallel.cp_size=0"], "cp_size"),
-    (["parallel.cp_size=2", "packing.cp_size=2"], "parallel.cp_size=2"),  # 2 does not divide world size 1
+    (["packing.cp_size=2"], "packing.cp_size"),  # cp_size comes from parallel.cp_size, not the packing section
     (["parallel.cp_comm_type=ring"], "cp_comm_type"),
     (["parallel.timeout_minutes=-1"], "parallel.timeout_minutes"),
     (["data.source=/nonexistent/train.jsonl"], "data.source"),
@@ -119,7 +119,7 @@ FUNCTION_CASES = [
     (lambda: pack_dataset(datasets.DatasetDict(train=_rows(3)), "test", 8), ValueError, "split"),
     (lambda: pack_dataset(_rows(3, 4).remove_columns("labels").add_column("labels", [[1], [1, 2, 3, 4]]),
                           "train", 8), ValueError, "labels"),
-    (lambda: pack_dataset(_rows(3, 20), "train", 8, drop_long_samples=False), ValueError, "packed_sequence_size"),
+    (lambda: pack_dataset(_rows(3, 20), "train", 8, drop_long_samples=False), ValueError, "drop_long_samples"),
     (lambda: packed_sequence_thd_collater([{k: v for k, v in _pack().items() if k != "seq_lens"}]),
      ValueError, "seq_lens"),
     (lambda: packed_sequence_thd_collater([_pack(8), _pack(10, (10,))]), ValueError, "packed_sequence_size"),
