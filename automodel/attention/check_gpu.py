@@ -230,14 +230,18 @@ def format_table(results: Sequence[CheckResult]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="automodel check-gpu",
-        description="Compare Transformer Engine attention with the portable backend on this machine's GPUs.",
+        description="Compare Transformer Engine attention (and torch's varlen attention) with the portable backend on this machine's GPUs.",
     )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    reason = unavailable_reason()
-    if reason is not None:
-        print(f"check-gpu: cannot run here: {reason}")
+    from automodel.attention.check_varlen import check_varlen_against_reference, varlen_reason
+
+    te_reason, varlen_why = unavailable_reason(), varlen_reason()
+    if te_reason is not None and varlen_why is not None:
+        print(f"check-gpu: cannot run here: {te_reason}; varlen: {varlen_why}")
         return EXIT_UNAVAILABLE
+    if te_reason is not None:
+        print(f"check-gpu: Transformer Engine checks skipped: {te_reason}")
 
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
@@ -247,14 +251,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     rank = dist.get_rank() if distributed else 0
     try:
         # Single-GPU checks on rank 0 only; the CP checks on every rank.
-        results = te_vs_portable(device, args.seed) + cp_indices(device) if rank == 0 else []
-        if distributed:
+        results = []
+        if rank == 0:
+            if te_reason is None:
+                results += te_vs_portable(device, args.seed) + cp_indices(device)
+            if varlen_why is None:
+                results += check_varlen_against_reference(device, args.seed)
+        if distributed and te_reason is None:
             results += te_cp_vs_te(device, args.seed, dist.group.WORLD)
+        if distributed:
             gathered: list[list[CheckResult]] = [[] for _ in range(dist.get_world_size())]
             dist.all_gather_object(gathered, results)
             results = [r for rank_results in gathered for r in rank_results]
         if rank == 0:
-            print(f"check-gpu on {torch.cuda.get_device_name(device)}, Transformer Engine {te_version()}")
+            te = te_version() if te_reason is None else "not installed"
+            print(f"check-gpu on {torch.cuda.get_device_name(device)}, Transformer Engine {te}, torch {torch.__version__}")
             print(format_table(results))
         return EXIT_OK if all(r.passed for r in results) else EXIT_FAILED
     finally:

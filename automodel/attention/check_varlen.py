@@ -5,8 +5,7 @@ padding between sequences (the kernel gets the padded offsets), MHA and GQA head
 a window shorter than some sequences, and a window of 1; the varlen backend in bf16 against
 :func:`reference_varlen_attention` in float32 on the same bf16-rounded inputs; out on real rows, and
 dq, dk, dv on all rows (the output gradient is 0 on padding rows, as the loss makes it), within TE's
-bf16 tolerances. Run: ``python -m automodel.attention.check_varlen`` (exit 0 all passed, 1 a
-failure, 2 cannot run here).
+bf16 tolerances. ``automodel check-gpu`` runs them wherever the varlen backend can run.
 
 Shape legend: T = tokens of the batch, H = query heads, K = key/value heads, D = head dim, L = one
 sequence's length.
@@ -14,23 +13,18 @@ sequence's length.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from automodel.attention.check_gpu import (
-    EXIT_FAILED,
-    EXIT_OK,
-    EXIT_UNAVAILABLE,
     HEAD_DIM,
     HEADS,
     LENGTH_MIXES,
     CheckResult,
     bf16_tolerance,
     compare,
-    format_table,
     padding_rows,
     random_inputs,
     round_up,
@@ -122,29 +116,7 @@ def check_varlen_against_reference(
     return results
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m automodel.attention.check_varlen",
-        description="Compare torch's varlen attention backend with a per-sequence SDPA reference on this GPU.",
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
-    reason = varlen_unsupported(
-        device=device, dtype=torch.bfloat16, softcap=None, sinks=False, cp_size=1, head_dim=HEAD_DIM
-    )
-    if reason is not None:
-        print(f"check-varlen: cannot run here: {reason}")
-        return EXIT_UNAVAILABLE
-    results = check_varlen_against_reference(device, args.seed)
-    print(f"varlen attention on {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
-    print(format_table(results))
-    return EXIT_OK if all(r.passed for r in results) else EXIT_FAILED
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+def varlen_reason() -> str | None:
+    """Why the varlen checks cannot run here, or None."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return varlen_unsupported(device=device, dtype=torch.bfloat16, softcap=None, sinks=False, cp_size=1, head_dim=HEAD_DIM)
