@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
 
 BENCHMARKS = ("packing", "throughput", "batching", "balance")
 
@@ -38,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     if command == "recipes":
         return _recipes()
     if command == "bench" and rest and rest[0] in BENCHMARKS:
-        return importlib.import_module(f"automodel.bench.{rest[0]}").main(rest[1:])
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ lives beside the package
+        return importlib.import_module(f"benchmarks.{rest[0]}").main(rest[1:])
     if command == "check-gpu":
         from automodel.attention.check_gpu import main as check_gpu
 

@@ -1,11 +1,20 @@
-"""Collation of packs into ``[B, S]`` batches for the THD path.
+"""The one row builder and the collater: samples -> rows -> ``[B, S]`` batches for the THD path.
 
-Shape legend: B = packs in the batch, S = packed_sequence_size, D = most samples in one pack.
+Shape legend: B = rows in the batch, S = tokens of a row, D = most sequences in one row.
+
+The layout rules, shared by every batching mode (and by :func:`pack_dataset`'s compiled kernel):
+
+- with ``cp_size`` W > 1 every sample is padded at its end to a multiple of 2W (tokens
+  ``padding_idx``, labels -100) so that TE's dual-chunk CP sharding splits it;
+- positions restart at 0 for each sample and count through its CP padding;
+- ``loss_mask`` 0 turns the label into -100;
+- tail padding (to a fixed row length) joins the LAST sample's padded length and continues its
+  positions (clamped to S-1): it is padding, never counted as real (``seq_lens`` stay real lengths).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -19,11 +28,68 @@ _TOKEN_KEYS = ("input_ids", "labels", "position_ids")
 _LAYOUT_KEYS = ("seq_lens", "seq_lens_padded")
 
 
-def packed_sequence_thd_collater(batch: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Stack packs (rows of :func:`pack_dataset`) into a batch.
+def cp_multiple(cp_size: int) -> int:
+    """Every sample's padded length is a multiple of this: ``2 * cp_size`` under CP, else 1."""
+    return 2 * cp_size if cp_size > 1 else 1
+
+
+def build_row(
+    samples: Sequence[Mapping[str, Any]], padding_idx: int = 0, cp_size: int = 1, length: int | None = None
+) -> dict[str, np.ndarray]:
+    """Lay samples out back to back in one row (the layout rules above).
 
     Args:
-        batch: packs, each with ``input_ids``, ``labels``, ``position_ids`` of S entries and
+        samples: each with ``input_ids`` and ``labels`` (equal lengths >= 1), optional ``loss_mask``.
+        padding_idx: token id of padding.
+        cp_size: W; each sample is padded to a multiple of 2W.
+        length: the row length; ``None`` ends the row after the last (CP-padded) sample.
+
+    Returns:
+        ``input_ids``, ``labels``, ``position_ids`` int64 ``[S]``; ``seq_lens`` (real) and
+        ``seq_lens_padded`` (summing to S) int64 ``[D]``.
+
+    Example (length 8, samples [A B C D] and [E F])::
+
+        input_ids [A B C D E F 0 0]   position_ids [0 1 2 3 0 1 2 3]
+        seq_lens  [4 2]               seq_lens_padded [4 4]      (real tokens: 6)
+    """
+    if len(samples) == 0:
+        raise ValueError("samples is empty: a row needs at least one sample")
+    lengths = np.array([len(sample["input_ids"]) for sample in samples], np.int64)
+    multiple = cp_multiple(cp_size)
+    padded = -(-lengths // multiple) * multiple
+    total = int(padded.sum())
+    size = total if length is None else length
+    if size < total or (size - total) % multiple:
+        raise ValueError(
+            f"length={length} must be >= the {total} tokens of the row and exceed them by a multiple of "
+            f"2*cp_size={multiple}; raise the row length (pad_packed_to_length)"
+        )
+    padded[-1] += size - total
+    starts = np.cumsum(padded) - padded
+    input_ids = np.full(size, padding_idx, np.int64)
+    labels = np.full(size, CROSS_ENTROPY_IGNORE_INDEX, np.int64)
+    for sample, start, n in zip(samples, starts, lengths):
+        input_ids[start : start + n] = sample["input_ids"]
+        sample_labels = np.asarray(sample["labels"])
+        if sample.get("loss_mask") is not None:
+            sample_labels = np.where(np.asarray(sample["loss_mask"]) != 0, sample_labels, CROSS_ENTROPY_IGNORE_INDEX)
+        labels[start : start + n] = sample_labels
+    positions = np.arange(size) - np.repeat(starts, padded)
+    return {
+        "input_ids": input_ids,
+        "labels": labels,
+        "position_ids": np.minimum(positions, size - 1),
+        "seq_lens": lengths,
+        "seq_lens_padded": padded,
+    }
+
+
+def packed_sequence_thd_collater(batch: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Stack rows (of :func:`pack_dataset` or :func:`build_row`) into a batch.
+
+    Args:
+        batch: rows, each with ``input_ids``, ``labels``, ``position_ids`` of S entries and
             ``seq_lens``, ``seq_lens_padded`` of one entry per sample (lists, numpy arrays or tensors).
 
     Returns:
@@ -40,65 +106,38 @@ def packed_sequence_thd_collater(batch: Sequence[dict[str, Any]]) -> dict[str, A
     for i, pack in enumerate(batch):
         missing = [k for k in (*_TOKEN_KEYS, *_LAYOUT_KEYS) if k not in pack]
         if missing:
-            raise ValueError(
-                f"pack {i} lacks {missing}; packed_sequence_thd_collater takes rows of pack_dataset "
-                f"(keys present: {sorted(pack)})"
-            )
-    sizes = [len(pack["input_ids"]) for pack in batch]
-    if len(set(sizes)) > 1:
-        raise ValueError(
-            f"packs in one batch must have equal length (packed_sequence_size), got lengths {sizes}; "
-            "pack every row with the same packed_sequence_size"
-        )
+            raise ValueError(f"pack {i} lacks {missing}: give rows of pack_dataset (keys present: {sorted(pack)})")
     collated: dict[str, Any] = {}
     for key in _TOKEN_KEYS:
         rows = [np.asarray(pack[key]) for pack in batch]
-        if any(len(row) != sizes[0] for row in rows):
-            raise ValueError(f"{key} must have {sizes[0]} entries in every pack, like input_ids")
+        if len({len(row) for row in rows}) > 1 or len(rows[0]) != len(batch[0]["input_ids"]):
+            raise ValueError(
+                f"{key}: every row of a batch must have the same length (packed_sequence_size), got "
+                f"{[len(row) for row in rows]}"
+            )
         collated[key] = torch.from_numpy(np.stack(rows).astype(np.int64, copy=False))
     for key in _LAYOUT_KEYS:
-        collated[key] = _right_pad([np.asarray(pack[key]) for pack in batch], SEQ_LENS_PADDING_VALUE)
+        rows = [np.asarray(pack[key]) for pack in batch]
+        out = np.full((len(rows), max(len(row) for row in rows)), SEQ_LENS_PADDING_VALUE, np.int64)
+        for i, row in enumerate(rows):
+            out[i, : len(row)] = row
+        collated[key] = torch.from_numpy(out)
     collated["qkv_format"] = "thd"
     return collated
 
 
-def _right_pad(rows: list[np.ndarray], pad_value: int) -> torch.Tensor:
-    out = np.full((len(rows), max(len(row) for row in rows)), pad_value, dtype=np.int64)
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = row
-    return torch.from_numpy(out)
-
-
 def padded_sequence_thd_collater(
-    batch: Sequence[dict[str, Any]], padding_idx: int = 0, pad_to_multiple_of: int = 1
+    batch: Sequence[dict[str, Any]], padding_idx: int = 0, cp_size: int = 1
 ) -> dict[str, Any]:
-    """Classic padded batches (``packing: none``) in the same output contract as packed ones.
+    """Classic padded batches (``packing: none``): one sample per row, padded to the longest
+    sample of the batch (rounded up to a multiple of 2W) by the tail-padding rule.
 
-    Each sample (``input_ids``, ``labels``, optional ``loss_mask``) fills one row, padded at its end
-    to the longest sample rounded up to ``pad_to_multiple_of``; its padding is a padded tail of its
-    only sequence, so the THD path and attention treat it exactly as pack padding.
+    Example (samples of 3 and 1 tokens, cp_size=1)::
 
-    Example (samples of 3 and 1 tokens, pad_to_multiple_of=2)::
-
-        input_ids [[5 6 7 0], [8 0 0 0]]   seq_lens [[3], [1]]   seq_lens_padded [[4], [4]]
+        input_ids [[5 6 7], [8 0 0]]   seq_lens [[3], [1]]   seq_lens_padded [[3], [3]]
     """
     if len(batch) == 0:
         return {}
-    lengths = [len(sample["input_ids"]) for sample in batch]
-    width = -(-max(lengths) // pad_to_multiple_of) * pad_to_multiple_of
-    input_ids = np.full((len(batch), width), padding_idx, dtype=np.int64)
-    labels = np.full((len(batch), width), CROSS_ENTROPY_IGNORE_INDEX, dtype=np.int64)
-    for row, (sample, length) in enumerate(zip(batch, lengths)):
-        input_ids[row, :length] = sample["input_ids"]
-        sample_labels = np.asarray(sample["labels"])
-        if "loss_mask" in sample:
-            sample_labels = np.where(np.asarray(sample["loss_mask"]) != 0, sample_labels, CROSS_ENTROPY_IGNORE_INDEX)
-        labels[row, :length] = sample_labels
-    return {
-        "input_ids": torch.from_numpy(input_ids),
-        "labels": torch.from_numpy(labels),
-        "position_ids": torch.arange(width).expand(len(batch), width).contiguous(),
-        "seq_lens": torch.tensor(lengths).unsqueeze(1),
-        "seq_lens_padded": torch.full((len(batch), 1), width),
-        "qkv_format": "thd",
-    }
+    multiple = cp_multiple(cp_size)
+    width = -(-max(len(sample["input_ids"]) for sample in batch) // multiple) * multiple
+    return packed_sequence_thd_collater([build_row([sample], padding_idx, cp_size, width) for sample in batch])

@@ -15,12 +15,19 @@ import datasets
 import numba
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from datasets.fingerprint import Hasher
 from datasets.table import InMemoryTable
 from tqdm.auto import tqdm
 
-from automodel.data.collate import CROSS_ENTROPY_IGNORE_INDEX
-from automodel.data.planning import PACKING_ALGORITHMS, PackPlan, lower_bound_packs, plan_packs
+from automodel.data.collate import CROSS_ENTROPY_IGNORE_INDEX, cp_multiple
+from automodel.data.planning import (
+    PACKING_ALGORITHMS,
+    PackPlan,
+    check_positive_int,
+    lower_bound_packs,
+    plan_packs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -111,25 +118,17 @@ def pack_dataset(
     dataset = _select_split(dataset, split)
     columns = _TokenColumns.read(dataset)
 
-    multiple = 2 * cp_size if cp_size > 1 else 1
+    multiple = cp_multiple(cp_size)
     padded_lens = -(-columns.lengths // multiple) * multiple
-    too_long = padded_lens > packed_sequence_size
-    if too_long.any() and not drop_long_samples:
-        i = int(np.flatnonzero(too_long)[0])
-        padded = f" ({padded_lens[i]} after padding to a multiple of 2*cp_size={multiple})" if multiple > 1 else ""
-        raise ValueError(
-            f"sample {i} has {columns.lengths[i]} tokens{padded}, more than packed_sequence_size="
-            f"{packed_sequence_size}. Increase packed_sequence_size, shorten the sample, or set "
-            "drop_long_samples=True to drop such samples."
-        )
-    fitting = np.flatnonzero(~too_long)
+    keep = keep_fitting("pack_dataset", padded_lens, packed_sequence_size, drop_long_samples, cp_size)
+    fitting = np.flatnonzero(keep)
     plan = plan_packs(padded_lens[fitting], packed_sequence_size, algorithm, seed)
     lower_bound = lower_bound_packs(padded_lens[fitting], packed_sequence_size)
     if max_packs is not None:
         plan = plan.truncate(max_packs)
     if plan.num_packs == 0:
         raise ValueError(
-            f"no sample fits packed_sequence_size={packed_sequence_size} (all {len(too_long)} are longer "
+            f"no sample fits packed_sequence_size={packed_sequence_size} (all {len(keep)} are longer "
             f"after padding to a multiple of {multiple}); increase packed_sequence_size"
         )
     plan = PackPlan(fitting[plan.sample_order], plan.pack_offsets)  # index the input rows
@@ -138,13 +137,15 @@ def pack_dataset(
         algorithm=algorithm,
         packed_sequence_size=packed_sequence_size,
         num_samples=len(columns.lengths),
-        num_too_long=int(too_long.sum()),
+        num_too_long=int((~keep).sum()),
         num_over_max_packs=len(fitting) - len(plan.sample_order),
         num_packs=plan.num_packs,
         lower_bound=lower_bound,
         real_tokens=int(columns.lengths[plan.sample_order].sum()),
     )
-    _warn_about_left_out_samples(report, multiple, max_packs)
+    if report.num_over_max_packs:
+        logger.warning("pack_dataset left out %d of %d samples: max_packs=%d was reached",
+                       report.num_over_max_packs, report.num_samples, max_packs)  # fmt: skip
     table = _build_table(columns, plan, padded_lens, packed_sequence_size, padding_idx)
     logger.info("pack_dataset: %s", report)
     fingerprint = Hasher.hash(
@@ -155,28 +156,24 @@ def pack_dataset(
 
 
 def _check_arguments(packed_sequence_size, max_packs, padding_idx, drop_long_samples, cp_size, algorithm, seed):
-    def is_int(x):
-        return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-    if not is_int(packed_sequence_size) or packed_sequence_size < 1:
-        raise ValueError(f"packed_sequence_size must be a positive int, got {packed_sequence_size!r}")
-    if max_packs is not None and (not is_int(max_packs) or max_packs < 1):
-        raise ValueError(f"max_packs must be None or a positive int, got {max_packs!r}")
-    if not is_int(padding_idx) or not _INT32.min <= padding_idx <= _INT32.max:
+    check_positive_int("packed_sequence_size", packed_sequence_size)
+    check_positive_int("cp_size", cp_size)
+    if max_packs is not None:
+        check_positive_int("max_packs", max_packs)
+    if isinstance(padding_idx, bool) or not isinstance(padding_idx, (int, np.integer)) or not (
+        _INT32.min <= padding_idx <= _INT32.max
+    ):
         raise ValueError(f"padding_idx must be an int32 token id, got {padding_idx!r}")
     if not isinstance(drop_long_samples, bool):
         raise ValueError(f"drop_long_samples must be True or False, got {drop_long_samples!r}")
-    if not is_int(cp_size) or cp_size < 1:
-        raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
     if cp_size > 1 and packed_sequence_size % (2 * cp_size):
         raise ValueError(
             f"packed_sequence_size={packed_sequence_size} must be a multiple of 2*cp_size={2 * cp_size} so that "
-            "every padded sequence (the tail padding included) splits into 2*cp_size equal chunks; use e.g. "
-            f"packed_sequence_size={packed_sequence_size // (2 * cp_size) * (2 * cp_size) or 2 * cp_size}"
+            "every padded sequence (the tail padding included) splits into 2*cp_size equal chunks"
         )
     if algorithm not in PACKING_ALGORITHMS:
         raise ValueError(f"algorithm must be one of {PACKING_ALGORITHMS}, got {algorithm!r}")
-    if not is_int(seed):
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise ValueError(f"seed must be an int, got {seed!r}")
 
 
@@ -188,7 +185,7 @@ def _select_split(dataset, split) -> datasets.Dataset:
     if isinstance(dataset, (datasets.IterableDataset, datasets.IterableDatasetDict)):
         raise TypeError(
             "pack_dataset needs a map-style datasets.Dataset (lengths are planned over the whole dataset); "
-            "pack an IterableDataset with automodel.data.streaming instead"
+            "stream an IterableDataset with packing: streaming instead"
         )
     if not isinstance(dataset, datasets.Dataset):
         raise TypeError(f"dataset must be a datasets.Dataset or DatasetDict, got {type(dataset).__name__}")
@@ -212,73 +209,90 @@ class _TokenColumns:
 
     @classmethod
     def read(cls, dataset: datasets.Dataset) -> _TokenColumns:
-        missing = [c for c in ("input_ids", "labels") if c not in dataset.column_names]
-        if missing:
-            raise ValueError(
-                f"dataset lacks column(s) {missing}; pack_dataset needs input_ids and labels (and optionally "
-                f"loss_mask), found {dataset.column_names}"
-            )
+        lengths = read_lengths(dataset)
         names = ["input_ids", "labels"] + (["loss_mask"] if "loss_mask" in dataset.column_names else [])
         table = dataset.select_columns(names).with_format("arrow")[:]
-        ids, ids_starts, lengths = _list_column(table, "input_ids")
-        empty = np.flatnonzero(lengths == 0)
-        if len(empty):
-            raise ValueError(f"sample {empty[0]} has an empty input_ids; remove empty samples before packing")
-        labels, labels_starts, label_lengths = _list_column(table, "labels")
-        _check_same_lengths("labels", label_lengths, lengths)
+        ids, ids_starts, _ = _list_column(table, "input_ids")
+        labels, labels_starts, _ = _list_column(table, "labels")
         if "loss_mask" in names:
-            mask, mask_starts, mask_lengths = _list_column(table, "loss_mask")
-            _check_same_lengths("loss_mask", mask_lengths, lengths)
+            mask, mask_starts, _ = _list_column(table, "loss_mask")
             mask = mask != 0
         else:
             mask, mask_starts = np.ones(1, np.bool_), np.zeros(len(lengths), np.int64)
         return cls(ids, ids_starts, labels, labels_starts, mask, mask_starts, "loss_mask" in names, lengths)
 
 
+def read_lengths(dataset: datasets.Dataset) -> np.ndarray:
+    """``[N]`` int64 token count of every sample: the one length reader of the batching modes.
+
+    Checks the columns: ``input_ids`` and ``labels`` present, ``labels``/``loss_mask`` as long as
+    ``input_ids``, no empty sample, at least one sample.
+    """
+    missing = [c for c in ("input_ids", "labels") if c not in dataset.column_names]
+    if missing:
+        raise ValueError(
+            f"dataset lacks column(s) {missing}: samples need input_ids and labels (and optionally loss_mask), "
+            f"found {dataset.column_names}"
+        )
+    if len(dataset) == 0:
+        raise ValueError("dataset is empty: nothing to pack or batch")
+    names = [c for c in ("input_ids", "labels", "loss_mask") if c in dataset.column_names]
+    table = dataset.select_columns(names).with_format("arrow")[:]
+    for name in names:
+        column = table.column(name)
+        if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)
+                or pa.types.is_fixed_size_list(column.type)):  # fmt: skip
+            raise ValueError(f"{name} must hold lists of token ids, got Arrow type {column.type}")
+        if column.null_count:
+            raise ValueError(f"{name}: sample {int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])} is null")
+    lengths = {c: pc.list_value_length(table.column(c)).to_numpy(zero_copy_only=False) for c in names}
+    tokens = lengths["input_ids"].astype(np.int64)
+    if tokens.min() == 0:
+        raise ValueError(f"input_ids: sample {int(np.argmin(tokens))} is empty; remove empty samples")
+    for name in names[1:]:
+        bad = np.flatnonzero(lengths[name] != tokens)
+        if len(bad):
+            i = int(bad[0])
+            raise ValueError(f"{name}: sample {i} has {lengths[name][i]} entries but input_ids has {tokens[i]}")
+    return tokens
+
+
+def keep_fitting(what: str, padded_lens: np.ndarray, cap: int, drop_long_samples: bool, cp_size: int) -> np.ndarray:
+    """``[N]`` bool, True for samples whose padded length fits ``cap``: the one over-long report.
+
+    The rest are dropped and logged with counts, or raise ValueError when ``drop_long_samples`` is False.
+    """
+    too_long = padded_lens > cap
+    if too_long.any():
+        i = int(np.argmax(too_long))
+        after = f" after padding to a multiple of 2*cp_size={2 * cp_size}" if cp_size > 1 else ""
+        if not drop_long_samples:
+            raise ValueError(
+                f"drop_long_samples=False but sample {i} has {padded_lens[i]} tokens{after}, more than the limit "
+                f"{cap}: raise the limit, shorten the sample, or set drop_long_samples=True"
+            )
+        logger.warning(
+            "%s: dropped %d of %d samples (%.3f%%) longer than %d tokens%s",
+            what, int(too_long.sum()), len(too_long), 100 * too_long.mean(), cap, after,
+        )
+    return ~too_long
+
+
 def _list_column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Values, row starts and row lengths of an integer list column."""
-    column = table.column(name)
+    column = table.column(name)  # read_lengths checked: lists, no null rows
     array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
     if pa.types.is_fixed_size_list(array.type):
         array = array.cast(pa.list_(array.type.value_type))
-    if not (pa.types.is_list(array.type) or pa.types.is_large_list(array.type)):
-        raise ValueError(f"column {name!r} must hold lists of token ids, got Arrow type {array.type}")
-    value_type = array.type.value_type
-    if not (pa.types.is_integer(value_type) or pa.types.is_boolean(value_type)):
-        raise ValueError(f"column {name!r} must hold integers, got lists of {value_type}")
-    if array.null_count:
-        row = int(np.flatnonzero(~np.asarray(array.is_valid()))[0])
-        raise ValueError(f"sample {row} has no {name} (null)")
+    if not (pa.types.is_integer(array.type.value_type) or pa.types.is_boolean(array.type.value_type)):
+        raise ValueError(f"{name} must hold integers, got lists of {array.type.value_type}")
     offsets = array.offsets.to_numpy().astype(np.int64, copy=False)
-    values_array = array.values
-    if values_array.null_count:
-        raise ValueError(f"column {name!r} contains null token ids")
-    values = values_array.to_numpy(zero_copy_only=False)
+    if array.values.null_count:
+        raise ValueError(f"{name} contains null token ids")
+    values = array.values.to_numpy(zero_copy_only=False)
     if values.dtype not in (np.int32, np.int64, np.bool_):
         values = values.astype(np.int64)
     return values, offsets[:-1], np.diff(offsets)
-
-
-def _check_same_lengths(name: str, lengths: np.ndarray, reference: np.ndarray) -> None:
-    bad = np.flatnonzero(lengths != reference)
-    if len(bad):
-        i = int(bad[0])
-        raise ValueError(f"sample {i}: {name} has {lengths[i]} entries but input_ids has {reference[i]}")
-
-
-def _warn_about_left_out_samples(report: PackingReport, multiple: int, max_packs: int | None) -> None:
-    if report.num_too_long:
-        logger.warning(
-            "pack_dataset dropped %d of %d samples (%.3f%%) longer than packed_sequence_size=%d%s",
-            report.num_too_long, report.num_samples, 100 * report.num_too_long / report.num_samples,
-            report.packed_sequence_size, f" after padding to a multiple of 2*cp_size={multiple}" if multiple > 1 else "",
-        )
-    if report.num_over_max_packs:
-        logger.warning(
-            "pack_dataset left out %d of %d samples (%.3f%%): max_packs=%d was reached",
-            report.num_over_max_packs, report.num_samples, 100 * report.num_over_max_packs / report.num_samples,
-            max_packs,
-        )
 
 
 def _build_table(

@@ -81,23 +81,21 @@ def make_cp_batch_for_te(
         batch: output of :func:`packed_sequence_thd_collater` (``[B, S]`` tensors).
         qkv_format: only ``"thd"``.
         padding_token_id: passed to :func:`process_input_for_thd`.
-        num_chunks: C; splits the B packs into C pipeline chunks of ``B / C`` packs each.
+        num_chunks: must be 1 (pipeline chunks are not supported; kept for signature compatibility).
         seq_lens_padding_value: sentinel in ``seq_lens``; also right-pads stacked ``cu_seqlens``.
         cp_size, cp_rank: given instead of ``cp_mesh`` to run without a process group.
 
     Returns:
-        With C == 1: ``input_ids``, ``labels``, ``position_ids``, ``padding_mask`` ``[T / W]`` holding
+        ``input_ids``, ``labels``, ``position_ids``, ``padding_mask`` ``[T / W]`` holding
         this rank's tokens (gathered with :func:`thd_get_partitioned_indices`), and the GLOBAL
         ``cu_seqlens``, ``cu_seqlens_padded`` ``[N+1]`` and ``max_seqlen``, plus ``cp_size`` and
-        ``cp_rank``. With C > 1 every tensor gains a leading ``[C]`` dimension; ``cu_seqlens`` rows are
-        right-padded with ``seq_lens_padding_value`` to the chunk with the most sequences.
+        ``cp_rank``.
     """
     if qkv_format != "thd":
         raise ValueError(f"make_cp_batch_for_te: qkv_format must be 'thd', got {qkv_format!r}")
     cp_size, cp_rank = _resolve_cp(cp_mesh, cp_size, cp_rank)
-    num_packs = batch["input_ids"].shape[0] if "input_ids" in batch else 0
-    if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1 or num_packs % num_chunks:
-        raise ValueError(f"num_chunks={num_chunks!r} must be a positive int dividing the batch size {num_packs}")
+    if num_chunks != 1:  # kept in the signature for NeMo AutoModel compatibility; no pipeline chunks here
+        raise ValueError(f"num_chunks={num_chunks!r} is not supported: use num_chunks=1")
 
     def shard(rows: dict[str, Any]) -> dict[str, Any]:
         thd = process_input_for_thd(rows, seq_lens_padding_value, padding_token_id)
@@ -109,23 +107,7 @@ def make_cp_batch_for_te(
         thd.update(cp_size=cp_size, cp_rank=cp_rank)
         return thd
 
-    if num_chunks == 1:
-        return shard(batch)
-    rows_per_chunk = num_packs // num_chunks
-    chunks = [
-        shard({k: v[c * rows_per_chunk : (c + 1) * rows_per_chunk] if torch.is_tensor(v) else v for k, v in batch.items()})
-        for c in range(num_chunks)
-    ]
-    stacked = dict(chunks[0])
-    for key, value in chunks[0].items():
-        if not torch.is_tensor(value):
-            continue
-        values = [chunk[key] for chunk in chunks]
-        if key in ("cu_seqlens", "cu_seqlens_padded"):
-            stacked[key] = _right_pad_stack(values, seq_lens_padding_value)
-        else:
-            stacked[key] = torch.stack(values)
-    return stacked
+    return shard(batch)
 
 
 def _resolve_cp(cp_mesh, cp_size: int | None, cp_rank: int | None) -> tuple[int, int]:
@@ -145,11 +127,3 @@ def _resolve_cp(cp_mesh, cp_size: int | None, cp_rank: int | None) -> tuple[int,
         raise ValueError(f"cp_size={cp_size} given without cp_rank; pass both, or a cp_mesh")
     check_cp_rank(cp_rank, cp_size, name="cp_rank")
     return cp_size, cp_rank
-
-
-def _right_pad_stack(rows: list[torch.Tensor], pad_value: int) -> torch.Tensor:
-    width = max(row.numel() for row in rows)
-    out = rows[0].new_full((len(rows), width), pad_value)
-    for i, row in enumerate(rows):
-        out[i, : row.numel()] = row
-    return out

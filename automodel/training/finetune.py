@@ -23,7 +23,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from automodel.attention import ThdAttentionMetadata
 from automodel.config import ConfigError, build_section
-from automodel.data.loader import LoaderEnv
+from automodel.data.batching import LoaderEnv
 from automodel.distributed import make_cp_batch_for_te
 from automodel.distributed.parallel import apply_fsdp, init_distributed
 from automodel.loss import count_label_tokens
@@ -80,12 +80,15 @@ class FinetuneRecipe:
             dataset, self.val_dataset = self.data.build(self.tokenizer)
         padding_idx = self.tokenizer.pad_token_id
         env = LoaderEnv(
-            dp_rank=self.dims.dp_rank, dp_size=self.dims.dp_size, seed=self.trainer.seed,
+            dp_rank=self.dims.dp_rank, dp_size=self.dims.dp_size, cp_size=self.dims.cp_size, seed=self.trainer.seed,
             padding_idx=padding_idx if padding_idx is not None else 0,
         )
         # No collective is open while packing: with packing.cache_dir one rank packs and the others
         # wait on the filesystem, so a long pack cannot trip the collective timeout.
-        self.stream = self.batching.build(dataset, env)
+        try:
+            self.stream = self.batching.build(dataset, env)
+        except ValueError as error:  # the packing section against this run (cp_size, data): a config error
+            raise ConfigError(str(error)) from None
         logger.info("%d micro-batches per epoch on each data-parallel rank", self.stream.batches_per_epoch)
 
         self.model = self._build_model()

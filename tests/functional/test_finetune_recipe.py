@@ -83,8 +83,9 @@ def test_default_recipe_trains_and_writes_its_outputs(tmp_path):
 
 
 def test_context_parallel_equals_one_process(tmp_path):
-    """CP=2 (two ranks split each pack) and CP=1 on the same packs (both padded for cp 2)."""
-    steps = ["trainer.max_steps=4", "packing.cp_size=2"]
+    """CP=2 (two ranks split each micro-batch) and CP=1 on the same samples: rmpad groups samples by
+    count, so CP padding (from the run's cp_size) changes no micro-batch's samples."""
+    steps = ["trainer.max_steps=4", "packing=rmpad"]
     cp1 = finetune(tmp_path / "cp1", 1, *steps, "trainer.export_hf=true")
     cp2 = finetune(tmp_path / "cp2", 2, *steps, "parallel.cp_size=2", "trainer.export_hf=true")
     assert_close_per_step(cp2, cp1, "loss", 1e-5)
@@ -145,8 +146,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     [
         (["trainer.max_stepz=3"], "unknown key 'trainer.max_stepz' (no 'max_stepz' in trainer); did you mean 'max_steps'?"),
         (["data.source=/nonexistent/train.jsonl"], "data.source='/nonexistent/train.jsonl' does not exist"),
-        (["packing.packed_sequence_size=102", "parallel.cp_size=2"],
-         "packed_sequence_size=102 must be a multiple of 2*cp_size=4"),
+        (["packing=rmpad", "packing.pad_packed_input=true", "packing.pad_packed_to_length=13"],
+         "packing.pad_packed_to_length=13"),
         (["optim.lr=-1"], "optim.lr must be a finite positive number, got -1"),
     ],
 )

@@ -1,6 +1,6 @@
-"""Balance benchmark for ``packing: balanced``: ``python -m automodel.bench.balance``.
+"""Balance benchmark for ``packing: balanced``: ``python -m benchmarks.balance``.
 
-For each length distribution of :func:`automodel.bench.packing.sample_lengths`, one epoch is planned
+For each length distribution of :func:`benchmarks.packing.sample_lengths`, one epoch is planned
 with :func:`plan_balanced_epoch` and every micro-step's load is compared across the DP ranks:
 
 - ``max/mean``: per micro-step, the heaviest rank's load over the mean rank load (1.0 = perfect;
@@ -22,8 +22,9 @@ import time
 
 import numpy as np
 
-from automodel.bench.packing import DISTRIBUTIONS, sample_lengths
-from automodel.data.balanced import plan_balanced_epoch, sample_costs
+from automodel.data.batching import plan_balanced_epoch
+from automodel.data.planning import sample_costs
+from benchmarks.packing import DISTRIBUTIONS, sample_lengths
 
 
 def _ratios(loads_RS: np.ndarray) -> np.ndarray:
@@ -40,10 +41,13 @@ def balance_case(
     padded = -(-lengths // multiple) * multiple
     costs = sample_costs(padded, cost_coefficients)
     start = time.perf_counter()
-    micro_batches = plan_balanced_epoch(
-        padded, dp_size=dp_size, samples_per_pack=micro_batch_size, packs_per_rank=packs_per_rank,
-        max_tokens_per_gpu=cap, cost_coefficients=cost_coefficients, seed=seed,
+    plan = plan_balanced_epoch(
+        np.random.default_rng((seed, 0)).permutation(num_samples), padded, dp_size=dp_size,
+        samples_per_pack=micro_batch_size, packs_per_rank=packs_per_rank, max_tokens_per_gpu=cap,
+        cost_coefficients=cost_coefficients,
     )
+    micro_batches = np.split(plan.sample_order, plan.pack_offsets[1:-1])
+    micro_batches = micro_batches[: len(micro_batches) // dp_size * dp_size]  # the dealt ones
     seconds = time.perf_counter() - start
     loads = np.array([costs[m].sum() for m in micro_batches]).reshape(-1, dp_size).T  # [R, S]
     ratios = _ratios(loads)

@@ -106,7 +106,7 @@ def _planning_case(distribution: str, algorithm: str, num_samples: int, size: in
 
 def _run_isolated(args: list[str]) -> dict:
     out = subprocess.run(
-        [sys.executable, "-m", "automodel.bench.packing", "--worker", *args],
+        [sys.executable, "-m", "benchmarks.packing", "--worker", *args],
         check=True, capture_output=True, text=True,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -1,4 +1,4 @@
-"""Batching-mode benchmark: ``python -m automodel.bench.batching``.
+"""Batching-mode benchmark: ``python -m benchmarks.batching``.
 
 One function per mode, each returning a flat dict (rows can be combined with other modes' figures):
 
@@ -10,7 +10,7 @@ One function per mode, each returning a flat dict (rows can be combined with oth
 - :func:`bench_stream`: micro-batches/s and tokens/s of the real ``MicroBatchStream`` (read the rows,
   flatten, collate) on a synthetic dataset.
 
-Lengths come from :func:`automodel.bench.packing.sample_lengths` (clipped to the budget or max_seq_len).
+Lengths come from :func:`benchmarks.packing.sample_lengths` (clipped to the budget or max_seq_len).
 """
 
 from __future__ import annotations
@@ -25,15 +25,9 @@ import time
 import numba
 import numpy as np
 
-from automodel.bench.packing import DISTRIBUTIONS, sample_lengths, synthetic_dataset
-from automodel.data.flat_batching import (
-    DynBszBatching,
-    RmpadBatching,
-    epoch_order,
-    plan_fixed_size,
-    plan_token_budget,
-)
-from automodel.data.loader import LoaderEnv
+from automodel.data.batching import DynBszBatching, LoaderEnv, RmpadBatching, _groups
+from automodel.data.planning import plan_token_budget
+from benchmarks.packing import DISTRIBUTIONS, sample_lengths, synthetic_dataset
 
 
 @numba.njit(cache=True)
@@ -82,7 +76,7 @@ def bench_dyn_bsz(
     lengths = sample_lengths(distribution, num_samples, budget, seed)
     multiple = 2 * cp_size if cp_size > 1 else 1
     slots = -(-lengths // multiple) * multiple
-    order = epoch_order(num_samples, seed, 0, shuffle=True)
+    order = np.random.default_rng((seed, 0)).permutation(num_samples)
     plan_token_budget(order[:100], slots, slots, budget, budget, buffer_size)  # load the compiled kernel
     arrival_order_scan(order[:100], slots, budget, buffer_size)
     plan = plan_token_budget(order, slots, slots, budget, budget, buffer_size)
@@ -120,7 +114,7 @@ def bench_rmpad(
 ) -> dict:
     """Fixed-size flattened micro-batches on one shuffled epoch."""
     lengths = sample_lengths(distribution, num_samples, max_seq_len, seed)
-    plan = plan_fixed_size(epoch_order(num_samples, seed, 0, shuffle=True), micro_batch_size)
+    plan = _groups(np.random.default_rng((seed, 0)).permutation(num_samples), micro_batch_size)
     tokens = np.add.reduceat(lengths[plan.sample_order], plan.pack_offsets[:-1])
     static_length = micro_batch_size * max_seq_len
     return {

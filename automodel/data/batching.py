@@ -1,0 +1,486 @@
+"""Batching modes on one epoch engine: a tokenized dataset -> a resumable stream of micro-batches.
+
+A batching mode is the ``packing`` section of a recipe: its checks plus ``prepare(dataset, env)``,
+which gives the kept units (samples, or packs), ``plan(order) -> PackPlan`` (which units form
+which micro-batch of an epoch, from a unit order) and ``collate(units) -> batch``. The engine does
+the rest, once for every mode:
+
+- one seeded RNG per epoch, ``(seed, epoch)``, shuffles the kept units (unless ``shuffle: false``);
+- the epoch's M global micro-batches are dealt round-robin: DP rank r takes ``k * dp + r``; the
+  last ``M % dp`` are not dealt, and the log says how many micro-batches and units that is;
+- the ranks of one CP group share ``dp_rank``, so they get the same micro-batches;
+- ``state_dict()`` is the GLOBAL position ``{epoch, consumed, fingerprint}``, equal on every rank;
+  ``load_state_dict`` re-deals the rest of the epoch for the current DP size, so a run resumed on a
+  different number of ranks (same global batch) continues with the same global micro-batches.
+
+Batches follow the collater contract (``input_ids``, ``labels``, ``position_ids`` ``[B, S]``;
+``seq_lens``, ``seq_lens_padded`` ``[B, D]``), built by :func:`automodel.data.collate.build_row`.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import datasets
+import numpy as np
+import pyarrow.compute as pc
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from automodel.data.collate import (
+    CROSS_ENTROPY_IGNORE_INDEX,
+    build_row,
+    cp_multiple,
+    packed_sequence_thd_collater,
+    padded_sequence_thd_collater,
+)
+from automodel.data.pack_cache import cached_pack_dataset
+from automodel.data.packing import keep_fitting, pack_dataset, read_lengths
+from automodel.data.planning import (
+    PACKING_ALGORITHMS,
+    PackPlan,
+    check_cost_coefficients,
+    check_positive_int,
+    plan_balanced_packs,
+    plan_token_budget,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoaderEnv:
+    """What a batching mode needs to know about the run."""
+
+    dp_rank: int = 0
+    dp_size: int = 1
+    cp_size: int = 1
+    seed: int = 0
+    padding_idx: int = 0
+
+
+@dataclass
+class Prepared:
+    """A mode prepared on a dataset: ``units`` rows (numpy format), ``kept`` unit indices ``[K]``."""
+
+    units: datasets.Dataset
+    kept: np.ndarray
+    plan: Callable[[np.ndarray], PackPlan]
+    collate: Callable[[list[dict[str, Any]]], dict[str, Any]]
+    fingerprint: str
+
+
+def _fingerprint(*parts: Any) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _groups(order: np.ndarray, size: int) -> PackPlan:
+    """``size`` consecutive units of ``order`` per micro-batch; the last may be smaller."""
+    offsets = np.minimum(np.arange(-(-len(order) // size) + 1, dtype=np.int64) * size, len(order))
+    return PackPlan(np.asarray(order, np.int64), offsets)
+
+
+class _Dealt(torch.utils.data.Dataset):
+    """Item k: the collated global micro-batch ``start + k * dp + dp_rank`` of ``plan``; items past
+    the plan (``build_eval`` only) repeat micro-batch 0 with every label -100."""
+
+    def __init__(self, prepared: Prepared, plan: PackPlan, start: int, env: LoaderEnv, length: int):
+        self.prepared, self.plan, self.start, self.env, self.length = prepared, plan, start, env, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, k: int) -> dict[str, Any]:
+        if not 0 <= k < self.length:
+            raise IndexError(k)
+        index = self.start + k * self.env.dp_size + self.env.dp_rank
+        filler = index >= self.plan.num_packs
+        a, b = self.plan.pack_offsets[[0, 1] if filler else [index, index + 1]]
+        columns = self.prepared.units[self.plan.sample_order[a:b].tolist()]
+        batch = self.prepared.collate([dict(zip(columns, values)) for values in zip(*columns.values())])
+        if filler:
+            batch["labels"] = torch.full_like(batch["labels"], CROSS_ENTROPY_IGNORE_INDEX)
+        return batch
+
+
+def _identity(batch: Any) -> Any:
+    return batch
+
+
+class MicroBatchStream:
+    """This rank's micro-batches over epochs without end (``next``), resumable from the global position."""
+
+    def __init__(self, prepared: Prepared, env: LoaderEnv, shuffle: bool, num_workers: int = 0):
+        self.prepared, self.env, self.shuffle, self.num_workers = prepared, env, shuffle, num_workers
+        self.epoch, self.start, self.taken = 0, 0, 0
+        self._plan: tuple[int, PackPlan] | None = None
+        self._iterator: Iterator | None = None
+        if self.batches_per_epoch == 0:
+            raise ValueError(
+                f"dp_size: the data gives {self.plan(0).num_packs} micro-batches per epoch, fewer than the "
+                f"{env.dp_size} data-parallel ranks; use more data, smaller micro-batches or fewer ranks"
+            )
+
+    def plan(self, epoch: int) -> PackPlan:
+        """The epoch's global micro-batches (unit indices): the kept units in the order of ``(seed, epoch)``."""
+        if self._plan is None or self._plan[0] != epoch:
+            kept = self.prepared.kept
+            order = kept[np.random.default_rng((self.env.seed, epoch)).permutation(len(kept))] if self.shuffle else kept
+            plan = self.prepared.plan(order)
+            dropped = plan.num_packs % self.env.dp_size
+            left_out = len(kept) - int(plan.pack_offsets[plan.num_packs - dropped])
+            if left_out:
+                logger.warning(
+                    "epoch %d: %d of %d units (samples or packs) are not dealt: the last %d of %d micro-batches do "
+                    "not divide among %d data-parallel rank(s)", epoch, left_out, len(kept), dropped, plan.num_packs,
+                    self.env.dp_size,
+                )
+            self._plan = (epoch, plan)
+        return self._plan[1]
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Micro-batches per rank in the current epoch."""
+        return self.plan(self.epoch).num_packs // self.env.dp_size
+
+    def __iter__(self) -> MicroBatchStream:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        for _ in range(2):
+            if self._iterator is None:
+                plan = self.plan(self.epoch)
+                dealt = _Dealt(self.prepared, plan, self.start, self.env, (plan.num_packs - self.start) // self.env.dp_size)
+                self._iterator = iter(StatefulDataLoader(
+                    dealt, batch_size=None, collate_fn=_identity, num_workers=self.num_workers
+                ))  # fmt: skip
+            try:
+                batch = next(self._iterator)
+                self.taken += 1
+                return batch
+            except StopIteration:
+                self.epoch, self.start, self.taken, self._iterator = self.epoch + 1, 0, 0, None
+        raise ValueError(f"dp_size: epoch {self.epoch} gives no micro-batch to each of {self.env.dp_size} ranks")
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{epoch, consumed, fingerprint}``: global micro-batches consumed in the epoch; equal on every rank."""
+        consumed = self.start + self.taken * self.env.dp_size
+        return {"epoch": self.epoch, "consumed": consumed, "fingerprint": self.prepared.fingerprint}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["fingerprint"] != self.prepared.fingerprint:
+            raise ValueError(
+                f"fingerprint: the saved data position belongs to another plan ({state['fingerprint']} != "
+                f"{self.prepared.fingerprint}): resume with the same data, packing section and seed"
+            )
+        self.epoch, self.start, self.taken, self._iterator = state["epoch"], state["consumed"], 0, None
+
+
+_NOT_IN_PLAN = ("num_workers", "cache_dir")  # settings that change no micro-batch: a resume may change them
+
+
+@dataclass
+class _Mode:
+    """Shared fields and ``build``/``build_eval`` of the map-style modes."""
+
+    shuffle: bool = True
+    num_workers: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.shuffle, bool):
+            raise ValueError(f"packing.shuffle must be true or false, got {self.shuffle!r}")
+        if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) or self.num_workers < 0:
+            raise ValueError(f"packing.num_workers must be an int >= 0, got {self.num_workers!r}")
+
+    def prepare(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
+        raise NotImplementedError
+
+    def _prepared(self, dataset: datasets.Dataset, env: LoaderEnv, *plan_dependencies: Any) -> Prepared:
+        if not isinstance(dataset, datasets.Dataset):
+            raise ValueError(f"dataset: this mode needs a map-style datasets.Dataset, got {type(dataset).__name__}")
+        prepared = self.prepare(dataset, env)
+        prepared.fingerprint = _fingerprint(
+            type(self).__name__, {k: v for k, v in asdict(self).items() if k not in _NOT_IN_PLAN},
+            hashlib.sha256(prepared.kept.tobytes()).hexdigest(), len(prepared.units), env.seed, env.cp_size,
+            *plan_dependencies,
+        )
+        return prepared
+
+    def build(self, dataset: datasets.Dataset, env: LoaderEnv) -> MicroBatchStream:
+        return MicroBatchStream(self._prepared(dataset, env), env, self.shuffle, self.num_workers)
+
+    def build_eval(self, dataset: datasets.Dataset, env: LoaderEnv) -> Sequence[dict[str, Any]]:
+        """One unshuffled pass: every kept sample once across DP ranks, the same count on every rank
+        (the last micro-batches repeat micro-batch 0 with labels -100 where needed)."""
+        prepared = self._prepared(dataset, env)
+        plan = prepared.plan(prepared.kept)
+        return _Dealt(prepared, plan, 0, env, -(-plan.num_packs // env.dp_size))
+
+
+def _sample_rows(dataset: datasets.Dataset) -> datasets.Dataset:
+    names = [c for c in ("input_ids", "labels", "loss_mask") if c in dataset.column_names]
+    return dataset.select_columns(names).with_format("numpy")
+
+
+@dataclass
+class PackedBatching(_Mode):
+    """``packing: bfd | sequential``: :func:`pack_dataset` once, ``micro_batch_size`` packs of
+    ``packed_sequence_size`` tokens per micro-batch, packs reshuffled every epoch. With ``cache_dir``
+    the packs come from :func:`cached_pack_dataset` (packed once, memory-mapped by every rank)."""
+
+    algorithm: str = "bfd"
+    packed_sequence_size: int = 2048
+    micro_batch_size: int = 1
+    drop_long_samples: bool = True
+    max_packs: int | None = None
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.algorithm not in PACKING_ALGORITHMS:
+            raise ValueError(f"packing.algorithm must be one of {PACKING_ALGORITHMS}, got {self.algorithm!r}")
+        for name in ("packed_sequence_size", "micro_batch_size"):
+            check_positive_int(f"packing.{name}", getattr(self, name))
+
+    def prepare(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
+        pack = functools.partial(cached_pack_dataset, cache_dir=self.cache_dir) if self.cache_dir else pack_dataset
+        packed = pack(
+            dataset, "train", self.packed_sequence_size, self.max_packs, env.padding_idx, self.drop_long_samples,
+            env.cp_size, algorithm=self.algorithm, seed=env.seed,
+        )  # fmt: skip
+        return Prepared(
+            packed.with_format("numpy"), np.arange(len(packed)),
+            functools.partial(_groups, size=self.micro_batch_size), packed_sequence_thd_collater, "",
+        )
+
+
+@dataclass
+class PaddedBatching(_Mode):
+    """``packing: none``: classic padded batches, ``micro_batch_size`` samples per micro-batch, each
+    padded to the longest of the micro-batch; samples longer than ``max_length`` are dropped."""
+
+    micro_batch_size: int = 8
+    max_length: int = 2048
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("micro_batch_size", "max_length"):
+            check_positive_int(f"packing.{name}", getattr(self, name))
+
+    def prepare(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
+        padded = _padded_lengths(read_lengths(dataset), env.cp_size)
+        kept = np.flatnonzero(keep_fitting("packing none", padded, self.max_length, True, env.cp_size))
+        collate = functools.partial(padded_sequence_thd_collater, padding_idx=env.padding_idx, cp_size=env.cp_size)
+        return Prepared(_sample_rows(dataset), kept, functools.partial(_groups, size=self.micro_batch_size), collate, "")
+
+
+def _padded_lengths(lengths: np.ndarray, cp_size: int) -> np.ndarray:
+    multiple = cp_multiple(cp_size)
+    return -(-lengths // multiple) * multiple
+
+
+def _flat_collate(samples: list[dict[str, Any]], padding_idx: int, cp_size: int, length: int | None) -> dict[str, Any]:
+    return packed_sequence_thd_collater([build_row(samples, padding_idx, cp_size, length)])
+
+
+@dataclass
+class _FlatMode(_Mode):
+    """Modes whose micro-batch is one flattened row; ``pad_packed_input`` pads it to a fixed length."""
+
+    pad_packed_input: bool = False
+    pad_packed_to_length: int | None = None
+
+    def _static_length(self, longest: int, what: str, cp_size: int) -> int | None:
+        """``pad_packed_to_length`` (default ``longest``) when ``pad_packed_input``; it must hold the
+        longest micro-batch and split into 2W chunks."""
+        if not isinstance(self.pad_packed_input, bool):
+            raise ValueError(f"packing.pad_packed_input must be true or false, got {self.pad_packed_input!r}")
+        if self.pad_packed_to_length is not None:
+            check_positive_int("packing.pad_packed_to_length", self.pad_packed_to_length)
+            if not self.pad_packed_input:
+                raise ValueError("packing.pad_packed_to_length needs packing.pad_packed_input=true; set it or remove it")
+        if not self.pad_packed_input:
+            return None
+        length = self.pad_packed_to_length or longest
+        if length < longest or length % cp_multiple(cp_size):
+            raise ValueError(
+                f"packing.pad_packed_to_length={length} must be >= the longest micro-batch ({what} = {longest}) "
+                f"and a multiple of 2*cp_size={cp_multiple(cp_size)}"
+            )
+        return length
+
+
+def _flat_prepared(dataset: datasets.Dataset, env: LoaderEnv, kept: np.ndarray, plan: Callable, length: int | None) -> Prepared:
+    """Samples flattened into one row per micro-batch (rmpad, dyn_bsz, balanced)."""
+    collate = functools.partial(_flat_collate, padding_idx=env.padding_idx, cp_size=env.cp_size, length=length)
+    return Prepared(_sample_rows(dataset), kept, plan, collate, "")
+
+
+@dataclass
+class RmpadBatching(_FlatMode):
+    """``packing: rmpad`` (VeOmni's ``rmpad_with_pos_ids``): ``micro_batch_size`` samples per
+    micro-batch, flattened into one row ``[1, T]`` without padding between them. With
+    ``pad_packed_input`` every row is padded to ``pad_packed_to_length`` (default
+    ``micro_batch_size * max_seq_len``) by the tail-padding rule (static shapes).
+
+    Example (S1=[A B C D], S2=[E F], S3=[G H I], S4=[J], micro_batch_size 2, no shuffle)::
+
+        [A B C D E F] positions [0 1 2 3 0 1]     then     [G H I J] positions [0 1 2 0]
+    """
+
+    micro_batch_size: int = 1
+    max_seq_len: int = 2048
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("micro_batch_size", "max_seq_len"):
+            check_positive_int(f"packing.{name}", getattr(self, name))
+        self._static_length(self.micro_batch_size * self.max_seq_len, "micro_batch_size * max_seq_len", 1)
+
+    def prepare(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
+        length = self._static_length(self.micro_batch_size * self.max_seq_len, "micro_batch_size * max_seq_len", env.cp_size)
+        padded = _padded_lengths(read_lengths(dataset), env.cp_size)
+        kept = np.flatnonzero(keep_fitting("packing rmpad", padded, self.max_seq_len, True, env.cp_size))
+        return _flat_prepared(dataset, env, kept, functools.partial(_groups, size=self.micro_batch_size), length)
+
+
+def label_token_counts(dataset: datasets.Dataset) -> np.ndarray:
+    """``[N]`` label tokens per sample: label != -100 where ``loss_mask`` != 0."""
+    table = dataset.with_format("arrow")[:]
+    learnable = pc.not_equal(pc.list_flatten(table.column("labels")), CROSS_ENTROPY_IGNORE_INDEX)
+    if "loss_mask" in table.column_names:
+        learnable = pc.and_(learnable, pc.not_equal(pc.list_flatten(table.column("loss_mask")), 0))
+    cumulative = np.concatenate([[0], np.cumsum(learnable.to_numpy(zero_copy_only=False), dtype=np.int64)])
+    ends = np.cumsum(pc.list_value_length(table.column("labels")).to_numpy(zero_copy_only=False))
+    return cumulative[ends] - cumulative[np.concatenate([[0], ends[:-1]])]
+
+
+@dataclass
+class DynBszBatching(_FlatMode):
+    """``packing: dyn_bsz`` (VeOmni's ``dyn_bsz``): each micro-batch takes, largest first from a
+    buffer of ``buffer_size`` upcoming samples, every sample that fits the budget
+    (:func:`plan_token_budget`), flattened into one row. ``count: tokens`` budgets the slots
+    (CP padding included); ``count: label_tokens`` budgets label tokens, the row length then capped
+    by ``max_packed_length``. ``pad_packed_input`` pads every row to the length cap (or
+    ``pad_packed_to_length``).
+
+    Example (S1=[A B C D], S2=[E F], S3=[G H I], S4=[J], budget 10)::
+
+        [A B C D E F G H I J] positions [0 1 2 3 0 1 0 1 2 0]
+    """
+
+    max_tokens_per_micro_batch: int = 4096
+    count: str = "tokens"
+    max_packed_length: int | None = None
+    buffer_size: int = 200
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("max_tokens_per_micro_batch", "buffer_size"):
+            check_positive_int(f"packing.{name}", getattr(self, name))
+        if self.count not in ("tokens", "label_tokens"):
+            raise ValueError(f"packing.count must be tokens or label_tokens, got {self.count!r}")
+        if (self.count == "label_tokens") != (self.max_packed_length is not None):
+            raise ValueError(
+                "packing.max_packed_length (the hard cap on a micro-batch's length) is required with "
+                f"count=label_tokens and not allowed with count=tokens; got count={self.count!r}, "
+                f"max_packed_length={self.max_packed_length!r}"
+            )
+        if self.max_packed_length is not None:
+            check_positive_int("packing.max_packed_length", self.max_packed_length)
+            if self.max_packed_length < self.max_tokens_per_micro_batch:
+                raise ValueError(
+                    f"packing.max_packed_length={self.max_packed_length} must be >= max_tokens_per_micro_batch="
+                    f"{self.max_tokens_per_micro_batch}"
+                )
+        self._static_length(self.length_cap, "the length cap", 1)
+
+    @property
+    def length_cap(self) -> int:
+        """The most tokens (CP padding included) a micro-batch may hold."""
+        return self.max_packed_length or self.max_tokens_per_micro_batch
+
+    def prepare(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
+        length = self._static_length(self.length_cap, "the length cap", env.cp_size)
+        sizes = _padded_lengths(read_lengths(dataset), env.cp_size)
+        weights = sizes if self.count == "tokens" else label_token_counts(dataset)
+        fits = keep_fitting("packing dyn_bsz", sizes, self.length_cap, True, env.cp_size)
+        fits &= keep_fitting("packing dyn_bsz (label budget)", weights, self.max_tokens_per_micro_batch, True, 1)
+        plan = functools.partial(
+            plan_token_budget, weights=weights, sizes=sizes, budget=self.max_tokens_per_micro_batch,
+            max_size=self.length_cap, buffer_size=self.buffer_size,
+        )  # fmt: skip
+        return _flat_prepared(dataset, env, np.flatnonzero(fits), plan, length)
+
+
+def plan_balanced_epoch(
+    order: np.ndarray, lengths: np.ndarray, *, dp_size: int, samples_per_pack: int, packs_per_rank: int = 1,
+    max_tokens_per_gpu: int | None = None, cost_coefficients: Sequence[float] = (1.0, 0.0),
+) -> PackPlan:
+    """Balanced micro-batches of an epoch from a sample ``order``: groups of
+    ``G = samples_per_pack * dp_size * packs_per_rank`` samples, each split by
+    :func:`plan_balanced_packs` into ``dp_size * packs_per_rank`` packs (more, a multiple of
+    ``dp_size``, where the cap demands), dealt ``dp_size`` at a time in alternating direction so that
+    no rank always gets the heaviest. A last partial group gets ``ceil(n / samples_per_pack)`` packs.
+
+    Example (dp_size=2, samples_per_pack=2, order 0..3, lengths [8, 7, 6, 5]): packs [0, 3] (13)
+    and [1, 2] (13) -> sample_order [0 3 1 2], pack_offsets [0 2 4].
+    """
+    packs: list[np.ndarray] = []
+    group = samples_per_pack * dp_size * packs_per_rank
+    for start in range(0, len(order), group):
+        members = order[start : start + group]
+        full = len(members) == group
+        plan = plan_balanced_packs(
+            lengths[members], num_packs=dp_size * packs_per_rank if full else -(-len(members) // samples_per_pack),
+            max_tokens_per_gpu=max_tokens_per_gpu, cost_coefficients=cost_coefficients,
+            multiple_of=dp_size if full else 1,
+        )  # fmt: skip
+        for step, first in enumerate(range(0, plan.num_packs, dp_size)):
+            dealt = [members[plan.sample_order[plan.pack_offsets[p] : plan.pack_offsets[p + 1]]]
+                     for p in range(first, min(first + dp_size, plan.num_packs))]  # fmt: skip
+            packs.extend(dealt if step % 2 == 0 else dealt[::-1])
+    offsets = np.zeros(len(packs) + 1, np.int64)
+    np.cumsum([len(p) for p in packs], out=offsets[1:])
+    return PackPlan(np.concatenate(packs).astype(np.int64) if packs else np.zeros(0, np.int64), offsets)
+
+
+@dataclass
+class BalancedBatching(_Mode):
+    """``packing: balanced`` (slime-style): each group of ``micro_batch_size * dp * packs_per_rank``
+    samples is split into packs of balanced work (:func:`plan_balanced_epoch`), none over
+    ``packed_sequence_size`` tokens; one pack = one micro-batch ``[1, T]``, T varying. Set
+    ``packs_per_rank`` to the trainer's ``grad_accum_steps`` so that a group is one optimizer step.
+    ``cost_coefficients`` ``(linear, quadratic)``: per-sample work ``linear*L + quadratic*L^2``.
+    The plan depends on ``dp_size``: resuming on another DP size is refused (fingerprint)."""
+
+    packed_sequence_size: int = 16384
+    micro_batch_size: int = 16
+    packs_per_rank: int = 1
+    cost_coefficients: tuple[float, float] = (1.0, 0.0)
+    drop_long_samples: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("packed_sequence_size", "micro_batch_size", "packs_per_rank"):
+            check_positive_int(f"packing.{name}", getattr(self, name))
+        self.cost_coefficients = check_cost_coefficients(self.cost_coefficients)
+
+    def _prepared(self, dataset: datasets.Dataset, env: LoaderEnv, *plan_dependencies: Any) -> Prepared:
+        return super()._prepared(dataset, env, env.dp_size, *plan_dependencies)
+
+    def prepare(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
+        padded = _padded_lengths(read_lengths(dataset), env.cp_size)
+        keep = keep_fitting("packing balanced", padded, self.packed_sequence_size, self.drop_long_samples, env.cp_size)
+        plan = functools.partial(
+            plan_balanced_epoch, lengths=padded, dp_size=env.dp_size, samples_per_pack=self.micro_batch_size,
+            packs_per_rank=self.packs_per_rank, max_tokens_per_gpu=self.packed_sequence_size,
+            cost_coefficients=self.cost_coefficients,
+        )  # fmt: skip
+        return _flat_prepared(dataset, env, np.flatnonzero(keep), plan, None)
