@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from automodel.data.loader import LoaderEnv, distributed_stream
 from torchrun import REPO_ROOT, run_torchrun
 
 from automodel.cli import main
 from automodel.config import ConfigError, load_recipe
-from automodel.data.loader import LoaderEnv, distributed_stream
 from automodel.data.sft_data import SFTData
 from automodel.distributed.parallel import ParallelConfig, init_distributed
 from automodel.training.checkpoint import (
