@@ -122,6 +122,8 @@ def test_lora_recipe_with_validation(tmp_path):
         # the cross-entropy in another grouping (per rank, per CP half), ~1e-7 relative.
         assert_per_step(run[:1], one[:1], "val_loss", 1e-6)
         assert_per_step(run, one, "val_loss", 1e-5)  # later steps add the weights' own rounding drift
-        adapter = load_file(tmp_path / name / "adapter" / "adapter_model.safetensors")
-        for key in adapter_one:
-            torch.testing.assert_close(adapter[key], adapter_one[key], rtol=0, atol=1e-5, msg=f"{name} {key}")
+        # Compared through the model's output: Adam turns the near-zero lora_A gradients of the first
+        # steps (B starts at zero) into +-lr moves, so single adapter entries may differ by ~1e-4
+        # while B @ A, and so the logits, agree to float32 rounding.
+        adapted = peft.PeftModel.from_pretrained(base(), tmp_path / name / "adapter")
+        torch.testing.assert_close(logits(adapted), logits(reloaded), rtol=0, atol=1e-5, msg=name)
