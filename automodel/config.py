@@ -25,6 +25,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 SECTIONS = ("model", "data", "packing", "parallel", "optim", "trainer")
+# Sections a recipe may leave out (or set to null): ``peft`` absent means full fine-tuning.
+OPTIONAL_SECTIONS = ("peft",)
 _HYDRA_KEYS = {"_target_", "_recursive_", "_convert_", "_partial_", "_args_"}
 # Components from outside the project a recipe may name: configuration classes, nothing that reads
 # files or runs code.
@@ -109,14 +111,18 @@ def _unknown_key_message(key: str, cfg: DictConfig) -> str:
 
 
 def check_config(cfg: DictConfig) -> None:
-    unknown = [key for key in cfg if key not in SECTIONS]
+    unknown = [key for key in cfg if key not in SECTIONS + OPTIONAL_SECTIONS]
     if unknown:
-        raise ConfigError(f"unknown top-level key(s) {unknown}; a recipe has the sections {list(SECTIONS)}")
+        raise ConfigError(
+            f"unknown top-level key(s) {unknown}; a recipe has the sections {list(SECTIONS)} "
+            f"and optionally {list(OPTIONAL_SECTIONS)}"
+        )
     missing = [key for key in SECTIONS if key not in cfg]
     if missing:
         raise ConfigError(f"recipe lacks section(s) {missing}; add them to its defaults list")
-    for section in SECTIONS:
-        _check_node(cfg[section], section)
+    for section in SECTIONS + OPTIONAL_SECTIONS:
+        if cfg.get(section) is not None:
+            _check_node(cfg[section], section)
 
 
 def _check_node(node: Any, where: str) -> None:
@@ -175,7 +181,10 @@ def _parameters(target: str, where: str) -> list[str] | None:
 
 
 def build_section(cfg: DictConfig, section: str) -> Any:
-    """Instantiate one section; a bad value raises ConfigError naming the section."""
+    """Instantiate one section (None for an optional section left out or null); a bad value raises
+    ConfigError naming the section."""
+    if section in OPTIONAL_SECTIONS and cfg.get(section) is None:
+        return None
     _check_targets(cfg[section], section)
     try:
         return instantiate(cfg[section], _convert_="all")

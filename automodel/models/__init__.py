@@ -1,6 +1,6 @@
 """transformers causal LMs on THD batches: the allow-list, setup checks, build/load/export."""
 
-from automodel.models.build import CausalLMForTraining, build_model, export_hf, setup_checks
+from automodel.models.build import CausalLMForTraining, build_model, export_model, setup_checks
 from automodel.models.families import VERIFIED_MODEL_TYPES, check_model_config
 from automodel.models.spec import ModelSpec
 
@@ -10,6 +10,6 @@ __all__ = [
     "ModelSpec",
     "build_model",
     "check_model_config",
-    "export_hf",
+    "export_model",
     "setup_checks",
 ]

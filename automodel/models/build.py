@@ -6,14 +6,20 @@ the registered THD attention -> FSDP2 -> ``to_empty`` -> rank 0 produces the ful
 the non-persistent buffers (RoPE ``inv_freq``, Gemma's ``embed_scale``) that meta init leaves
 empty. Export goes through ``save_pretrained``.
 
+With a LoRA config, ``peft`` wraps the transformers model on the meta device, before FSDP2: the
+base weights are frozen, rank 0's source model gets the same adapters (seeded) so that one
+broadcast fills base and adapters alike, and the export writes the adapter in PEFT's own format.
+
 Shape legend: T = this rank's tokens, D = hidden size, V = vocabulary.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
+import peft
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -30,11 +36,15 @@ from automodel.attention.hf import (
     attach_thd_attention,
     register_thd_attention,
 )
+from automodel.data.sft import end_of_turn_token_id
 from automodel.loss import chunked_cross_entropy_sum
 from automodel.models.families import check_model_config
+from automodel.models.lora import LoraConfig, export_adapter, merged_state_dict
 from automodel.models.spec import ModelSpec, check_checkpoint_tensors, check_finite
 
 _PREFIX = "hf."
+
+logger = logging.getLogger(__name__)
 
 
 class CausalLMForTraining(nn.Module):
@@ -42,20 +52,28 @@ class CausalLMForTraining(nn.Module):
     the root's parameters (embeddings, final norm, lm_head) are unsharded for the whole forward,
     backbone and loss together.
 
-    ``state_dict()`` keys are the transformers names under the prefix ``hf.``.
+    ``state_dict()`` keys are the transformers names under the prefix ``hf.``; under LoRA ``hf`` is
+    the ``peft.PeftModel`` and the keys are ``hf.base_model.model.<transformers name>``, with each
+    targeted Linear split into ``.base_layer.weight`` and ``.lora_A/lora_B.default.weight``.
     """
 
-    def __init__(self, hf: PreTrainedModel):
+    def __init__(self, hf: PreTrainedModel | peft.PeftModel):
         super().__init__()
         self.hf = hf
 
     @property
+    def transformers_model(self) -> PreTrainedModel:
+        """The transformers model; peft injects its adapter layers into it in place."""
+        return self.hf.get_base_model() if isinstance(self.hf, peft.PeftModel) else self.hf
+
+    @property
     def config(self) -> PretrainedConfig:
-        return self.hf.config
+        return self.transformers_model.config
 
     @property
     def decoder_layers(self) -> nn.ModuleList:
-        return getattr(self.hf, self.hf.base_model_prefix).layers
+        hf = self.transformers_model
+        return getattr(hf, hf.base_model_prefix).layers
 
     def forward(
         self,
@@ -65,14 +83,12 @@ class CausalLMForTraining(nn.Module):
         thd_layout: ThdAttentionMetadata,
     ) -> torch.Tensor:
         """Float32 sum of the next-token cross-entropy over this rank's label tokens."""
-        base = getattr(self.hf, self.hf.base_model_prefix)
-        hidden_TD = base(
+        hf = self.transformers_model
+        hidden_TD = getattr(hf, hf.base_model_prefix)(
             input_ids=input_ids_T[None], position_ids=position_ids_T[None], thd_layout=thd_layout, use_cache=False
         ).last_hidden_state[0]
-        head = self.hf.get_output_embeddings()
-        return chunked_cross_entropy_sum(
-            hidden_TD, head.weight, labels_T, bias_V=head.bias, **logit_transform(self.hf.config)
-        )
+        head = hf.get_output_embeddings()
+        return chunked_cross_entropy_sum(hidden_TD, head.weight, labels_T, bias_V=head.bias, **logit_transform(hf.config))
 
 
 def logit_transform(config: PretrainedConfig) -> dict[str, Any]:
@@ -115,9 +131,10 @@ def build_model(
     seed: int,
     cp_comm_type: str = "p2p",
     is_main: bool = True,
+    lora: LoraConfig | None = None,
 ) -> CausalLMForTraining:
-    """The training model with its weights: meta build, ``shard(model)`` (FSDP2), materialize on
-    ``device``, rank 0's weights broadcast to every rank."""
+    """The training model with its weights: meta build, LoRA adapters when ``lora`` is given,
+    ``shard(model)`` (FSDP2), materialize on ``device``, rank 0's weights broadcast to every rank."""
     register_thd_attention()
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(config, attn_implementation=THD_ATTENTION, dtype=torch.float32)
@@ -131,11 +148,14 @@ def build_model(
         )
     if spec.activation_checkpointing:
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora is not None:
+        with torch.device("meta"):
+            model.hf = lora.apply(hf)
     shard(model)
     model.to_empty(device=device)
     if config.tie_word_embeddings:
         hf.tie_weights()  # to_empty gives each module its own new tensor, untying them
-    load_weights(model, spec, config, seed=seed, is_main=is_main)
+    load_weights(model, spec, config, seed=seed, is_main=is_main, lora=lora)
     return model
 
 
@@ -155,14 +175,19 @@ def source_model(spec: ModelSpec, config: PretrainedConfig, seed: int) -> PreTra
 
 @torch.no_grad()
 def load_weights(
-    model: CausalLMForTraining, spec: ModelSpec, config: PretrainedConfig, *, seed: int, is_main: bool
+    model: CausalLMForTraining, spec: ModelSpec, config: PretrainedConfig, *, seed: int, is_main: bool,
+    lora: LoraConfig | None = None,
 ) -> None:
-    """Rank 0 builds the source model once; parameters reach every rank's shards with one
-    broadcasting ``set_model_state_dict``, non-persistent buffers with one object broadcast."""
+    """Rank 0 builds the source model once (with ``lora``'s adapters, initialized from ``seed``);
+    parameters reach every rank's shards with one broadcasting ``set_model_state_dict``,
+    non-persistent buffers with one object broadcast."""
     persistent = set(model.hf.state_dict())
     state, buffers = {}, [None]
     if is_main:
         source = source_model(spec, config, seed)
+        if lora is not None:
+            torch.manual_seed(seed)  # peft's adapter init (lora_A random, lora_B zero)
+            source = lora.apply(source)
         state = {_PREFIX + k: v for k, v in source.state_dict().items()}
         check_finite(state, f"model.pretrained_path={spec.pretrained_path!r}" if spec.pretrained_path else "init")
         buffers = [{k: v for k, v in source.named_buffers() if k not in persistent}]
@@ -177,19 +202,45 @@ def load_weights(
         model.hf.get_buffer(name).copy_(value)
 
 
-def export_hf(
-    model: CausalLMForTraining, output_dir: Path, tokenizer: Any, *, dtype: torch.dtype, is_main: bool
+def export_model(
+    model: CausalLMForTraining, output_dir: Path, tokenizer: Any, *, dtype: torch.dtype, is_main: bool,
+    lora: LoraConfig | None = None,
 ) -> None:
-    """Write ``output_dir`` with ``save_pretrained`` (sharded safetensors, config.json,
-    generation_config.json) and the tokenizer. Collective: every rank must call it."""
+    """The final model, with ``save_pretrained``: ``output_dir/hf`` (safetensors, config.json,
+    generation_config.json, tokenizer); under LoRA ``output_dir/adapter`` in PEFT's format
+    (``adapter_config.json`` + ``adapter_model.safetensors``) and ``hf/`` only with
+    ``lora.export_merged`` (the adapters folded into the base weights). Collective: every rank
+    must call it."""
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not is_main:
         return
+    state = {k.removeprefix(_PREFIX): v for k, v in state.items()}
+    if lora is not None:
+        export_adapter(model.hf, state, output_dir / "adapter")
+        tokenizer.save_pretrained(output_dir / "adapter")
+        if not lora.export_merged:
+            return
+        state = merged_state_dict(state, lora)
     config = model.config
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if getattr(config, name, None) is None and getattr(tokenizer, name, None) is not None:
             setattr(config, name, getattr(tokenizer, name))
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    hf.load_state_dict({k.removeprefix(_PREFIX): v for k, v in state.items()}, strict=True)
-    hf.to(dtype).save_pretrained(output_dir)
-    tokenizer.save_pretrained(output_dir)
+    hf.load_state_dict(state, strict=True)
+    hf.generation_config.eos_token_id = generation_eos(hf.generation_config.eos_token_id, tokenizer)
+    hf.to(dtype).save_pretrained(output_dir / "hf")
+    tokenizer.save_pretrained(output_dir / "hf")
+
+
+def generation_eos(eos: int | list[int] | None, tokenizer: Any) -> int | list[int] | None:
+    """``eos`` plus the chat template's end-of-turn token when it is another one (a learned turn
+    terminator ``generate`` would not stop at otherwise)."""
+    end_of_turn = end_of_turn_token_id(tokenizer)
+    listed = [eos] if isinstance(eos, int) else list(eos or [])
+    if end_of_turn is None or end_of_turn in listed:
+        return eos
+    logger.info(
+        "generation_config.eos_token_id: %s plus the chat template's end of turn %d (%r)",
+        listed, end_of_turn, tokenizer.convert_ids_to_tokens(end_of_turn),
+    )
+    return [*listed, end_of_turn]

@@ -77,6 +77,8 @@ class TrainerConfig:
         grad_accum_steps: micro-batches per optimizer step on each data-parallel rank.
         seed: seeds model init, data order and packing.
         output_dir: run directory (config, metrics, checkpoints, exported model, loss curve).
+        eval_every: evaluate on the validation set (``data.validation`` or ``data.val_fraction``) every
+            N steps; always after the last step when there is validation data.
         checkpoint_every: save a checkpoint every N steps (and always at the end); null: only at the end.
         keep_last: checkpoints kept on disk.
         resume: ``auto`` continues from the newest checkpoint of this run in output_dir (the recipe must
@@ -84,7 +86,8 @@ class TrainerConfig:
         overwrite: let a fresh run delete another run's outputs in output_dir (refused otherwise).
         stop_at_step: stop after this step as a preempted job would (checkpoint, no export); the LR
             schedule still follows max_steps.
-        export_hf: write the final model as a Hugging Face checkpoint (output_dir/hf).
+        export_hf: write the final model as a Hugging Face checkpoint (output_dir/hf); under LoRA the
+            adapter (output_dir/adapter), and output_dir/hf only with ``peft.export_merged``.
         bf16_autocast: bf16 autocast on CUDA (ignored on CPU).
         progress_bar: a tqdm bar on rank 0.
         tracking: experiment trackers (:class:`TrackingConfig`): TensorBoard by default, W&B, MLflow.
@@ -95,6 +98,7 @@ class TrainerConfig:
     seed: int = 1234
     output_dir: str = "runs/default"
     log_every: int = 1
+    eval_every: int | None = None
     checkpoint_every: int | None = None
     keep_last: int = 2
     resume: str = "auto"
@@ -115,6 +119,8 @@ class TrainerConfig:
             value = getattr(self, name)
             _check(_is_int(value) and value >= 1, f"trainer.{name} must be a positive int, got {value!r}")
         _check(_is_int(self.seed), f"trainer.seed must be an int, got {self.seed!r}")
+        _check(self.eval_every is None or (_is_int(self.eval_every) and self.eval_every >= 1),
+               f"trainer.eval_every must be a positive int or null, got {self.eval_every!r}")
         _check(self.checkpoint_every is None or (_is_int(self.checkpoint_every) and self.checkpoint_every >= 1),
                f"trainer.checkpoint_every must be a positive int or null, got {self.checkpoint_every!r}")
         _check(self.resume in RESUME_MODES, f"trainer.resume must be one of {RESUME_MODES}, got {self.resume!r}")

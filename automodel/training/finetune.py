@@ -27,10 +27,11 @@ from automodel.data.batching import LoaderEnv
 from automodel.distributed import make_cp_batch_for_te
 from automodel.distributed.parallel import apply_fsdp, init_distributed
 from automodel.loss import count_label_tokens
-from automodel.models import CausalLMForTraining, build_model, export_hf, setup_checks
+from automodel.models import CausalLMForTraining, build_model, export_model, setup_checks
 from automodel.training.checkpoint import Checkpointer, NonFiniteError
 from automodel.training.metrics import MetricsLog, plot_loss_curve, read_metrics
 from automodel.training.run_dir import RECIPE, RunDirectory
+from automodel.training.validation import evaluate
 
 logger = logging.getLogger("automodel")
 
@@ -52,6 +53,7 @@ class FinetuneRecipe:
         self.model_spec = build_section(cfg, "model")
         self.data = build_section(cfg, "data")
         self.batching = build_section(cfg, "packing")
+        self.lora = build_section(cfg, "peft")  # None: full fine-tuning
         self.output_dir = Path(self.trainer.output_dir)
 
     def setup(self) -> None:
@@ -90,6 +92,7 @@ class FinetuneRecipe:
         except ValueError as error:  # the packing section against this run (cp_size, data): a config error
             raise ConfigError(str(error)) from None
         logger.info("%d micro-batches per epoch on each data-parallel rank", self.stream.batches_per_epoch)
+        self.val_batches = None if self.val_dataset is None else self.batching.build_eval(self.val_dataset, env)
 
         self.model = self._build_model()
         self.optimizer, self.scheduler = self.optim_config.build(self.model, self.trainer.max_steps)
@@ -110,10 +113,14 @@ class FinetuneRecipe:
         )
         model = build_model(
             self.model_spec, self.hf_config, device=self.dims.device, shard=shard, seed=self.trainer.seed,
-            cp_comm_type=self.parallel_config.cp_comm_type, is_main=self.dims.is_main,
+            cp_comm_type=self.parallel_config.cp_comm_type, is_main=self.dims.is_main, lora=self.lora,
         )
         parameters = sum(p.numel() for p in model.parameters())
-        logger.info("model: %s, %.2fM parameters", self.hf_config.model_type, parameters / 1e6)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        logger.info(
+            "model: %s, %.2fM parameters, %.2fM trained%s", self.hf_config.model_type, parameters / 1e6,
+            trainable / 1e6, f" (LoRA on {self.lora.target_modules}, rank {self.lora.rank})" if self.lora else "",
+        )
         return model
 
     def train(self) -> None:
@@ -127,7 +134,12 @@ class FinetuneRecipe:
             self.step += 1
             progress.update(1)
             progress.set_postfix(loss=f"{record['loss']:.4f}")
-            if self.metrics is not None and (self.step % self.trainer.log_every == 0 or self.step == last_step):
+            validated = self._validation_due()
+            if validated:
+                record.update(self._validate())
+            if self.metrics is not None and (
+                self.step % self.trainer.log_every == 0 or self.step == last_step or validated
+            ):
                 self.metrics.write(record)
                 logger.info(
                     "step %d/%d  loss %.4f  lr %.3g  grad_norm %.3f  %.0f real tok/s  fill %.1f%%",
@@ -187,6 +199,28 @@ class FinetuneRecipe:
             "step_time_s": seconds,
         }
 
+    def _validation_due(self) -> bool:
+        """Every ``trainer.eval_every`` steps and after the last step, when there is validation data."""
+        every = self.trainer.eval_every
+        return self.val_batches is not None and (
+            (every is not None and self.step % every == 0) or self.step == self.trainer.max_steps
+        )
+
+    def _validate(self) -> dict[str, Any]:
+        """``val_loss``, ``val_perplexity``, ``val_label_tokens`` over the whole validation set; the
+        training data stream is not touched and ``evaluate`` restores the RNG."""
+        batches = (self._shard(batch) for batch in self.val_batches)
+        with self._autocast():
+            result = evaluate(
+                self.model, batches,
+                lambda b: self.model(b["input_ids"], b["position_ids"], b["labels"], b["attn_meta"]),
+            )  # fmt: skip
+        logger.info(
+            "step %d  val_loss %.4f  val_perplexity %.3f over %d label tokens",
+            self.step, result.val_loss, result.val_perplexity, result.val_label_tokens,
+        )
+        return result.as_record()
+
     def _shard(self, batch: dict[str, Any]) -> dict[str, Any]:
         """This CP rank's share of a collated micro-batch, on the device, with its attention metadata."""
         thd = make_cp_batch_for_te(self.dims.cp_mesh if self.dims.cp_size > 1 else None, batch)
@@ -213,9 +247,9 @@ class FinetuneRecipe:
 
     def _finish(self) -> None:
         if self.trainer.export_hf:
-            export_hf(
-                self.model, self.output_dir / "hf", self.tokenizer, dtype=self.model_spec.torch_dtype,
-                is_main=self.dims.is_main,
+            export_model(
+                self.model, self.output_dir, self.tokenizer, dtype=self.model_spec.torch_dtype,
+                is_main=self.dims.is_main, lora=self.lora,
             )
         if not self.dims.is_main:
             return

@@ -37,16 +37,16 @@ RUN = "run.json"
 LOCK = ".lock"
 HOLDER = ".lock.holder.json"
 # Outputs of a run that trainer.overwrite=true deletes.
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "hf", "loss_curve.png", RUN)
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "hf", "adapter", "loss_curve.png", RUN)
 
 # Keys (and sections under them) that may change between a checkpoint and its resume. The global
 # batch is checked separately (trainer.grad_accum_steps may change with the world size).
 MUTABLE_KEYS = (
-    "trainer.max_steps", "trainer.grad_accum_steps", "trainer.output_dir", "trainer.log_every",
+    "trainer.max_steps", "trainer.grad_accum_steps", "trainer.output_dir", "trainer.log_every", "trainer.eval_every",
     "trainer.checkpoint_every", "trainer.keep_last", "trainer.resume", "trainer.overwrite", "trainer.stop_at_step",
     "trainer.export_hf", "trainer.progress_bar", "parallel.timeout_minutes", "parallel.cp_comm_type",
-    "model.attention_backend", "data.num_proc", "packing.num_workers", "packing.cache_dir",
-)
+    "model.attention_backend", "data.num_proc", "packing.num_workers", "packing.cache_dir", "peft.export_merged",
+)  # the rest of peft.* (targets, rank, alpha, dropout) shapes the trained parameters: never mutable
 
 
 def _is_mutable(key: str) -> bool:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from automodel.loss import count_label_tokens, cross_entropy_sum
+from automodel.loss import count_label_tokens
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,8 @@ def evaluate(
         batches: this rank's micro-batches, ready for ``forward`` (after CP sharding), each with
             ``labels`` (``[B, S]`` or ``[T]``, -100 where nothing is learned). Every rank must give
             the same number of them (``build_eval`` pads with filler micro-batches).
-        forward: batch -> logits ``[..., V]`` aligned with ``batch["labels"]``.
+        forward: batch -> float32 sum of the cross-entropy over the batch's label tokens (the
+            training model's own loss, so no ``[T, V]`` logits are kept).
         group: the process group to reduce over: the whole world (DP x CP), the default.
 
     Returns:
@@ -63,10 +64,8 @@ def evaluate(
     try:
         with _rng_untouched():
             for batch in batches:
-                logits = forward(batch)
-                labels = batch["labels"]
-                loss_sum += cross_entropy_sum(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)).double().cpu()
-                tokens += count_label_tokens(labels)
+                loss_sum += forward(batch).double().cpu()
+                tokens += count_label_tokens(batch["labels"])
     finally:
         model.train(was_training)
     totals = torch.stack([loss_sum, torch.tensor(float(tokens), dtype=torch.float64)])

@@ -21,8 +21,10 @@ class Tiny(torch.nn.Module):
         self.embed = torch.nn.Embedding(11, 11)
         self.dropout = torch.nn.Dropout(0.5)
 
-    def forward(self, input_ids):
-        return self.dropout(self.embed(input_ids))
+    def forward(self, input_ids, labels):
+        """The float32 cross-entropy sum over the label tokens, as the training model returns it."""
+        logits = self.dropout(self.embed(input_ids))
+        return F.cross_entropy(logits.reshape(-1, 11), labels.reshape(-1), ignore_index=-100, reduction="sum")
 
 
 def batches() -> list[dict]:
@@ -47,7 +49,7 @@ def test_token_mean_over_all_micro_batches_in_eval_mode_with_rng_untouched():
     expected = F.cross_entropy(logits.double(), labels, ignore_index=-100).item()
 
     random.seed(1), np.random.seed(1), torch.manual_seed(1)
-    result = evaluate(model, data, lambda b: model(b["input_ids"]))
+    result = evaluate(model, data, lambda b: model(b["input_ids"], b["labels"]))
     after = (random.random(), np.random.rand(), torch.rand(1).item())
     random.seed(1), np.random.seed(1), torch.manual_seed(1)
     assert after == (random.random(), np.random.rand(), torch.rand(1).item())  # RNG as if nothing ran
@@ -64,11 +66,11 @@ def test_reduction_over_a_process_group_and_empty_set():
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         model = Tiny()
-        alone = evaluate(model, batches(), lambda b: model(b["input_ids"]))
+        alone = evaluate(model, batches(), lambda b: model(b["input_ids"], b["labels"]))
         dist.destroy_process_group()
-        assert evaluate(model, batches(), lambda b: model(b["input_ids"])) == alone
+        assert evaluate(model, batches(), lambda b: model(b["input_ids"], b["labels"])) == alone
         with pytest.raises(ValueError, match="no label token"):
-            evaluate(model, batches()[-1:], lambda b: model(b["input_ids"]))
+            evaluate(model, batches()[-1:], lambda b: model(b["input_ids"], b["labels"]))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -29,11 +29,11 @@ def check_validation(rank: int) -> None:
     torch.manual_seed(0)
     model = Tiny()
     data = batches()
-    alone = evaluate(model, data, lambda b: model(b["input_ids"]), group=dist.new_group([rank]))
-    dp = evaluate(model, data[rank::2], lambda b: model(b["input_ids"]))  # micro-batches split over ranks
+    alone = evaluate(model, data, lambda b: model(b["input_ids"], b["labels"]), group=dist.new_group([rank]))
+    dp = evaluate(model, data[rank::2], lambda b: model(b["input_ids"], b["labels"]))  # micro-batches split over ranks
     # CP: this rank's half of every sequence (labels stay aligned with their positions).
     halves = [{k: v.chunk(2, dim=-1)[rank] if v.shape[-1] > 1 else v for k, v in b.items()} for b in data]
-    cp = evaluate(model, halves, lambda b: model(b["input_ids"]))
+    cp = evaluate(model, halves, lambda b: model(b["input_ids"], b["labels"]))
     assert dp.val_label_tokens == cp.val_label_tokens == alone.val_label_tokens, (dp, cp, alone)
     for result in (dp, cp):
         # float32 CE sums per micro-batch, so regrouping tokens moves the mean by float32 rounding only

@@ -1,0 +1,129 @@
+"""The tiny_llama_lora recipe end to end (LoRA + validation), through real torchrun launches (gloo).
+
+Five short launches share one setting (rmpad: micro-batches hold the same samples whatever the
+DP/CP layout, 4 steps of a global batch of 2 micro-batches):
+
+- ``one``: 1 process, validation every step, adapter + merged export;
+- ``split``: 1 process without validation, stopped after step 2, then resumed to step 4;
+- ``dp2``: 2 data-parallel ranks; ``cp2``: 2 context-parallel ranks (both with validation).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torchrun import run_torchrun
+
+pytestmark = pytest.mark.distributed
+
+VALIDATION = "data.validation={split:'train[800:840]'}"  # a set of its own: the training rows stay the same
+COMMON = [
+    "data.split='train[:800]'", "data.val_fraction=null", "packing=rmpad", "trainer.max_steps=4",
+    "trainer.checkpoint_every=2", "trainer.progress_bar=false", "optim.warmup_steps=0",
+]
+
+
+def lora_run(output_dir: Path, nproc: int, *overrides: str) -> list[dict]:
+    result = run_torchrun(
+        ["-m", "automodel", "finetune", "tiny_llama_lora", f"trainer.output_dir={output_dir}", *COMMON, *overrides],
+        nproc=nproc, timeout=240,
+    )
+    assert result.returncode == 0, result.stdout[-4000:]
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def checkpoint_model_state(checkpoint: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
+    """The ``model`` entry of a DCP checkpoint, keys without the ``hf.`` prefix."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(checkpoint, tmp_path / "checkpoint.pt")
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["model"]
+    return {k.removeprefix("hf."): v for k, v in state.items()}
+
+
+def base_model_and_lora():
+    """The recipe's untrained base model (transformers' init from trainer.seed) and its LoRA config."""
+    from automodel.config import build_section, load_recipe
+    from automodel.models.build import source_model
+
+    cfg = load_recipe("tiny_llama_lora")
+    spec, lora = build_section(cfg, "model"), build_section(cfg, "peft")
+    return (lambda: source_model(spec, spec.hf_config(), cfg.trainer.seed).eval()), lora
+
+
+def logits(model: torch.nn.Module) -> torch.Tensor:
+    ids = torch.tensor([[1, 40, 41, 42, 43, 44, 45, 2, 7, 9, 300, 17]])
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def assert_per_step(a: list[dict], b: list[dict], key: str, rel: float) -> None:
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b):
+        assert abs(ra[key] - rb[key]) <= rel * abs(rb[key]), (key, ra["step"], ra[key], rb[key])
+
+
+def test_lora_recipe_with_validation(tmp_path):
+    import peft
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    one = lora_run(tmp_path / "one", 1, "trainer.grad_accum_steps=2", VALIDATION, "trainer.eval_every=1",
+                   "peft.export_merged=true")
+    # -- LoRA trains, and only the adapters change
+    assert [r["step"] for r in one] == [1, 2, 3, 4] and one[-1]["loss"] < one[0]["loss"], one
+    base, lora = base_model_and_lora()
+    trained_state = checkpoint_model_state(tmp_path / "one" / "checkpoints" / "step_00000004", tmp_path)
+    initial = {k: v for k, v in lora.apply(base()).state_dict().items() if ".lora_" not in k}
+    assert initial.keys() == {k for k in trained_state if ".lora_" not in k}
+    for name, tensor in initial.items():
+        assert torch.equal(trained_state[name], tensor), name  # bitwise: frozen base
+    assert any(not torch.equal(v, trained_state[k]) for k, v in lora.apply(base()).state_dict().items()
+               if ".lora_B." in k)  # the adapters did train (B starts at zero)
+
+    # -- the PEFT-format adapter on the base model gives the trained model's logits, as does the merged export
+    trained = lora.apply(base())
+    trained.load_state_dict(trained_state, strict=True)
+    reloaded = peft.PeftModel.from_pretrained(base(), tmp_path / "one" / "adapter")
+    torch.testing.assert_close(logits(reloaded), logits(trained), rtol=0, atol=1e-5)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "one" / "hf", dtype=torch.float32).eval()
+    torch.testing.assert_close(logits(merged), logits(trained), rtol=0, atol=1e-5)
+    # the shipped tiny chat template closes turns with eos itself: eos stays the only stop token
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "one" / "hf")
+    generation = json.loads((tmp_path / "one" / "hf" / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == tokenizer.eos_token_id
+
+    # -- resume: stopped after step 2 and resumed gives bitwise the uninterrupted run; that run had
+    # no validation, so this also shows validation leaves training (data order, RNG) untouched
+    split = ["trainer.grad_accum_steps=2"]
+    lora_run(tmp_path / "split", 1, *split, "trainer.stop_at_step=2")
+    resumed = lora_run(tmp_path / "split", 1, *split)
+    assert all("val_loss" not in r for r in resumed) and all("val_loss" in r for r in one)
+    for key in ("loss", "grad_norm", "label_tokens"):
+        assert [r[key] for r in resumed] == [r[key] for r in one], key
+    adapter_one = load_file(tmp_path / "one" / "adapter" / "adapter_model.safetensors")
+    adapter_resumed = load_file(tmp_path / "split" / "adapter" / "adapter_model.safetensors")
+    assert adapter_one.keys() == adapter_resumed.keys()
+    for name in adapter_one:
+        assert torch.equal(adapter_one[name], adapter_resumed[name]), name
+
+    # -- DP 2 and CP 2 equal one process: training loss, adapter, val_loss
+    dp2 = lora_run(tmp_path / "dp2", 2, "trainer.grad_accum_steps=1", VALIDATION, "trainer.eval_every=1")
+    cp2 = lora_run(tmp_path / "cp2", 2, "trainer.grad_accum_steps=2", "parallel.cp_size=2", VALIDATION,
+                   "trainer.eval_every=1")
+    for run, name in ((dp2, "dp2"), (cp2, "cp2")):
+        assert [r["val_label_tokens"] for r in run] == [r["val_label_tokens"] for r in one]
+        assert_per_step(run, one, "loss", 1e-5)
+        # After step 1 Adam moves every weight by +-lr whatever the gradient's rounding, so the
+        # weights agree to ~1e-9: val_loss then differs only by the float32 rounding of summing
+        # the cross-entropy in another grouping (per rank, per CP half), ~1e-7 relative.
+        assert_per_step(run[:1], one[:1], "val_loss", 1e-6)
+        assert_per_step(run, one, "val_loss", 1e-5)  # later steps add the weights' own rounding drift
+        # Compared through the model's output: Adam turns the near-zero lora_A gradients of the first
+        # steps (B starts at zero) into +-lr moves, so single adapter entries may differ by ~1e-4
+        # while B @ A, and so the logits, agree to float32 rounding.
+        adapted = peft.PeftModel.from_pretrained(base(), tmp_path / name / "adapter")
+        torch.testing.assert_close(logits(adapted), logits(reloaded), rtol=0, atol=1e-5, msg=name)
