@@ -19,7 +19,6 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
-from automodel.data.loader import LoaderEnv
 from torchrun import REPO_ROOT, run_torchrun
 
 from automodel.cli import main
