@@ -33,6 +33,12 @@ def cp_multiple(cp_size: int) -> int:
     return 2 * cp_size if cp_size > 1 else 1
 
 
+def cp_padded(lengths: np.ndarray, cp_size: int) -> np.ndarray:
+    """``[N]`` lengths rounded up to a multiple of :func:`cp_multiple` (each sample's CP-padded length)."""
+    multiple = cp_multiple(cp_size)
+    return -(-lengths // multiple) * multiple
+
+
 def build_row(
     samples: Sequence[Mapping[str, Any]], padding_idx: int = 0, cp_size: int = 1, length: int | None = None
 ) -> dict[str, np.ndarray]:
@@ -57,7 +63,7 @@ def build_row(
         raise ValueError("samples is empty: a row needs at least one sample")
     lengths = np.array([len(sample["input_ids"]) for sample in samples], np.int64)
     multiple = cp_multiple(cp_size)
-    padded = -(-lengths // multiple) * multiple
+    padded = cp_padded(lengths, cp_size)
     total = int(padded.sum())
     size = total if length is None else length
     if size < total or (size - total) % multiple:
@@ -138,6 +144,5 @@ def padded_sequence_thd_collater(
     """
     if len(batch) == 0:
         return {}
-    multiple = cp_multiple(cp_size)
-    width = -(-max(len(sample["input_ids"]) for sample in batch) // multiple) * multiple
+    width = int(cp_padded(max(len(sample["input_ids"]) for sample in batch), cp_size))
     return packed_sequence_thd_collater([build_row([sample], padding_idx, cp_size, width) for sample in batch])

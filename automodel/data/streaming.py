@@ -28,8 +28,8 @@ import torch
 from datasets.distributed import split_dataset_by_node
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from automodel.data.batching import LoaderEnv, _fingerprint
-from automodel.data.collate import build_row, cp_multiple, packed_sequence_thd_collater
+from automodel.data.batching import LoaderEnv, _fingerprint, _Position
+from automodel.data.collate import build_row, cp_padded, packed_sequence_thd_collater
 from automodel.data.packing import keep_fitting
 from automodel.data.planning import check_positive_int, plan_packs
 
@@ -118,8 +118,7 @@ class _EpochPacks(torch.utils.data.IterableDataset):
             read = 0
             while chunk := list(itertools.islice(rows, planner.room)):
                 read += len(chunk)
-                lengths = np.array([len(row["input_ids"]) for row in chunk], np.int64)
-                padded = -(-lengths // cp_multiple(env.cp_size)) * cp_multiple(env.cp_size)
+                padded = cp_padded(np.array([len(row["input_ids"]) for row in chunk], np.int64), env.cp_size)
                 fits = np.flatnonzero(keep_fitting("packing streaming", padded, m.packed_sequence_size,
                                                    m.drop_long_samples, env.cp_size))  # fmt: skip
                 keys = list(range(key, key + len(fits)))
@@ -131,17 +130,12 @@ class _EpochPacks(torch.utils.data.IterableDataset):
                 raise ValueError(f"dataset: DP rank {env.dp_rank} of {env.dp_size} got no rows; use more data or fewer ranks")
 
 
-class StreamedMicroBatches:
+class StreamedMicroBatches(_Position):
     """The streaming counterpart of :class:`~automodel.data.batching.MicroBatchStream` (same interface)."""
 
     def __init__(self, mode: StreamingPackedBatching, rows: Iterable, env: LoaderEnv, fingerprint: str):
         self.mode, self.rows, self.env, self.fingerprint = mode, rows, env, fingerprint
         self.batches_per_epoch = mode.steps_per_epoch
-        self.epoch, self.start, self.taken = 0, 0, 0
-        self._iterator: Iterator | None = None
-
-    def __iter__(self) -> StreamedMicroBatches:
-        return self
 
     def __next__(self) -> dict[str, Any]:
         if self.taken + self.start // self.env.dp_size == self.batches_per_epoch:
@@ -153,18 +147,6 @@ class StreamedMicroBatches:
             self._iterator = itertools.islice(iter(loader), self.start // self.env.dp_size, None)  # replay to the position
         self.taken += 1
         return next(self._iterator)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "consumed": self.start + self.taken * self.env.dp_size,
-                "fingerprint": self.fingerprint}  # fmt: skip
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["fingerprint"] != self.fingerprint:
-            raise ValueError(
-                f"fingerprint: the saved data position belongs to another stream ({state['fingerprint']} != "
-                f"{self.fingerprint}): resume with the same packing section, seed and DP size"
-            )
-        self.epoch, self.start, self.taken, self._iterator = state["epoch"], state["consumed"], 0, None
 
 
 @dataclass
