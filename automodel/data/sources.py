@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import glob
+import itertools
 import os
 import re
 from dataclasses import dataclass
@@ -91,10 +92,11 @@ def load_sft_source(
             f"source {name!r} does not exist: pass an existing file, directory or glob pattern, a Hub "
             f"dataset id (org/name), or a built-in name ({', '.join(BUILTIN_SOURCES)})"
         )
-    if path.is_dir() and _is_saved_dataset(path):
+    if path.is_dir() and any((path / f).is_file() for f in ("dataset_dict.json", "state.json")):  # save_to_disk
         return _load_saved(path, split)
     if path.is_dir():
-        files = sorted(str(p) for p in path.rglob("*") if p.is_file() and not _is_hidden(p, path))
+        hidden = lambda p: any(part.startswith((".", "_")) for part in p.relative_to(path).parts)  # noqa: E731
+        files = sorted(str(p) for p in path.rglob("*") if p.is_file() and not hidden(p))
         files = [f for f in files if _extension(f) in _BUILDERS] or files
         if not files:
             raise ValueError(f"directory {name!r} holds no data files")
@@ -128,9 +130,7 @@ def _load_files(files: list[str], split: str, cache_dir: str | None) -> tuple[da
         rows = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     except ValueError as error:
         raise ValueError(f"the files of one source must have the same columns and types ({error})") from None
-    starts = [0]
-    for part in parts[:-1]:
-        starts.append(starts[-1] + len(part))
+    starts = itertools.accumulate((len(part) for part in parts[:-1]), initial=0)
     (instruction,) = datasets.ReadInstruction.from_spec(split).to_absolute({"train": len(rows)})
     if (instruction.from_, instruction.to) != (0, len(rows)):
         rows = rows.select(range(instruction.from_, instruction.to))
@@ -162,15 +162,6 @@ def _load_hub(name: str, split: str, cache_dir: str | None) -> tuple[datasets.Da
 def is_hub_id(name: str) -> bool:
     """``org/name`` that is not a path to a data file (``data/train.jsonl`` is not a Hub id)."""
     return bool(_HUB_ID.fullmatch(name)) and _extension(name) not in _BUILDERS
-
-
-def _is_saved_dataset(path: Path) -> bool:
-    """True for the layout ``save_to_disk`` writes (``state.json`` or ``dataset_dict.json``)."""
-    return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
-
-
-def _is_hidden(path: Path, root: Path) -> bool:
-    return any(part.startswith((".", "_")) for part in path.relative_to(root).parts)
 
 
 def _extension(file: str) -> str:
