@@ -450,9 +450,7 @@ def plan_balanced_epoch(
             dealt = [members[plan.sample_order[plan.pack_offsets[p] : plan.pack_offsets[p + 1]]]
                      for p in range(first, min(first + dp_size, plan.num_packs))]  # fmt: skip
             packs.extend(dealt if step % 2 == 0 else dealt[::-1])
-    offsets = np.zeros(len(packs) + 1, np.int64)
-    np.cumsum([len(p) for p in packs], out=offsets[1:])
-    return PackPlan(np.concatenate(packs).astype(np.int64) if packs else np.zeros(0, np.int64), offsets)
+    return PackPlan.from_packs(packs)
 
 
 @dataclass

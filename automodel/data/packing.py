@@ -46,25 +46,17 @@ class PackingReport:
     real_tokens: int
 
     @property
-    def num_packed(self) -> int:
-        return self.num_samples - self.num_too_long - self.num_over_max_packs
-
-    @property
     def fill(self) -> float:
         """Share of pack slots holding real tokens."""
         return self.real_tokens / max(1, self.num_packs * self.packed_sequence_size)
 
-    @property
-    def packs_over_lower_bound(self) -> float:
-        return self.num_packs / max(1, self.lower_bound) - 1.0
-
     def __str__(self) -> str:
         text = (
-            f"packed {self.num_packed:,} of {self.num_samples:,} samples into {self.num_packs:,} packs of "
+            f"packed {self.num_samples - self.num_too_long - self.num_over_max_packs:,} of {self.num_samples:,} samples into {self.num_packs:,} packs of "
             f"{self.packed_sequence_size} tokens ({self.algorithm}): fill {self.fill:.2%}"
         )
         if not self.num_over_max_packs:
-            text += f", {self.packs_over_lower_bound:+.3%} packs over the lower bound {self.lower_bound:,}"
+            text += f", {self.num_packs / max(1, self.lower_bound) - 1:+.3%} packs over the lower bound {self.lower_bound:,}"
         return text
 
 
@@ -123,8 +115,8 @@ def pack_dataset(
     fitting = np.flatnonzero(keep)
     plan = plan_packs(padded_lens[fitting], packed_sequence_size, algorithm, seed)
     lower_bound = lower_bound_packs(padded_lens[fitting], packed_sequence_size)
-    if max_packs is not None:
-        plan = plan.truncate(max_packs)
+    if max_packs is not None and max_packs < plan.num_packs:  # the first max_packs packs
+        plan = PackPlan(plan.sample_order[: plan.pack_offsets[max_packs]], plan.pack_offsets[: max_packs + 1])
     if plan.num_packs == 0:
         raise ValueError(
             f"no sample fits packed_sequence_size={packed_sequence_size} (all {len(keep)} are longer "
@@ -186,9 +178,7 @@ def _select_split(dataset, split) -> datasets.Dataset:
             f"dataset must be a map-style datasets.Dataset or DatasetDict (lengths are planned over the whole "
             f"dataset), got {type(dataset).__name__}; stream an IterableDataset with packing: streaming instead"
         )
-    if len(dataset) == 0:
-        raise ValueError("dataset is empty: nothing to pack")
-    return dataset
+    return dataset  # read_lengths refuses an empty one
 
 
 def _token_columns(dataset: datasets.Dataset) -> tuple[np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]]]:

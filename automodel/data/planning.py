@@ -35,12 +35,12 @@ class PackPlan:
     def num_packs(self) -> int:
         return len(self.pack_offsets) - 1
 
-    def truncate(self, max_packs: int) -> PackPlan:
-        """The first ``max_packs`` packs."""
-        if max_packs >= self.num_packs:
-            return self
-        offsets = self.pack_offsets[: max_packs + 1]
-        return PackPlan(self.sample_order[: offsets[-1]], offsets)
+    @classmethod
+    def from_packs(cls, packs: Sequence[Sequence[int]]) -> PackPlan:
+        """The plan of ``packs``, each a list of sample indices, in this order."""
+        offsets = np.zeros(len(packs) + 1, np.int64)
+        np.cumsum([len(p) for p in packs], out=offsets[1:])
+        return cls(np.concatenate(packs).astype(np.int64) if len(packs) else np.zeros(0, np.int64), offsets)
 
 
 def lower_bound_packs(lengths: np.ndarray, capacity: int) -> int:
@@ -322,7 +322,6 @@ def improve_packs(
 
     Example: KK's [[1, 3, 4], [0, 2]] for costs [8, 7, 6, 5, 4] (16 vs 14): swapping sample 1 (7)
     with sample 2 (6) moves d = 1 -> [[0, 1], [2, 3, 4]] (15 vs 15).
-
     """
     num_packs = len(packs)
     pack_of = np.empty(len(costs), dtype=np.int64)  # [K] pack of each sample
@@ -418,6 +417,4 @@ def plan_balanced_packs(
         if max_tokens_per_gpu is None or max(int(lengths[p].sum()) for p in packs) <= max_tokens_per_gpu:
             break
         k += multiple_of
-    offsets = np.zeros(k + 1, dtype=np.int64)
-    np.cumsum([len(p) for p in packs], out=offsets[1:])
-    return PackPlan(np.concatenate([np.asarray(p, np.int64) for p in packs]), offsets)
+    return PackPlan.from_packs(packs)

@@ -61,10 +61,6 @@ class _WindowPlanner:
         self.first_round += [self.rounds] * len(keys)
         return self._round() if len(self.keys) >= self.buffer_size else []
 
-    @property
-    def room(self) -> int:
-        return self.buffer_size - len(self.keys)
-
     def _round(self) -> list[list[int]]:
         lengths = np.asarray(self.lengths, np.int64)
         plan = plan_packs(lengths, self.capacity, "bfd", self.seed + self.rounds)
@@ -116,7 +112,7 @@ class _EpochPacks(torch.utils.data.IterableDataset):
         for pass_index in itertools.count():
             rows = self._rank_rows(pass_index)
             read = 0
-            while chunk := list(itertools.islice(rows, planner.room)):
+            while chunk := list(itertools.islice(rows, m.buffer_size - len(planner.keys))):
                 read += len(chunk)
                 padded = cp_padded(np.array([len(row["input_ids"]) for row in chunk], np.int64), env.cp_size)
                 fits = np.flatnonzero(keep_fitting("packing streaming", padded, m.packed_sequence_size,
