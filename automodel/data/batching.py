@@ -110,14 +110,9 @@ class _Dealt(torch.utils.data.Dataset):
         return batch
 
 
-def _identity(batch: Any) -> Any:
-    return batch
-
-
 class _Position:
-    """The resumable global position of a micro-batch stream (``MicroBatchStream``, the streaming
-    mode's ``StreamedMicroBatches``): ``start`` global micro-batches of ``epoch`` were consumed
-    before this process began the epoch, and it has taken ``taken`` since."""
+    """The resumable global position of ``MicroBatchStream`` and ``StreamedMicroBatches``: ``start``
+    global micro-batches of ``epoch`` were consumed before this process began it, ``taken`` since."""
 
     env: LoaderEnv
     fingerprint: str
@@ -183,7 +178,7 @@ class MicroBatchStream(_Position):
                 plan = self.plan(self.epoch)
                 dealt = _Dealt(self.prepared, plan, self.start, self.env, (plan.num_packs - self.start) // self.env.dp_size)
                 self._iterator = iter(StatefulDataLoader(
-                    dealt, batch_size=None, collate_fn=_identity, num_workers=self.num_workers
+                    dealt, batch_size=None, num_workers=self.num_workers  # items are collated micro-batches
                 ))  # fmt: skip
             try:
                 batch = next(self._iterator)

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from automodel.distributed.thd import SEQ_LENS_PADDING_VALUE
 
@@ -123,11 +124,8 @@ def packed_sequence_thd_collater(batch: Sequence[dict[str, Any]]) -> dict[str, A
             )
         collated[key] = torch.from_numpy(np.stack(rows).astype(np.int64, copy=False))
     for key in _LAYOUT_KEYS:
-        rows = [np.asarray(pack[key]) for pack in batch]
-        out = np.full((len(rows), max(len(row) for row in rows)), SEQ_LENS_PADDING_VALUE, np.int64)
-        for i, row in enumerate(rows):
-            out[i, : len(row)] = row
-        collated[key] = torch.from_numpy(out)
+        rows = [torch.as_tensor(np.asarray(pack[key]), dtype=torch.int64) for pack in batch]
+        collated[key] = pad_sequence(rows, batch_first=True, padding_value=SEQ_LENS_PADDING_VALUE)
     collated["qkv_format"] = "thd"
     return collated
 

@@ -242,18 +242,13 @@ def _buffered_largest_first(order, weights, sizes, budget, max_size, buffer_size
 
 
 def check_cost_coefficients(cost_coefficients: Sequence[float]) -> tuple[float, float]:
-    if len(cost_coefficients) != 2:
+    values = tuple(float(c) for c in cost_coefficients)
+    if not (len(values) == 2 and min(values) >= 0 and sum(values) > 0):  # NaN fails too
         raise ValueError(
-            f"cost_coefficients must be (linear, quadratic), got {cost_coefficients!r}; "
-            "use (1, 0) to balance tokens or (a, 1) to balance attention work a*L + L^2"
+            f"cost_coefficients={tuple(cost_coefficients)!r} must be (linear, quadratic), >= 0 and not both 0, so "
+            "that a longer sample costs more; use (1, 0) to balance tokens or (a, 1) for attention work a*L + L^2"
         )
-    linear, quadratic = (float(c) for c in cost_coefficients)
-    if not (linear >= 0 and quadratic >= 0 and linear + quadratic > 0):
-        raise ValueError(
-            f"cost_coefficients={tuple(cost_coefficients)!r} must be >= 0 and not both 0, so that a longer "
-            "sample always costs more; use (1, 0) to balance tokens"
-        )
-    return linear, quadratic
+    return values
 
 
 def sample_costs(lengths: np.ndarray, cost_coefficients: Sequence[float] = (1.0, 0.0)) -> np.ndarray:

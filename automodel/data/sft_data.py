@@ -111,8 +111,8 @@ class SFTData:
             rows = spec.tokenize(tokenizer, **options)
             if self.val_fraction is not None:
                 split = rows.train_test_split(test_size=self.val_fraction, shuffle=True, seed=self.seed)
-                rows, held = split["train"], split["test"]
-                held_out.append(held)
+                rows = split["train"]
+                held_out.append(split["test"])
             weighted = weight_rows(rows, spec.weight, np.random.default_rng([self.seed, index]))
             train.append(weighted)
             report.append((spec.source, len(rows), spec.weight, len(weighted)))
