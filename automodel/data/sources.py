@@ -76,6 +76,7 @@ def load_sft_source(
     if not isinstance(path_or_name, (str, os.PathLike)):
         raise ValueError(f"path_or_name must be a path or a built-in name, got {type(path_or_name).__name__}")
     name = os.fspath(path_or_name)
+    check_source(name)
     cache = None if cache_dir is None else str(cache_dir)
     if name in BUILTIN_SOURCES:
         return _load_files([str(BUILTIN_SOURCES[name])], split, cache)
@@ -85,13 +86,8 @@ def load_sft_source(
         if not files:
             raise ValueError(f"no file matches the pattern {name!r}")
         return _load_files(files, split, cache)
-    if not path.exists() and is_hub_id(name):
+    if not path.exists():  # check_source: a Hub id
         return _load_hub(name, split, cache)
-    if not path.exists():
-        raise ValueError(
-            f"source {name!r} does not exist: pass an existing file, directory or glob pattern, a Hub "
-            f"dataset id (org/name), or a built-in name ({', '.join(BUILTIN_SOURCES)})"
-        )
     if path.is_dir() and any((path / f).is_file() for f in ("dataset_dict.json", "state.json")):  # save_to_disk
         return _load_saved(path, split)
     if path.is_dir():
@@ -157,6 +153,17 @@ def _load_hub(name: str, split: str, cache_dir: str | None) -> tuple[datasets.Da
             f"once with network access, or pass a local path ({type(error).__name__}: {error})"
         ) from None
     return rows, RowOrigin((f"{name} [{split}]",), (0,))
+
+
+def check_source(name: str, field: str = "source") -> None:
+    """ValueError naming ``field`` unless ``name`` is a built-in name, an existing path, a glob
+    pattern or a Hub id: the check a recipe's sources get before anything is loaded."""
+    exists = name in BUILTIN_SOURCES or Path(name).expanduser().exists()
+    if not (exists or _GLOB_CHARS.search(name) or is_hub_id(name)):
+        raise ValueError(
+            f"{field}={name!r} does not exist: pass an existing file, directory or glob pattern, a "
+            f"save_to_disk directory, a Hub dataset id (org/name), or a built-in name ({', '.join(BUILTIN_SOURCES)})"
+        )
 
 
 def is_hub_id(name: str) -> bool:

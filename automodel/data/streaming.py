@@ -108,7 +108,7 @@ class _EpochPacks(torch.utils.data.IterableDataset):
         seed = int(np.random.SeedSequence([env.seed, self.epoch]).generate_state(1)[0])
         planner = _WindowPlanner(m.packed_sequence_size, m.buffer_size, m.max_wait_rounds, seed)
         waiting: dict[int, Mapping[str, Any]] = {}
-        key = 0
+        next_key = itertools.count()
         for pass_index in itertools.count():
             rows = self._rank_rows(pass_index)
             read = 0
@@ -117,8 +117,7 @@ class _EpochPacks(torch.utils.data.IterableDataset):
                 padded = cp_padded(np.array([len(row["input_ids"]) for row in chunk], np.int64), env.cp_size)
                 fits = np.flatnonzero(keep_fitting("packing streaming", padded, m.packed_sequence_size,
                                                    m.drop_long_samples, env.cp_size))  # fmt: skip
-                keys = list(range(key, key + len(fits)))
-                key += len(fits)
+                keys = [next(next_key) for _ in fits]
                 waiting.update(zip(keys, (chunk[i] for i in fits)))
                 for pack in planner.add(keys, padded[fits].tolist()):
                     yield build_row([waiting.pop(k) for k in pack], env.padding_idx, env.cp_size, m.packed_sequence_size)
