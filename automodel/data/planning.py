@@ -69,11 +69,12 @@ def plan_packs(lengths: np.ndarray, capacity: int, algorithm: str = "bfd", seed:
         raise ValueError(f"every length must be in [1, {capacity}], got range [{lengths.min()}, {lengths.max()}]")
     if algorithm == "sequential":
         pack_of_sample = _next_fit(lengths, capacity)
+        sample_order = np.arange(len(lengths), dtype=np.int64)  # next-fit keeps dataset order
         num_packs = int(pack_of_sample[-1]) + 1
     else:
         pack_of_sample, num_packs = _best_fit_decreasing(lengths, np.argsort(-lengths, kind="stable"), capacity)
         pack_of_sample = np.random.default_rng(seed).permutation(num_packs)[pack_of_sample]  # shuffle the packs
-    sample_order = np.argsort(pack_of_sample, kind="stable")  # dataset order inside a pack
+        sample_order = np.argsort(pack_of_sample, kind="stable")  # dataset order inside a pack
     pack_offsets = np.zeros(num_packs + 1, dtype=np.int64)
     np.cumsum(np.bincount(pack_of_sample, minlength=num_packs), out=pack_offsets[1:])
     return PackPlan(sample_order, pack_offsets)
