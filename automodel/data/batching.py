@@ -131,8 +131,8 @@ class _Position:
         if state["fingerprint"] != self.fingerprint:
             raise ValueError(
                 f"fingerprint: the saved data position belongs to another plan ({state['fingerprint']} != "
-                f"{self.fingerprint}): resume with the same data, packing section and seed (and DP size, for the modes "
-                "whose plan depends on it: balanced, streaming)"
+                f"{self.fingerprint}): resume with the same data, packing section, seed (and DP size for balanced "
+                "and streaming)"
             )
         self.epoch, self.start, self.taken, self._iterator = state["epoch"], state["consumed"], 0, None
 
@@ -387,9 +387,8 @@ class DynBszBatching(_FlatMode):
             raise ValueError(f"packing.count must be tokens or label_tokens, got {self.count!r}")
         if (self.count == "label_tokens") != (self.max_packed_length is not None):
             raise ValueError(
-                "packing.max_packed_length (the hard cap on a micro-batch's length) is required with "
-                f"count=label_tokens and not allowed with count=tokens; got count={self.count!r}, "
-                f"max_packed_length={self.max_packed_length!r}"
+                "packing.max_packed_length (the cap on a micro-batch's length) is required with count=label_tokens "
+                f"and not allowed with count=tokens; got max_packed_length={self.max_packed_length!r}"
             )
         if self.max_packed_length is not None:
             check_positive_int("packing.max_packed_length", self.max_packed_length)

@@ -402,9 +402,8 @@ def plan_balanced_packs(
     while True:
         if k > len(lengths):
             raise ValueError(
-                f"{k} packs are needed (num_packs={num_packs}, max_tokens_per_gpu={max_tokens_per_gpu}, "
-                f"multiple_of={multiple_of}) but there are only {len(lengths)} samples, so a pack would be "
-                "empty; give more samples or fewer packs"
+                f"{k} packs are needed (num_packs={num_packs}, max_tokens_per_gpu={max_tokens_per_gpu}, multiple_of="
+                f"{multiple_of}) but a pack would be empty: {len(lengths)} samples; give more samples or fewer packs"
             )
         packs = improve_packs(karmarkar_karp(costs, k), costs, lengths, max_tokens_per_gpu)
         if max_tokens_per_gpu is None or max(int(lengths[p].sum()) for p in packs) <= max_tokens_per_gpu:
