@@ -286,8 +286,9 @@ class PaddedBatching(_Mode):
         return Prepared(_sample_rows(dataset), kept, functools.partial(_groups, size=self.micro_batch_size), collate, "")
 
 
-def _flat_collate(samples: list[dict[str, Any]], padding_idx: int, cp_size: int, length: int | None) -> dict[str, Any]:
-    return packed_sequence_thd_collater([build_row(samples, padding_idx, cp_size, length)])
+def _flat_collate(samples: list[dict[str, Any]], env: LoaderEnv, length: int | None) -> dict[str, Any]:
+    """Samples flattened into one row per micro-batch (rmpad, dyn_bsz, balanced)."""
+    return packed_sequence_thd_collater([build_row(samples, env.padding_idx, env.cp_size, length)])
 
 
 @dataclass
@@ -318,9 +319,7 @@ class _FlatMode(_Mode):
 
 
 def _flat_prepared(dataset: datasets.Dataset, env: LoaderEnv, kept: np.ndarray, plan: Callable, length: int | None) -> Prepared:
-    """Samples flattened into one row per micro-batch (rmpad, dyn_bsz, balanced)."""
-    collate = functools.partial(_flat_collate, padding_idx=env.padding_idx, cp_size=env.cp_size, length=length)
-    return Prepared(_sample_rows(dataset), kept, plan, collate, "")
+    return Prepared(_sample_rows(dataset), kept, plan, functools.partial(_flat_collate, env=env, length=length), "")
 
 
 @dataclass

@@ -502,8 +502,22 @@ def _encode_messages_by_prefix(
         messages[:2]           "<|bos|><|user|>Hi<|eos|><|assistant|>Hello<|eos|>"
         learned                                                     "Hello<|eos|>"
     """
-    texts, spans = zip(*(_assistant_char_spans(tokenizer, messages) for messages in conversations), strict=True)
-    encoded = tokenizer(list(texts), add_special_tokens=False, return_offsets_mapping=True)
+    render = functools.partial(tokenizer.apply_chat_template, tokenize=False)
+    texts, spans = [render(messages) for messages in conversations], []
+    for text, messages in zip(texts, conversations, strict=True):
+        spans.append([])
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before, through = render(messages[:i], add_generation_prompt=True), render(messages[: i + 1])
+            if not (through.startswith(before) and text.startswith(through)):
+                raise ValueError(
+                    "the chat template renders a conversation prefix differently from the start of the whole "
+                    f"conversation (assistant turn {i}), so the assistant tokens cannot be located; add "
+                    "{% generation %}...{% endgeneration %} around assistant content in the template"
+                )
+            spans[-1].append((len(before), len(through)))
+    encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
     masks = []
     for offsets, turn_spans in zip(encoded["offset_mapping"], spans, strict=True):
         offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
@@ -512,23 +526,3 @@ def _encode_messages_by_prefix(
             mask |= (offsets[:, 0] < end) & (offsets[:, 1] > start)
         masks.append(mask.astype(np.int8).tolist())
     return encoded["input_ids"], masks
-
-
-def _assistant_char_spans(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict]
-) -> tuple[str, list[tuple[int, int]]]:
-    render = functools.partial(tokenizer.apply_chat_template, tokenize=False)
-    text = render(messages, add_generation_prompt=False)
-    spans = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before, through = render(messages[:i], add_generation_prompt=True), render(messages[: i + 1])
-        if not (through.startswith(before) and text.startswith(through)):
-            raise ValueError(
-                "the chat template renders a conversation prefix differently from the start of the whole "
-                f"conversation (assistant turn {i}), so the assistant tokens cannot be located; add "
-                "{% generation %}...{% endgeneration %} around assistant content in the template"
-            )
-        spans.append((len(before), len(through)))
-    return text, spans
