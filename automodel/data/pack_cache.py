@@ -27,19 +27,17 @@ import numpy as np
 import xxhash
 from filelock import FileLock
 
-from automodel.data import packing, planning
-from automodel.data.collate import CROSS_ENTROPY_IGNORE_INDEX
+from automodel.data import collate, packing, planning
 from automodel.data.packing import _check_arguments, _select_split, _token_columns, pack_dataset
 
 logger = logging.getLogger(__name__)
 
 
 def _packer_code_version() -> str:
-    """Digest of the packer's source: a change to packing or planning code invalidates every entry."""
-    digest = hashlib.sha256(str(CROSS_ENTROPY_IGNORE_INDEX).encode())
-    for module in (packing, planning):
-        digest.update(Path(module.__file__).read_bytes())
-    return digest.hexdigest()[:16]
+    """Digest of the packer's source: a change to the row layout (collate), packing or planning code
+    invalidates every entry."""
+    sources = b"".join(Path(module.__file__).read_bytes() for module in (collate, packing, planning))
+    return hashlib.sha256(sources).hexdigest()[:16]
 
 
 PACKER_CODE_VERSION = _packer_code_version()
