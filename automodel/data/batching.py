@@ -194,7 +194,8 @@ _NOT_IN_PLAN = ("num_workers", "cache_dir")  # settings that change no micro-bat
 
 @dataclass
 class _Mode:
-    """Shared fields and ``build``/``build_eval`` of the map-style modes."""
+    """Shared fields and ``build``/``build_eval`` of the map-style modes; each mode defines
+    ``prepare(dataset, env) -> Prepared``."""
 
     shuffle: bool = True
     num_workers: int = 0
@@ -208,9 +209,6 @@ class _Mode:
             raise ValueError(f"packing.shuffle must be true or false, got {self.shuffle!r}")
         if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) or self.num_workers < 0:
             raise ValueError(f"packing.num_workers must be an int >= 0, got {self.num_workers!r}")
-
-    def prepare(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
-        raise NotImplementedError
 
     def _prepared(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
         if not isinstance(dataset, datasets.Dataset):
