@@ -25,7 +25,7 @@ import json
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import datasets
 import numpy as np
@@ -37,6 +37,7 @@ from automodel.data.collate import (
     CROSS_ENTROPY_IGNORE_INDEX,
     build_row,
     cp_multiple,
+    cp_padded,
     packed_sequence_thd_collater,
     padded_sequence_thd_collater,
 )
@@ -109,18 +110,40 @@ class _Dealt(torch.utils.data.Dataset):
         return batch
 
 
-def _identity(batch: Any) -> Any:
-    return batch
+class _Position:
+    """The resumable global position of ``MicroBatchStream`` and ``StreamedMicroBatches``: ``start``
+    global micro-batches of ``epoch`` were consumed before this process began it, ``taken`` since."""
+
+    env: LoaderEnv
+    fingerprint: str
+    epoch = start = taken = 0
+    _iterator: Iterator | None = None
+
+    def __iter__(self) -> _Position:
+        return self
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{epoch, consumed, fingerprint}``: global micro-batches consumed in the epoch; equal on every rank."""
+        consumed = self.start + self.taken * self.env.dp_size
+        return {"epoch": self.epoch, "consumed": consumed, "fingerprint": self.fingerprint}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["fingerprint"] != self.fingerprint:
+            raise ValueError(
+                f"fingerprint: the saved data position belongs to another plan ({state['fingerprint']} != "
+                f"{self.fingerprint}): resume with the same data, packing section, seed (and DP size for balanced "
+                "and streaming)"
+            )
+        self.epoch, self.start, self.taken, self._iterator = state["epoch"], state["consumed"], 0, None
 
 
-class MicroBatchStream:
+class MicroBatchStream(_Position):
     """This rank's micro-batches over epochs without end (``next``), resumable from the global position."""
 
     def __init__(self, prepared: Prepared, env: LoaderEnv, shuffle: bool, num_workers: int = 0):
         self.prepared, self.env, self.shuffle, self.num_workers = prepared, env, shuffle, num_workers
-        self.epoch, self.start, self.taken = 0, 0, 0
+        self.fingerprint = prepared.fingerprint
         self._plan: tuple[int, PackPlan] | None = None
-        self._iterator: Iterator | None = None
         if self.batches_per_epoch == 0:
             raise ValueError(
                 f"dp_size: the data gives {self.plan(0).num_packs} micro-batches per epoch, fewer than the "
@@ -149,16 +172,13 @@ class MicroBatchStream:
         """Micro-batches per rank in the current epoch."""
         return self.plan(self.epoch).num_packs // self.env.dp_size
 
-    def __iter__(self) -> MicroBatchStream:
-        return self
-
     def __next__(self) -> dict[str, Any]:
         for _ in range(2):
             if self._iterator is None:
                 plan = self.plan(self.epoch)
                 dealt = _Dealt(self.prepared, plan, self.start, self.env, (plan.num_packs - self.start) // self.env.dp_size)
                 self._iterator = iter(StatefulDataLoader(
-                    dealt, batch_size=None, collate_fn=_identity, num_workers=self.num_workers
+                    dealt, batch_size=None, num_workers=self.num_workers  # items are collated micro-batches
                 ))  # fmt: skip
             try:
                 batch = next(self._iterator)
@@ -168,47 +188,36 @@ class MicroBatchStream:
                 self.epoch, self.start, self.taken, self._iterator = self.epoch + 1, 0, 0, None
         raise ValueError(f"dp_size: epoch {self.epoch} gives no micro-batch to each of {self.env.dp_size} ranks")
 
-    def state_dict(self) -> dict[str, Any]:
-        """``{epoch, consumed, fingerprint}``: global micro-batches consumed in the epoch; equal on every rank."""
-        consumed = self.start + self.taken * self.env.dp_size
-        return {"epoch": self.epoch, "consumed": consumed, "fingerprint": self.prepared.fingerprint}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["fingerprint"] != self.prepared.fingerprint:
-            raise ValueError(
-                f"fingerprint: the saved data position belongs to another plan ({state['fingerprint']} != "
-                f"{self.prepared.fingerprint}): resume with the same data, packing section and seed"
-            )
-        self.epoch, self.start, self.taken, self._iterator = state["epoch"], state["consumed"], 0, None
-
 
 _NOT_IN_PLAN = ("num_workers", "cache_dir")  # settings that change no micro-batch: a resume may change them
 
 
 @dataclass
 class _Mode:
-    """Shared fields and ``build``/``build_eval`` of the map-style modes."""
+    """Shared fields and ``build``/``build_eval`` of the map-style modes; each mode defines
+    ``prepare(dataset, env) -> Prepared``."""
 
     shuffle: bool = True
     num_workers: int = 0
+    _positive: ClassVar[tuple[str, ...]] = ()  # fields that must be ints >= 1
+    _plan_uses_dp_size: ClassVar[bool] = False  # True: a resume on another DP size is refused (fingerprint)
 
     def __post_init__(self) -> None:
+        for name in self._positive:
+            check_positive_int(f"packing.{name}", getattr(self, name))
         if not isinstance(self.shuffle, bool):
             raise ValueError(f"packing.shuffle must be true or false, got {self.shuffle!r}")
         if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) or self.num_workers < 0:
             raise ValueError(f"packing.num_workers must be an int >= 0, got {self.num_workers!r}")
 
-    def prepare(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
-        raise NotImplementedError
-
-    def _prepared(self, dataset: datasets.Dataset, env: LoaderEnv, *plan_dependencies: Any) -> Prepared:
+    def _prepared(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
         if not isinstance(dataset, datasets.Dataset):
             raise ValueError(f"dataset: this mode needs a map-style datasets.Dataset, got {type(dataset).__name__}")
         prepared = self.prepare(dataset, env)
         prepared.fingerprint = _fingerprint(
             type(self).__name__, {k: v for k, v in asdict(self).items() if k not in _NOT_IN_PLAN},
             hashlib.sha256(prepared.kept.tobytes()).hexdigest(), len(prepared.units), env.seed, env.cp_size,
-            *plan_dependencies,
+            *((env.dp_size,) if self._plan_uses_dp_size else ()),
         )
         return prepared
 
@@ -240,13 +249,12 @@ class PackedBatching(_Mode):
     drop_long_samples: bool = True
     max_packs: int | None = None
     cache_dir: str | None = None
+    _positive = ("packed_sequence_size", "micro_batch_size")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.algorithm not in PACKING_ALGORITHMS:
             raise ValueError(f"packing.algorithm must be one of {PACKING_ALGORITHMS}, got {self.algorithm!r}")
-        for name in ("packed_sequence_size", "micro_batch_size"):
-            check_positive_int(f"packing.{name}", getattr(self, name))
 
     def prepare(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
         pack = functools.partial(cached_pack_dataset, cache_dir=self.cache_dir) if self.cache_dir else pack_dataset
@@ -267,26 +275,18 @@ class PaddedBatching(_Mode):
 
     micro_batch_size: int = 8
     max_length: int = 2048
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for name in ("micro_batch_size", "max_length"):
-            check_positive_int(f"packing.{name}", getattr(self, name))
+    _positive = ("micro_batch_size", "max_length")
 
     def prepare(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
-        padded = _padded_lengths(read_lengths(dataset), env.cp_size)
+        padded = cp_padded(read_lengths(dataset), env.cp_size)
         kept = np.flatnonzero(keep_fitting("packing none", padded, self.max_length, True, env.cp_size))
         collate = functools.partial(padded_sequence_thd_collater, padding_idx=env.padding_idx, cp_size=env.cp_size)
         return Prepared(_sample_rows(dataset), kept, functools.partial(_groups, size=self.micro_batch_size), collate, "")
 
 
-def _padded_lengths(lengths: np.ndarray, cp_size: int) -> np.ndarray:
-    multiple = cp_multiple(cp_size)
-    return -(-lengths // multiple) * multiple
-
-
-def _flat_collate(samples: list[dict[str, Any]], padding_idx: int, cp_size: int, length: int | None) -> dict[str, Any]:
-    return packed_sequence_thd_collater([build_row(samples, padding_idx, cp_size, length)])
+def _flat_collate(samples: list[dict[str, Any]], env: LoaderEnv, length: int | None) -> dict[str, Any]:
+    """Samples flattened into one row per micro-batch (rmpad, dyn_bsz, balanced)."""
+    return packed_sequence_thd_collater([build_row(samples, env.padding_idx, env.cp_size, length)])
 
 
 @dataclass
@@ -317,9 +317,7 @@ class _FlatMode(_Mode):
 
 
 def _flat_prepared(dataset: datasets.Dataset, env: LoaderEnv, kept: np.ndarray, plan: Callable, length: int | None) -> Prepared:
-    """Samples flattened into one row per micro-batch (rmpad, dyn_bsz, balanced)."""
-    collate = functools.partial(_flat_collate, padding_idx=env.padding_idx, cp_size=env.cp_size, length=length)
-    return Prepared(_sample_rows(dataset), kept, plan, collate, "")
+    return Prepared(_sample_rows(dataset), kept, plan, functools.partial(_flat_collate, env=env, length=length), "")
 
 
 @dataclass
@@ -336,16 +334,15 @@ class RmpadBatching(_FlatMode):
 
     micro_batch_size: int = 1
     max_seq_len: int = 2048
+    _positive = ("micro_batch_size", "max_seq_len")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("micro_batch_size", "max_seq_len"):
-            check_positive_int(f"packing.{name}", getattr(self, name))
         self._static_length(self.micro_batch_size * self.max_seq_len, "micro_batch_size * max_seq_len", 1)
 
     def prepare(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
         length = self._static_length(self.micro_batch_size * self.max_seq_len, "micro_batch_size * max_seq_len", env.cp_size)
-        padded = _padded_lengths(read_lengths(dataset), env.cp_size)
+        padded = cp_padded(read_lengths(dataset), env.cp_size)
         kept = np.flatnonzero(keep_fitting("packing rmpad", padded, self.max_seq_len, True, env.cp_size))
         return _flat_prepared(dataset, env, kept, functools.partial(_groups, size=self.micro_batch_size), length)
 
@@ -379,18 +376,16 @@ class DynBszBatching(_FlatMode):
     count: str = "tokens"
     max_packed_length: int | None = None
     buffer_size: int = 200
+    _positive = ("max_tokens_per_micro_batch", "buffer_size")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("max_tokens_per_micro_batch", "buffer_size"):
-            check_positive_int(f"packing.{name}", getattr(self, name))
         if self.count not in ("tokens", "label_tokens"):
             raise ValueError(f"packing.count must be tokens or label_tokens, got {self.count!r}")
         if (self.count == "label_tokens") != (self.max_packed_length is not None):
             raise ValueError(
-                "packing.max_packed_length (the hard cap on a micro-batch's length) is required with "
-                f"count=label_tokens and not allowed with count=tokens; got count={self.count!r}, "
-                f"max_packed_length={self.max_packed_length!r}"
+                "packing.max_packed_length (the cap on a micro-batch's length) is required with count=label_tokens "
+                f"and not allowed with count=tokens; got max_packed_length={self.max_packed_length!r}"
             )
         if self.max_packed_length is not None:
             check_positive_int("packing.max_packed_length", self.max_packed_length)
@@ -408,7 +403,7 @@ class DynBszBatching(_FlatMode):
 
     def prepare(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
         length = self._static_length(self.length_cap, "the length cap", env.cp_size)
-        sizes = _padded_lengths(read_lengths(dataset), env.cp_size)
+        sizes = cp_padded(read_lengths(dataset), env.cp_size)
         weights = sizes if self.count == "tokens" else label_token_counts(dataset)
         fits = keep_fitting("packing dyn_bsz", sizes, self.length_cap, True, env.cp_size)
         fits &= keep_fitting("packing dyn_bsz (label budget)", weights, self.max_tokens_per_micro_batch, True, 1)
@@ -446,9 +441,7 @@ def plan_balanced_epoch(
             dealt = [members[plan.sample_order[plan.pack_offsets[p] : plan.pack_offsets[p + 1]]]
                      for p in range(first, min(first + dp_size, plan.num_packs))]  # fmt: skip
             packs.extend(dealt if step % 2 == 0 else dealt[::-1])
-    offsets = np.zeros(len(packs) + 1, np.int64)
-    np.cumsum([len(p) for p in packs], out=offsets[1:])
-    return PackPlan(np.concatenate(packs).astype(np.int64) if packs else np.zeros(0, np.int64), offsets)
+    return PackPlan.from_packs(packs)
 
 
 @dataclass
@@ -465,18 +458,15 @@ class BalancedBatching(_Mode):
     packs_per_rank: int = 1
     cost_coefficients: tuple[float, float] = (1.0, 0.0)
     drop_long_samples: bool = True
+    _positive = ("packed_sequence_size", "micro_batch_size", "packs_per_rank")
+    _plan_uses_dp_size = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("packed_sequence_size", "micro_batch_size", "packs_per_rank"):
-            check_positive_int(f"packing.{name}", getattr(self, name))
         self.cost_coefficients = check_cost_coefficients(self.cost_coefficients)
 
-    def _prepared(self, dataset: datasets.Dataset, env: LoaderEnv, *plan_dependencies: Any) -> Prepared:
-        return super()._prepared(dataset, env, env.dp_size, *plan_dependencies)
-
     def prepare(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
-        padded = _padded_lengths(read_lengths(dataset), env.cp_size)
+        padded = cp_padded(read_lengths(dataset), env.cp_size)
         keep = keep_fitting("packing balanced", padded, self.packed_sequence_size, self.drop_long_samples, env.cp_size)
         plan = functools.partial(
             plan_balanced_epoch, lengths=padded, dp_size=env.dp_size, samples_per_pack=self.micro_batch_size,

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from automodel.distributed.thd import SEQ_LENS_PADDING_VALUE
 
@@ -31,6 +32,12 @@ _LAYOUT_KEYS = ("seq_lens", "seq_lens_padded")
 def cp_multiple(cp_size: int) -> int:
     """Every sample's padded length is a multiple of this: ``2 * cp_size`` under CP, else 1."""
     return 2 * cp_size if cp_size > 1 else 1
+
+
+def cp_padded(lengths: np.ndarray, cp_size: int) -> np.ndarray:
+    """``[N]`` lengths rounded up to a multiple of :func:`cp_multiple` (each sample's CP-padded length)."""
+    multiple = cp_multiple(cp_size)
+    return -(-lengths // multiple) * multiple
 
 
 def build_row(
@@ -57,7 +64,7 @@ def build_row(
         raise ValueError("samples is empty: a row needs at least one sample")
     lengths = np.array([len(sample["input_ids"]) for sample in samples], np.int64)
     multiple = cp_multiple(cp_size)
-    padded = -(-lengths // multiple) * multiple
+    padded = cp_padded(lengths, cp_size)
     total = int(padded.sum())
     size = total if length is None else length
     if size < total or (size - total) % multiple:
@@ -117,11 +124,8 @@ def packed_sequence_thd_collater(batch: Sequence[dict[str, Any]]) -> dict[str, A
             )
         collated[key] = torch.from_numpy(np.stack(rows).astype(np.int64, copy=False))
     for key in _LAYOUT_KEYS:
-        rows = [np.asarray(pack[key]) for pack in batch]
-        out = np.full((len(rows), max(len(row) for row in rows)), SEQ_LENS_PADDING_VALUE, np.int64)
-        for i, row in enumerate(rows):
-            out[i, : len(row)] = row
-        collated[key] = torch.from_numpy(out)
+        rows = [torch.as_tensor(np.asarray(pack[key]), dtype=torch.int64) for pack in batch]
+        collated[key] = pad_sequence(rows, batch_first=True, padding_value=SEQ_LENS_PADDING_VALUE)
     collated["qkv_format"] = "thd"
     return collated
 
@@ -138,6 +142,5 @@ def padded_sequence_thd_collater(
     """
     if len(batch) == 0:
         return {}
-    multiple = cp_multiple(cp_size)
-    width = -(-max(len(sample["input_ids"]) for sample in batch) // multiple) * multiple
+    width = int(cp_padded(max(len(sample["input_ids"]) for sample in batch), cp_size))
     return packed_sequence_thd_collater([build_row([sample], padding_idx, cp_size, width) for sample in batch])

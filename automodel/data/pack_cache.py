@@ -27,19 +27,17 @@ import numpy as np
 import xxhash
 from filelock import FileLock
 
-from automodel.data import packing, planning
-from automodel.data.collate import CROSS_ENTROPY_IGNORE_INDEX
-from automodel.data.packing import _check_arguments, _select_split, _TokenColumns, pack_dataset
+from automodel.data import collate, packing, planning
+from automodel.data.packing import _check_arguments, _select_split, _token_columns, pack_dataset
 
 logger = logging.getLogger(__name__)
 
 
 def _packer_code_version() -> str:
-    """Digest of the packer's source: a change to packing or planning code invalidates every entry."""
-    digest = hashlib.sha256(str(CROSS_ENTROPY_IGNORE_INDEX).encode())
-    for module in (packing, planning):
-        digest.update(Path(module.__file__).read_bytes())
-    return digest.hexdigest()[:16]
+    """Digest of the packer's source: a change to the row layout (collate), packing or planning code
+    invalidates every entry."""
+    sources = b"".join(Path(module.__file__).read_bytes() for module in (collate, packing, planning))
+    return hashlib.sha256(sources).hexdigest()[:16]
 
 
 PACKER_CODE_VERSION = _packer_code_version()
@@ -48,17 +46,11 @@ PACKER_CODE_VERSION = _packer_code_version()
 def input_digest(dataset: datasets.Dataset) -> str:
     """xxh3-128 of the token columns (``input_ids``, ``labels``, ``loss_mask``) row by row: equal
     for equal data however it was produced, different for any changed token, label or mask."""
-    columns = _TokenColumns.read(dataset)
+    lengths, columns = _token_columns(dataset)
     digest = xxhash.xxh3_128()
-    digest.update(columns.lengths.astype(np.int64).tobytes())
-    named = [
-        ("input_ids", columns.input_ids, columns.input_ids_starts),
-        ("labels", columns.labels, columns.labels_starts),
-    ]
-    if columns.has_loss_mask:
-        named.append(("loss_mask", columns.loss_mask, columns.loss_mask_starts))
-    for name, values, starts in named:
-        first, end = (int(starts[0]), int(starts[-1] + columns.lengths[-1])) if len(starts) else (0, 0)
+    digest.update(lengths.astype(np.int64).tobytes())
+    for name, (values, starts) in columns.items():
+        first, end = (int(starts[0]), int(starts[-1] + lengths[-1])) if len(starts) else (0, 0)
         digest.update(f"{name}:{values.dtype.str}".encode())
         digest.update(np.ascontiguousarray(values[first:end]).data)  # rows lie back to back in Arrow
     return digest.hexdigest()

@@ -20,7 +20,7 @@ from datasets.fingerprint import Hasher
 from datasets.table import InMemoryTable
 from tqdm.auto import tqdm
 
-from automodel.data.collate import CROSS_ENTROPY_IGNORE_INDEX, cp_multiple
+from automodel.data.collate import CROSS_ENTROPY_IGNORE_INDEX, cp_multiple, cp_padded
 from automodel.data.planning import (
     PACKING_ALGORITHMS,
     PackPlan,
@@ -46,25 +46,17 @@ class PackingReport:
     real_tokens: int
 
     @property
-    def num_packed(self) -> int:
-        return self.num_samples - self.num_too_long - self.num_over_max_packs
-
-    @property
     def fill(self) -> float:
         """Share of pack slots holding real tokens."""
         return self.real_tokens / max(1, self.num_packs * self.packed_sequence_size)
 
-    @property
-    def packs_over_lower_bound(self) -> float:
-        return self.num_packs / max(1, self.lower_bound) - 1.0
-
     def __str__(self) -> str:
         text = (
-            f"packed {self.num_packed:,} of {self.num_samples:,} samples into {self.num_packs:,} packs of "
+            f"packed {self.num_samples - self.num_too_long - self.num_over_max_packs:,} of {self.num_samples:,} samples into {self.num_packs:,} packs of "
             f"{self.packed_sequence_size} tokens ({self.algorithm}): fill {self.fill:.2%}"
         )
         if not self.num_over_max_packs:
-            text += f", {self.packs_over_lower_bound:+.3%} packs over the lower bound {self.lower_bound:,}"
+            text += f", {self.num_packs / max(1, self.lower_bound) - 1:+.3%} packs over the lower bound {self.lower_bound:,}"
         return text
 
 
@@ -116,37 +108,36 @@ def pack_dataset(
     """
     _check_arguments(packed_sequence_size, max_packs, padding_idx, drop_long_samples, cp_size, algorithm, seed)
     dataset = _select_split(dataset, split)
-    columns = _TokenColumns.read(dataset)
+    lengths, columns = _token_columns(dataset)
 
-    multiple = cp_multiple(cp_size)
-    padded_lens = -(-columns.lengths // multiple) * multiple
+    padded_lens = cp_padded(lengths, cp_size)
     keep = keep_fitting("pack_dataset", padded_lens, packed_sequence_size, drop_long_samples, cp_size)
     fitting = np.flatnonzero(keep)
     plan = plan_packs(padded_lens[fitting], packed_sequence_size, algorithm, seed)
     lower_bound = lower_bound_packs(padded_lens[fitting], packed_sequence_size)
-    if max_packs is not None:
-        plan = plan.truncate(max_packs)
+    if max_packs is not None and max_packs < plan.num_packs:  # the first max_packs packs
+        plan = PackPlan(plan.sample_order[: plan.pack_offsets[max_packs]], plan.pack_offsets[: max_packs + 1])
     if plan.num_packs == 0:
         raise ValueError(
             f"no sample fits packed_sequence_size={packed_sequence_size} (all {len(keep)} are longer "
-            f"after padding to a multiple of {multiple}); increase packed_sequence_size"
+            f"after padding to a multiple of {cp_multiple(cp_size)}); increase packed_sequence_size"
         )
     plan = PackPlan(fitting[plan.sample_order], plan.pack_offsets)  # index the input rows
 
     report = PackingReport(
         algorithm=algorithm,
         packed_sequence_size=packed_sequence_size,
-        num_samples=len(columns.lengths),
+        num_samples=len(lengths),
         num_too_long=int((~keep).sum()),
         num_over_max_packs=len(fitting) - len(plan.sample_order),
         num_packs=plan.num_packs,
         lower_bound=lower_bound,
-        real_tokens=int(columns.lengths[plan.sample_order].sum()),
+        real_tokens=int(lengths[plan.sample_order].sum()),
     )
     if report.num_over_max_packs:
         logger.warning("pack_dataset left out %d of %d samples: max_packs=%d was reached",
                        report.num_over_max_packs, report.num_samples, max_packs)  # fmt: skip
-    table = _build_table(columns, plan, padded_lens, packed_sequence_size, padding_idx)
+    table = _build_table(lengths, columns, plan, padded_lens, packed_sequence_size, padding_idx)
     logger.info("pack_dataset: %s", report)
     fingerprint = Hasher.hash(
         (getattr(dataset, "_fingerprint", None), packed_sequence_size, max_packs, padding_idx,
@@ -182,44 +173,24 @@ def _select_split(dataset, split) -> datasets.Dataset:
         if split not in dataset:
             raise ValueError(f"split {split!r} is not in the DatasetDict; available splits: {list(dataset)}")
         dataset = dataset[split]
-    if isinstance(dataset, (datasets.IterableDataset, datasets.IterableDatasetDict)):
-        raise TypeError(
-            "pack_dataset needs a map-style datasets.Dataset (lengths are planned over the whole dataset); "
-            "stream an IterableDataset with packing: streaming instead"
-        )
     if not isinstance(dataset, datasets.Dataset):
-        raise TypeError(f"dataset must be a datasets.Dataset or DatasetDict, got {type(dataset).__name__}")
-    if len(dataset) == 0:
-        raise ValueError("dataset is empty: nothing to pack")
-    return dataset
+        raise TypeError(
+            f"dataset must be a map-style datasets.Dataset or DatasetDict (lengths are planned over the whole "
+            f"dataset), got {type(dataset).__name__}; stream an IterableDataset with packing: streaming instead"
+        )
+    return dataset  # read_lengths refuses an empty one
 
 
-@dataclass
-class _TokenColumns:
-    """Flat token values and per-row start offsets of the input list columns (views, no copies)."""
-
-    input_ids: np.ndarray
-    input_ids_starts: np.ndarray
-    labels: np.ndarray
-    labels_starts: np.ndarray
-    loss_mask: np.ndarray  # bool; a 1-element dummy when the dataset has no loss_mask
-    loss_mask_starts: np.ndarray
-    has_loss_mask: bool
-    lengths: np.ndarray  # [R] int64
-
-    @classmethod
-    def read(cls, dataset: datasets.Dataset) -> _TokenColumns:
-        lengths = read_lengths(dataset)
-        names = ["input_ids", "labels"] + (["loss_mask"] if "loss_mask" in dataset.column_names else [])
-        table = dataset.select_columns(names).with_format("arrow")[:]
-        ids, ids_starts, _ = _list_column(table, "input_ids")
-        labels, labels_starts, _ = _list_column(table, "labels")
-        if "loss_mask" in names:
-            mask, mask_starts, _ = _list_column(table, "loss_mask")
-            mask = mask != 0
-        else:
-            mask, mask_starts = np.ones(1, np.bool_), np.zeros(len(lengths), np.int64)
-        return cls(ids, ids_starts, labels, labels_starts, mask, mask_starts, "loss_mask" in names, lengths)
+def _token_columns(dataset: datasets.Dataset) -> tuple[np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """``[R]`` sample lengths, and for each token column present (``input_ids``, ``labels``,
+    ``loss_mask``, as bool) its flat values and ``[R]`` row starts (views of the Arrow buffers)."""
+    lengths = read_lengths(dataset)
+    names = [c for c in ("input_ids", "labels", "loss_mask") if c in dataset.column_names]
+    table = dataset.select_columns(names).with_format("arrow")[:]
+    columns = {name: _list_column(table, name) for name in names}
+    if "loss_mask" in columns:
+        columns["loss_mask"] = (columns["loss_mask"][0] != 0, columns["loss_mask"][1])
+    return lengths, columns
 
 
 def read_lengths(dataset: datasets.Dataset) -> np.ndarray:
@@ -278,8 +249,8 @@ def keep_fitting(what: str, padded_lens: np.ndarray, cap: int, drop_long_samples
     return ~too_long
 
 
-def _list_column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Values, row starts and row lengths of an integer list column."""
+def _list_column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """Values and row starts of an integer list column."""
     column = table.column(name)  # read_lengths checked: lists, no null rows
     array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
     if pa.types.is_fixed_size_list(array.type):
@@ -292,15 +263,18 @@ def _list_column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray, np
     values = array.values.to_numpy(zero_copy_only=False)
     if values.dtype not in (np.int32, np.int64, np.bool_):
         values = values.astype(np.int64)
-    return values, offsets[:-1], np.diff(offsets)
+    return values, offsets[:-1]
 
 
 def _build_table(
-    columns: _TokenColumns, plan: PackPlan, padded_lens: np.ndarray, pack_size: int, padding_idx: int
+    lengths: np.ndarray, columns: dict, plan: PackPlan, padded_lens: np.ndarray, pack_size: int, padding_idx: int
 ) -> pa.Table:
     num_packs = plan.num_packs
     num_slots = num_packs * pack_size
-    token_dtype = np.int32 if _fits_int32(columns.input_ids) and _fits_int32(columns.labels) else np.int64
+    (ids, ids_starts), (labels, labels_starts) = columns["input_ids"], columns["labels"]
+    # Without loss_mask the kernel reads a dummy (has_loss_mask False).
+    mask, mask_starts = columns.get("loss_mask", (np.ones(1, np.bool_), np.zeros(len(lengths), np.int64)))
+    token_dtype = np.int32 if _fits_int32(ids) and _fits_int32(labels) else np.int64
     out_ids = _prefaulted_empty(num_slots, token_dtype)
     out_labels = _prefaulted_empty(num_slots, token_dtype)
     out_positions = _prefaulted_empty(num_slots, np.int32)
@@ -309,14 +283,13 @@ def _build_table(
         for first in range(0, num_packs, step):
             last = min(num_packs, first + step)
             _fill_packs(
-                first, last, plan.pack_offsets, plan.sample_order, columns.lengths, padded_lens,
-                columns.input_ids, columns.input_ids_starts, columns.labels, columns.labels_starts,
-                columns.loss_mask, columns.loss_mask_starts, columns.has_loss_mask,
+                first, last, plan.pack_offsets, plan.sample_order, lengths, padded_lens, ids, ids_starts,
+                labels, labels_starts, mask, mask_starts, "loss_mask" in columns,
                 pack_size, padding_idx, CROSS_ENTROPY_IGNORE_INDEX, out_ids, out_labels, out_positions,
             )
             progress.update(last - first)
 
-    seq_lens = columns.lengths[plan.sample_order].astype(np.int32)
+    seq_lens = lengths[plan.sample_order].astype(np.int32)
     seq_lens_padded = padded_lens[plan.sample_order].astype(np.int32)
     used = np.add.reduceat(seq_lens_padded.astype(np.int64), plan.pack_offsets[:-1])
     seq_lens_padded[plan.pack_offsets[1:] - 1] += (pack_size - used).astype(np.int32)

@@ -35,12 +35,12 @@ class PackPlan:
     def num_packs(self) -> int:
         return len(self.pack_offsets) - 1
 
-    def truncate(self, max_packs: int) -> PackPlan:
-        """The first ``max_packs`` packs."""
-        if max_packs >= self.num_packs:
-            return self
-        offsets = self.pack_offsets[: max_packs + 1]
-        return PackPlan(self.sample_order[: offsets[-1]], offsets)
+    @classmethod
+    def from_packs(cls, packs: Sequence[Sequence[int]]) -> PackPlan:
+        """The plan of ``packs``, each a list of sample indices, in this order."""
+        offsets = np.zeros(len(packs) + 1, np.int64)
+        np.cumsum([len(p) for p in packs], out=offsets[1:])
+        return cls(np.concatenate(packs).astype(np.int64) if len(packs) else np.zeros(0, np.int64), offsets)
 
 
 def lower_bound_packs(lengths: np.ndarray, capacity: int) -> int:
@@ -69,14 +69,12 @@ def plan_packs(lengths: np.ndarray, capacity: int, algorithm: str = "bfd", seed:
         raise ValueError(f"every length must be in [1, {capacity}], got range [{lengths.min()}, {lengths.max()}]")
     if algorithm == "sequential":
         pack_of_sample = _next_fit(lengths, capacity)
-        sample_order = np.arange(len(lengths), dtype=np.int64)
+        sample_order = np.arange(len(lengths), dtype=np.int64)  # next-fit keeps dataset order
         num_packs = int(pack_of_sample[-1]) + 1
     else:
-        by_length_desc = np.argsort(-lengths, kind="stable")
-        pack_of_sample, num_packs = _best_fit_decreasing(lengths, by_length_desc, capacity)
-        pack_position = np.random.default_rng(seed).permutation(num_packs)
-        pack_of_sample = pack_position[pack_of_sample]
-        sample_order = np.argsort(pack_of_sample, kind="stable")
+        pack_of_sample, num_packs = _best_fit_decreasing(lengths, np.argsort(-lengths, kind="stable"), capacity)
+        pack_of_sample = np.random.default_rng(seed).permutation(num_packs)[pack_of_sample]  # shuffle the packs
+        sample_order = np.argsort(pack_of_sample, kind="stable")  # dataset order inside a pack
     pack_offsets = np.zeros(num_packs + 1, dtype=np.int64)
     np.cumsum(np.bincount(pack_of_sample, minlength=num_packs), out=pack_offsets[1:])
     return PackPlan(sample_order, pack_offsets)
@@ -242,18 +240,13 @@ def _buffered_largest_first(order, weights, sizes, budget, max_size, buffer_size
 
 
 def check_cost_coefficients(cost_coefficients: Sequence[float]) -> tuple[float, float]:
-    if len(cost_coefficients) != 2:
+    values = tuple(float(c) for c in cost_coefficients)
+    if not (len(values) == 2 and min(values) >= 0 and sum(values) > 0):  # NaN fails too
         raise ValueError(
-            f"cost_coefficients must be (linear, quadratic), got {cost_coefficients!r}; "
-            "use (1, 0) to balance tokens or (a, 1) to balance attention work a*L + L^2"
+            f"cost_coefficients={tuple(cost_coefficients)!r} must be (linear, quadratic), >= 0 and not both 0, so "
+            "that a longer sample costs more; use (1, 0) to balance tokens or (a, 1) for attention work a*L + L^2"
         )
-    linear, quadratic = (float(c) for c in cost_coefficients)
-    if not (linear >= 0 and quadratic >= 0 and linear + quadratic > 0):
-        raise ValueError(
-            f"cost_coefficients={tuple(cost_coefficients)!r} must be >= 0 and not both 0, so that a longer "
-            "sample always costs more; use (1, 0) to balance tokens"
-        )
-    return linear, quadratic
+    return values
 
 
 def sample_costs(lengths: np.ndarray, cost_coefficients: Sequence[float] = (1.0, 0.0)) -> np.ndarray:
@@ -322,7 +315,6 @@ def improve_packs(
 
     Example: KK's [[1, 3, 4], [0, 2]] for costs [8, 7, 6, 5, 4] (16 vs 14): swapping sample 1 (7)
     with sample 2 (6) moves d = 1 -> [[0, 1], [2, 3, 4]] (15 vs 15).
-
     """
     num_packs = len(packs)
     pack_of = np.empty(len(costs), dtype=np.int64)  # [K] pack of each sample
@@ -410,14 +402,11 @@ def plan_balanced_packs(
     while True:
         if k > len(lengths):
             raise ValueError(
-                f"{k} packs are needed (num_packs={num_packs}, max_tokens_per_gpu={max_tokens_per_gpu}, "
-                f"multiple_of={multiple_of}) but there are only {len(lengths)} samples, so a pack would be "
-                "empty; give more samples or fewer packs"
+                f"{k} packs are needed (num_packs={num_packs}, max_tokens_per_gpu={max_tokens_per_gpu}, multiple_of="
+                f"{multiple_of}) but a pack would be empty: {len(lengths)} samples; give more samples or fewer packs"
             )
         packs = improve_packs(karmarkar_karp(costs, k), costs, lengths, max_tokens_per_gpu)
         if max_tokens_per_gpu is None or max(int(lengths[p].sum()) for p in packs) <= max_tokens_per_gpu:
             break
         k += multiple_of
-    offsets = np.zeros(k + 1, dtype=np.int64)
-    np.cumsum([len(p) for p in packs], out=offsets[1:])
-    return PackPlan(np.concatenate([np.asarray(p, np.int64) for p in packs]), offsets)
+    return PackPlan.from_packs(packs)

@@ -225,8 +225,8 @@ def tokenize_sft_dataset(
 
     tokenized = dataset.map(
         functools.partial(
-            _encode_batch, fields=list(fields), format=format, tokenizer=tokenizer,
-            columns={f: c for f, c in fields.items()}, max_length=max_length, on_bad_row=on_bad_row, origin=origin,
+            _encode_batch, fields=list(fields), format=format, tokenizer=tokenizer, columns=fields,
+            max_length=max_length, on_bad_row=on_bad_row, origin=origin,
         ),
         batched=True,
         with_indices=True,
@@ -434,10 +434,11 @@ _PARSERS: dict[str, Callable[[dict, Any], Any]] = {
 
 
 def _encode_chat(conversations: list[list[dict]], tokenizer: PreTrainedTokenizerBase) -> list[_Sample]:
-    if _GENERATION_TAG.search(tokenizer.get_chat_template()):
-        ids, masks = _encode_messages_marked(conversations, tokenizer=tokenizer)
+    if _GENERATION_TAG.search(tokenizer.get_chat_template()):  # the template marks the assistant tokens
+        out = tokenizer.apply_chat_template(conversations, return_dict=True, return_assistant_tokens_mask=True)
+        ids, masks = out["input_ids"], out["assistant_masks"]
     else:
-        ids, masks = _encode_messages_by_prefix(conversations, tokenizer=tokenizer)
+        ids, masks = _encode_messages_by_prefix(conversations, tokenizer)
     return [shift_for_next_token(i, m) for i, m in zip(ids, masks, strict=True)]
 
 
@@ -488,17 +489,8 @@ def _special_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     return []
 
 
-
-def _encode_messages_marked(
-    conversations: list[list[dict]], *, tokenizer: PreTrainedTokenizerBase
-) -> tuple[list[list[int]], list[list[int]]]:
-    """Tokens and assistant mask straight from the template's ``{% generation %}`` markers."""
-    out = tokenizer.apply_chat_template(conversations, return_dict=True, return_assistant_tokens_mask=True)
-    return out["input_ids"], out["assistant_masks"]
-
-
 def _encode_messages_by_prefix(
-    conversations: list[list[dict]], *, tokenizer: PreTrainedTokenizerBase
+    conversations: list[list[dict]], tokenizer: PreTrainedTokenizerBase
 ) -> tuple[list[list[int]], list[list[int]]]:
     """Tokens and assistant mask for templates without generation markers.
 
@@ -510,11 +502,21 @@ def _encode_messages_by_prefix(
         messages[:2]           "<|bos|><|user|>Hi<|eos|><|assistant|>Hello<|eos|>"
         learned                                                     "Hello<|eos|>"
     """
-    texts, spans = [], []
-    for messages in conversations:
-        text, turn_spans = _assistant_char_spans(tokenizer, messages)
-        texts.append(text)
-        spans.append(turn_spans)
+    render = functools.partial(tokenizer.apply_chat_template, tokenize=False)
+    texts, spans = [render(messages) for messages in conversations], []
+    for text, messages in zip(texts, conversations, strict=True):
+        spans.append([])
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before, through = render(messages[:i], add_generation_prompt=True), render(messages[: i + 1])
+            if not (through.startswith(before) and text.startswith(through)):
+                raise ValueError(
+                    "the chat template renders a conversation prefix differently from the start of the whole "
+                    f"conversation (assistant turn {i}), so the assistant tokens cannot be located; add "
+                    "{% generation %}...{% endgeneration %} around assistant content in the template"
+                )
+            spans[-1].append((len(before), len(through)))
     encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
     masks = []
     for offsets, turn_spans in zip(encoded["offset_mapping"], spans, strict=True):
@@ -524,27 +526,3 @@ def _encode_messages_by_prefix(
             mask |= (offsets[:, 0] < end) & (offsets[:, 1] > start)
         masks.append(mask.astype(np.int8).tolist())
     return encoded["input_ids"], masks
-
-
-def _assistant_char_spans(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict]
-) -> tuple[str, list[tuple[int, int]]]:
-    def render(conversation: list[dict], add_generation_prompt: bool) -> str:
-        return tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
-
-    text = render(messages, False)
-    spans = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before, through = render(messages[:i], True), render(messages[: i + 1], False)
-        if not (through.startswith(before) and text.startswith(through)):
-            raise ValueError(
-                "the chat template renders a conversation prefix differently from the start of the whole "
-                f"conversation (assistant turn {i}), so the assistant tokens cannot be located; add "
-                "{% generation %}...{% endgeneration %} around assistant content in the template"
-            )
-        spans.append((len(before), len(through)))
-    return text, spans

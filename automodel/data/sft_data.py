@@ -4,17 +4,14 @@ with weights, and an optional validation set."""
 from __future__ import annotations
 
 import logging
-import os
-import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import datasets
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from automodel.data.sft import BAD_ROW_MODES, FORMATS, load_tokenizer, tokenize_sft_dataset
-from automodel.data.sources import BUILTIN_SOURCES, is_hub_id, load_sft_source
+from automodel.data.sources import check_source, load_sft_source
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +40,7 @@ class DataSource:
             raise ValueError(f"data.format={self.format!r} for source {self.source!r}: must be one of {tuple(FORMATS)}")
         if not (isinstance(self.weight, (int, float)) and self.weight > 0):
             raise ValueError(f"data.weight={self.weight!r} for source {self.source!r}: must be a positive number")
-        exists = self.source in BUILTIN_SOURCES or Path(os.path.expanduser(self.source)).exists()
-        if not (exists or re.search(r"[*?\[]", self.source) or is_hub_id(self.source)):
-            raise ValueError(
-                f"data.source={self.source!r} does not exist; give a json/jsonl/csv/parquet file, a directory or "
-                f"glob of them, a save_to_disk directory, a Hub id (org/name), or a built-in name "
-                f"({', '.join(BUILTIN_SOURCES)})"
-            )
+        check_source(self.source, "data.source")
 
     def tokenize(self, tokenizer: PreTrainedTokenizerBase, **options) -> datasets.Dataset:
         rows, origin = load_sft_source(self.source, self.split)
@@ -111,8 +102,8 @@ class SFTData:
             rows = spec.tokenize(tokenizer, **options)
             if self.val_fraction is not None:
                 split = rows.train_test_split(test_size=self.val_fraction, shuffle=True, seed=self.seed)
-                rows, held = split["train"], split["test"]
-                held_out.append(held)
+                rows = split["train"]
+                held_out.append(split["test"])
             weighted = weight_rows(rows, spec.weight, np.random.default_rng([self.seed, index]))
             train.append(weighted)
             report.append((spec.source, len(rows), spec.weight, len(weighted)))

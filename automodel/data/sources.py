@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import glob
+import itertools
 import os
 import re
 from dataclasses import dataclass
@@ -75,6 +76,7 @@ def load_sft_source(
     if not isinstance(path_or_name, (str, os.PathLike)):
         raise ValueError(f"path_or_name must be a path or a built-in name, got {type(path_or_name).__name__}")
     name = os.fspath(path_or_name)
+    check_source(name)
     cache = None if cache_dir is None else str(cache_dir)
     if name in BUILTIN_SOURCES:
         return _load_files([str(BUILTIN_SOURCES[name])], split, cache)
@@ -84,17 +86,13 @@ def load_sft_source(
         if not files:
             raise ValueError(f"no file matches the pattern {name!r}")
         return _load_files(files, split, cache)
-    if not path.exists() and is_hub_id(name):
+    if not path.exists():  # check_source: a Hub id
         return _load_hub(name, split, cache)
-    if not path.exists():
-        raise ValueError(
-            f"source {name!r} does not exist: pass an existing file, directory or glob pattern, a Hub "
-            f"dataset id (org/name), or a built-in name ({', '.join(BUILTIN_SOURCES)})"
-        )
-    if path.is_dir() and _is_saved_dataset(path):
+    if path.is_dir() and any((path / f).is_file() for f in ("dataset_dict.json", "state.json")):  # save_to_disk
         return _load_saved(path, split)
     if path.is_dir():
-        files = sorted(str(p) for p in path.rglob("*") if p.is_file() and not _is_hidden(p, path))
+        hidden = lambda p: any(part.startswith((".", "_")) for part in p.relative_to(path).parts)  # noqa: E731
+        files = sorted(str(p) for p in path.rglob("*") if p.is_file() and not hidden(p))
         files = [f for f in files if _extension(f) in _BUILDERS] or files
         if not files:
             raise ValueError(f"directory {name!r} holds no data files")
@@ -128,9 +126,7 @@ def _load_files(files: list[str], split: str, cache_dir: str | None) -> tuple[da
         rows = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     except ValueError as error:
         raise ValueError(f"the files of one source must have the same columns and types ({error})") from None
-    starts = [0]
-    for part in parts[:-1]:
-        starts.append(starts[-1] + len(part))
+    starts = itertools.accumulate((len(part) for part in parts[:-1]), initial=0)
     (instruction,) = datasets.ReadInstruction.from_spec(split).to_absolute({"train": len(rows)})
     if (instruction.from_, instruction.to) != (0, len(rows)):
         rows = rows.select(range(instruction.from_, instruction.to))
@@ -159,18 +155,20 @@ def _load_hub(name: str, split: str, cache_dir: str | None) -> tuple[datasets.Da
     return rows, RowOrigin((f"{name} [{split}]",), (0,))
 
 
+def check_source(name: str, field: str = "source") -> None:
+    """ValueError naming ``field`` unless ``name`` is a built-in name, an existing path, a glob
+    pattern or a Hub id: the check a recipe's sources get before anything is loaded."""
+    exists = name in BUILTIN_SOURCES or Path(name).expanduser().exists()
+    if not (exists or _GLOB_CHARS.search(name) or is_hub_id(name)):
+        raise ValueError(
+            f"{field}={name!r} does not exist: pass an existing file, directory or glob pattern, a "
+            f"save_to_disk directory, a Hub dataset id (org/name), or a built-in name ({', '.join(BUILTIN_SOURCES)})"
+        )
+
+
 def is_hub_id(name: str) -> bool:
     """``org/name`` that is not a path to a data file (``data/train.jsonl`` is not a Hub id)."""
     return bool(_HUB_ID.fullmatch(name)) and _extension(name) not in _BUILDERS
-
-
-def _is_saved_dataset(path: Path) -> bool:
-    """True for the layout ``save_to_disk`` writes (``state.json`` or ``dataset_dict.json``)."""
-    return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
-
-
-def _is_hidden(path: Path, root: Path) -> bool:
-    return any(part.startswith((".", "_")) for part in path.relative_to(root).parts)
 
 
 def _extension(file: str) -> str:

@@ -28,8 +28,8 @@ import torch
 from datasets.distributed import split_dataset_by_node
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from automodel.data.batching import LoaderEnv, _fingerprint
-from automodel.data.collate import build_row, cp_multiple, packed_sequence_thd_collater
+from automodel.data.batching import LoaderEnv, _fingerprint, _Position
+from automodel.data.collate import build_row, cp_padded, packed_sequence_thd_collater
 from automodel.data.packing import keep_fitting
 from automodel.data.planning import check_positive_int, plan_packs
 
@@ -48,24 +48,20 @@ class _WindowPlanner:
 
     def __init__(self, capacity: int, buffer_size: int, max_wait_rounds: int, seed: int):
         self.capacity, self.buffer_size, self.max_wait_rounds, self.seed = capacity, buffer_size, max_wait_rounds, seed
-        self.keys: list[int] = []  # waiting samples, in arrival order
+        self.samples: list[Mapping[str, Any]] = []  # waiting samples, in arrival order
         self.lengths: list[int] = []
         self.first_round: list[int] = []  # the first round each waiting sample takes part in
         self.rounds = 0
 
-    def add(self, keys: list[int], lengths: list[int]) -> list[list[int]]:
-        """Queue samples (no more than the buffer has room for); returns the packs (lists of keys)
-        of the round this triggers, if it does."""
-        self.keys += keys
+    def add(self, samples: list[Mapping[str, Any]], lengths: list[int]) -> list[list[Mapping[str, Any]]]:
+        """Queue samples (no more than the buffer has room for) of the given (padded) lengths; returns
+        the packs (lists of samples) of the round this triggers, if it does."""
+        self.samples += samples
         self.lengths += lengths
-        self.first_round += [self.rounds] * len(keys)
-        return self._round() if len(self.keys) >= self.buffer_size else []
+        self.first_round += [self.rounds] * len(samples)
+        return self._round() if len(self.samples) >= self.buffer_size else []
 
-    @property
-    def room(self) -> int:
-        return self.buffer_size - len(self.keys)
-
-    def _round(self) -> list[list[int]]:
+    def _round(self) -> list[list[Mapping[str, Any]]]:
         lengths = np.asarray(self.lengths, np.int64)
         plan = plan_packs(lengths, self.capacity, "bfd", self.seed + self.rounds)
         starts = plan.pack_offsets[:-1]
@@ -79,11 +75,11 @@ class _WindowPlanner:
             candidates = candidates[~emit[candidates]]
             emit[candidates[: np.searchsorted(np.cumsum(members[candidates]), missing) + 1]] = True
         self.rounds += 1
-        keys = np.asarray(self.keys, np.int64)
-        packs = [keys[plan.sample_order[starts[p] : starts[p] + members[p]]].tolist() for p in np.flatnonzero(emit)]
+        order = plan.sample_order
+        packs = [[self.samples[i] for i in order[starts[p] : starts[p] + members[p]]] for p in np.flatnonzero(emit)]
         stays = np.empty(len(lengths), np.bool_)
         stays[plan.sample_order] = ~np.repeat(emit, members)
-        self.keys = keys[stays].tolist()
+        self.samples = [sample for sample, stay in zip(self.samples, stays) if stay]
         self.lengths = lengths[stays].tolist()
         self.first_round = np.asarray(self.first_round)[stays].tolist()
         return packs
@@ -111,37 +107,26 @@ class _EpochPacks(torch.utils.data.IterableDataset):
         m, env = self.mode, self.env
         seed = int(np.random.SeedSequence([env.seed, self.epoch]).generate_state(1)[0])
         planner = _WindowPlanner(m.packed_sequence_size, m.buffer_size, m.max_wait_rounds, seed)
-        waiting: dict[int, Mapping[str, Any]] = {}
-        key = 0
         for pass_index in itertools.count():
             rows = self._rank_rows(pass_index)
             read = 0
-            while chunk := list(itertools.islice(rows, planner.room)):
+            while chunk := list(itertools.islice(rows, m.buffer_size - len(planner.samples))):
                 read += len(chunk)
-                lengths = np.array([len(row["input_ids"]) for row in chunk], np.int64)
-                padded = -(-lengths // cp_multiple(env.cp_size)) * cp_multiple(env.cp_size)
+                padded = cp_padded(np.array([len(row["input_ids"]) for row in chunk], np.int64), env.cp_size)
                 fits = np.flatnonzero(keep_fitting("packing streaming", padded, m.packed_sequence_size,
                                                    m.drop_long_samples, env.cp_size))  # fmt: skip
-                keys = list(range(key, key + len(fits)))
-                key += len(fits)
-                waiting.update(zip(keys, (chunk[i] for i in fits)))
-                for pack in planner.add(keys, padded[fits].tolist()):
-                    yield build_row([waiting.pop(k) for k in pack], env.padding_idx, env.cp_size, m.packed_sequence_size)
+                for pack in planner.add([chunk[i] for i in fits], padded[fits].tolist()):
+                    yield build_row(pack, env.padding_idx, env.cp_size, m.packed_sequence_size)
             if read == 0:
                 raise ValueError(f"dataset: DP rank {env.dp_rank} of {env.dp_size} got no rows; use more data or fewer ranks")
 
 
-class StreamedMicroBatches:
+class StreamedMicroBatches(_Position):
     """The streaming counterpart of :class:`~automodel.data.batching.MicroBatchStream` (same interface)."""
 
     def __init__(self, mode: StreamingPackedBatching, rows: Iterable, env: LoaderEnv, fingerprint: str):
         self.mode, self.rows, self.env, self.fingerprint = mode, rows, env, fingerprint
         self.batches_per_epoch = mode.steps_per_epoch
-        self.epoch, self.start, self.taken = 0, 0, 0
-        self._iterator: Iterator | None = None
-
-    def __iter__(self) -> StreamedMicroBatches:
-        return self
 
     def __next__(self) -> dict[str, Any]:
         if self.taken + self.start // self.env.dp_size == self.batches_per_epoch:
@@ -153,18 +138,6 @@ class StreamedMicroBatches:
             self._iterator = itertools.islice(iter(loader), self.start // self.env.dp_size, None)  # replay to the position
         self.taken += 1
         return next(self._iterator)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "consumed": self.start + self.taken * self.env.dp_size,
-                "fingerprint": self.fingerprint}  # fmt: skip
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["fingerprint"] != self.fingerprint:
-            raise ValueError(
-                f"fingerprint: the saved data position belongs to another stream ({state['fingerprint']} != "
-                f"{self.fingerprint}): resume with the same packing section, seed and DP size"
-            )
-        self.epoch, self.start, self.taken, self._iterator = state["epoch"], state["consumed"], 0, None
 
 
 @dataclass
