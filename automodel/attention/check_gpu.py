@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -116,37 +116,44 @@ def padding_rows(real: list[int], padded: list[int]) -> torch.Tensor:
     return torch.cat([torch.arange(p) >= r for r, p in zip(real, padded, strict=True)])
 
 
+def padding_cases(
+    length_mixes: Sequence[tuple[str, list[int]]],
+) -> Iterator[tuple[str, list[int], list[int], str]]:
+    """``(name, real, padded, label)`` per mix: as it is, and padded to multiples of 16 where that differs."""
+    for name, real in length_mixes:
+        for pad_multiple in (1, 16):
+            padded = round_up(real, pad_multiple)
+            if pad_multiple == 1 or padded != real:
+                yield name, real, padded, "padded" if pad_multiple > 1 else "no padding"
+
+
 def te_vs_portable(
     device: torch.device, seed: int, length_mixes: Sequence[tuple[str, list[int]]] = LENGTH_MIXES
 ) -> list[CheckResult]:
     results = []
-    for name, real in length_mixes:
-        for pad_multiple in (1, 16):
-            padded = round_up(real, pad_multiple)
-            if pad_multiple > 1 and padded == real:
-                continue
-            meta = make_meta(real, padded, device)
-            pad = padding_rows(real, padded).to(device)
-            for h, h_kv in HEADS:
-                case = f"{name}, {'padded' if pad_multiple > 1 else 'no padding'}, heads {h}/{h_kv}, T={sum(padded)}"
-                q, k, v, dout = (x.to(device) for x in random_inputs(sum(padded), h, h_kv, seed))
-                dout[pad] = 0  # the loss reads real tokens only
-                te = run_attention("te", h, h_kv, meta, q, k, v, dout, torch.bfloat16)
-                # Same bf16-rounded inputs, computed in float32.
-                q, k, v = (x.bfloat16().float() for x in (q, k, v))
-                ref = run_attention("portable", h, h_kv, meta, q, k, v, dout, torch.float32)
-                result = compare(
-                    "te vs portable",
-                    case,
-                    {key: x[~pad] for key, x in te.items()},
-                    {key: x[~pad] for key, x in ref.items()},
-                    bf16_tolerance(h, h_kv),
+    for name, real, padded, label in padding_cases(length_mixes):
+        meta = make_meta(real, padded, device)
+        pad = padding_rows(real, padded).to(device)
+        for h, h_kv in HEADS:
+            case = f"{name}, {label}, heads {h}/{h_kv}, T={sum(padded)}"
+            q, k, v, dout = (x.to(device) for x in random_inputs(sum(padded), h, h_kv, seed))
+            dout[pad] = 0  # the loss reads real tokens only
+            te = run_attention("te", h, h_kv, meta, q, k, v, dout, torch.bfloat16)
+            # Same bf16-rounded inputs, computed in float32.
+            q, k, v = (x.bfloat16().float() for x in (q, k, v))
+            ref = run_attention("portable", h, h_kv, meta, q, k, v, dout, torch.float32)
+            result = compare(
+                "te vs portable",
+                case,
+                {key: x[~pad] for key, x in te.items()},
+                {key: x[~pad] for key, x in ref.items()},
+                bf16_tolerance(h, h_kv),
+            )
+            if pad.any() and torch.count_nonzero(te["out"][pad]):
+                result = replace(
+                    result, passed=False, detail=result.detail + "; padding rows of out are not 0"
                 )
-                if pad.any() and torch.count_nonzero(te["out"][pad]):
-                    result = replace(
-                        result, passed=False, detail=result.detail + "; padding rows of out are not 0"
-                    )
-                results.append(result)
+            results.append(result)
     return results
 
 
@@ -265,7 +272,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             results = [r for rank_results in gathered for r in rank_results]
         if rank == 0:
             te = te_version() if te_reason is None else "not installed"
-            print(f"check-gpu on {torch.cuda.get_device_name(device)}, Transformer Engine {te}, torch {torch.__version__}")
+            print(
+                f"check-gpu on {torch.cuda.get_device_name(device)}, Transformer Engine {te}, torch {torch.__version__}"
+            )
             print(format_table(results))
         return EXIT_OK if all(r.passed for r in results) else EXIT_FAILED
     finally:

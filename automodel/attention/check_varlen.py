@@ -25,9 +25,9 @@ from automodel.attention.check_gpu import (
     CheckResult,
     bf16_tolerance,
     compare,
+    padding_cases,
     padding_rows,
     random_inputs,
-    round_up,
 )
 from automodel.attention.varlen import varlen_attention, varlen_unsupported
 
@@ -84,39 +84,37 @@ def check_varlen_against_reference(
     device = device or torch.device("cuda", torch.cuda.current_device())
     scale = 0.9 / HEAD_DIM**0.5  # not the default, so a dropped scale shows
     results = []
-    for name, real in length_mixes:
-        for pad_multiple in (1, 16):
-            padded = round_up(real, pad_multiple)
-            if pad_multiple > 1 and padded == real:
-                continue
-            cu_real, cu_padded = (
-                torch.tensor([0, *lens]).cumsum(0).to(device=device, dtype=torch.int32)
-                for lens in (real, padded)
-            )
-            pad = padding_rows(real, padded).to(device)
-            for (h, h_kv), window in ((heads, w) for heads in HEADS for w in WINDOWS):
-                q, k, v, dout = (x.to(device) for x in random_inputs(sum(padded), h, h_kv, seed))
-                dout = dout.view(-1, h, HEAD_DIM)
-                dout[pad] = 0  # the loss reads real tokens only
-                got = _forward_backward(
-                    varlen_attention, q, k, v, dout, torch.bfloat16,
-                    cu_seqlens=cu_padded, max_seqlen=max(padded), scale=scale, window=window,
-                )  # fmt: skip
-                q, k, v = (x.bfloat16().float() for x in (q, k, v))
-                want = _forward_backward(
-                    reference_varlen_attention, q, k, v, dout, torch.float32,
-                    cu_seqlens=cu_real, cu_seqlens_padded=cu_padded, scale=scale, window=window,
-                )  # fmt: skip
-                got["out"], want["out"] = got["out"][~pad], want["out"][~pad]
-                case = (
-                    f"{name}, {'padded' if pad_multiple > 1 else 'no padding'}, heads {h}/{h_kv}, "
-                    f"window {window}, T={sum(padded)}"
-                )
-                results.append(compare("varlen vs sdpa", case, got, want, bf16_tolerance(h, h_kv)))
+    for name, real, padded, label in padding_cases(length_mixes):
+        cu_real, cu_padded = (
+            torch.tensor([0, *lens]).cumsum(0).to(device=device, dtype=torch.int32) for lens in (real, padded)
+        )
+        pad = padding_rows(real, padded).to(device)
+        for (h, h_kv), window in ((heads, w) for heads in HEADS for w in WINDOWS):
+            q, k, v, dout = (x.to(device) for x in random_inputs(sum(padded), h, h_kv, seed))
+            dout = dout.view(-1, h, HEAD_DIM)
+            dout[pad] = 0  # the loss reads real tokens only
+            got = _forward_backward(
+                varlen_attention, q, k, v, dout, torch.bfloat16,
+                cu_seqlens=cu_padded, max_seqlen=max(padded), scale=scale, window=window,
+            )  # fmt: skip
+            q, k, v = (x.bfloat16().float() for x in (q, k, v))
+            want = _forward_backward(
+                reference_varlen_attention, q, k, v, dout, torch.float32,
+                cu_seqlens=cu_real, cu_seqlens_padded=cu_padded, scale=scale, window=window,
+            )  # fmt: skip
+            got["out"], want["out"] = got["out"][~pad], want["out"][~pad]
+            case = f"{name}, {label}, heads {h}/{h_kv}, window {window}, T={sum(padded)}"
+            results.append(compare("varlen vs sdpa", case, got, want, bf16_tolerance(h, h_kv)))
     return results
 
 
 def varlen_reason() -> str | None:
     """Why the varlen checks cannot run here, or None."""
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    return varlen_unsupported(device=device, dtype=torch.bfloat16, softcap=None, sinks=False, cp_size=1, head_dim=HEAD_DIM)
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+    return varlen_unsupported(
+        device=device, dtype=torch.bfloat16, softcap=None, sinks=False, cp_size=1, head_dim=HEAD_DIM
+    )
