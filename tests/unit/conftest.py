@@ -35,3 +35,25 @@ def te_standin(monkeypatch: pytest.MonkeyPatch):
         m for m in sys.modules if m.split(".")[0] in ("transformer_engine", "transformer_engine_torch")
     ]:
         del sys.modules[name]
+
+
+LLAMA3_LIKE_VOCAB = ["<unk>", "<s>", "</s>", "<|eot|>", "<|hdr|>", "user", "assistant", "x", "y"]
+
+
+@pytest.fixture
+def llama3_like_tokenizer():
+    """A word-level tokenizer whose chat template ends every turn with ``<|eot|>`` (id 3), not eos
+    ``</s>`` (id 2), as Llama 3 ends turns with ``<|eot_id|>``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({w: i for i, w in enumerate(LLAMA3_LIKE_VOCAB)}, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=words, bos_token="<s>", eos_token="</s>", additional_special_tokens=["<|eot|>", "<|hdr|>"]
+    )
+    tokenizer.chat_template = (
+        "{{ bos_token }}{% for m in messages %}<|hdr|> {{ m['role'] }} {{ m['content'] }} <|eot|>{% endfor %}"
+        "{% if add_generation_prompt %}<|hdr|> assistant {% endif %}"
+    )
+    return tokenizer

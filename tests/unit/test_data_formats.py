@@ -191,22 +191,10 @@ def test_bad_data_section(kwargs, match):
         SFTData(**kwargs)
 
 
-def test_end_of_turn_token(tiny):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
+def test_end_of_turn_token(tiny, llama3_like_tokenizer):
     from automodel.data.sft import end_of_turn_token_id
 
     assert end_of_turn_token_id(tiny) == EOS  # the tiny template ends turns with its eos
-    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", "<|eot|>", "<|hdr|>", "user", "assistant", "x", "y"])}
-    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    llama3_like = PreTrainedTokenizerFast(tokenizer_object=words, bos_token="<s>", eos_token="</s>",
-                                          additional_special_tokens=["<|eot|>", "<|hdr|>"])  # fmt: skip
-    llama3_like.chat_template = (
-        "{{ bos_token }}{% for m in messages %}<|hdr|> {{ m['role'] }} {{ m['content'] }} <|eot|>{% endfor %}"
-        "{% if add_generation_prompt %}<|hdr|> assistant {% endif %}"
-    )
-    assert end_of_turn_token_id(llama3_like) == vocab["<|eot|>"]
-    llama3_like.chat_template = None
-    assert end_of_turn_token_id(llama3_like) is None
+    assert end_of_turn_token_id(llama3_like_tokenizer) == 3  # "<|eot|>"
+    llama3_like_tokenizer.chat_template = None
+    assert end_of_turn_token_id(llama3_like_tokenizer) is None

@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from automodel.config import ConfigError, build_section, load_recipe
 from automodel.data.sft import load_tokenizer
@@ -35,18 +33,9 @@ def test_resume_may_change_eval_every_and_export_merged_only():
     assert refused and all(line.startswith("peft.") for line in refused)  # LoRA cannot be switched on mid-run
 
 
-def test_generation_eos_adds_a_different_end_of_turn_token():
+def test_generation_eos_adds_a_different_end_of_turn_token(llama3_like_tokenizer):
     tiny = load_tokenizer("tiny")
     assert generation_eos(tiny.eos_token_id, tiny) == tiny.eos_token_id  # tiny's template ends turns with eos
-    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", "<|eot|>", "<|hdr|>", "user", "assistant", "x", "y"])}
-    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    llama3_like = PreTrainedTokenizerFast(tokenizer_object=words, bos_token="<s>", eos_token="</s>",
-                                          additional_special_tokens=["<|eot|>", "<|hdr|>"])  # fmt: skip
-    llama3_like.chat_template = (
-        "{{ bos_token }}{% for m in messages %}<|hdr|> {{ m['role'] }} {{ m['content'] }} <|eot|>{% endfor %}"
-        "{% if add_generation_prompt %}<|hdr|> assistant {% endif %}"
-    )
-    assert generation_eos(2, llama3_like) == [2, 3]
-    assert generation_eos([2, 3], llama3_like) == [2, 3]  # already listed: unchanged
-    assert generation_eos(None, llama3_like) == [3]
+    assert generation_eos(2, llama3_like_tokenizer) == [2, 3]  # eos "</s>", then "<|eot|>"
+    assert generation_eos([2, 3], llama3_like_tokenizer) == [2, 3]  # already listed: unchanged
+    assert generation_eos(None, llama3_like_tokenizer) == [3]
