@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM
 
 from automodel.distributed.parallel import apply_fsdp
-from automodel.models import ModelSpec, build_model, export_hf, setup_checks
+from automodel.models import ModelSpec, build_model, export_model, setup_checks
 
 
 def build(path: Path, mesh, dtype: str = "float32", checkpointing: bool = False):
@@ -52,13 +52,13 @@ def step_one(model, mode: str, sample_list, cp_group) -> float:
 def check_export(model, path: Path, out: Path, ref_model) -> list[str]:
     """One SGD step (so the weights differ from the checkpoint), export, reload, compare logits."""
     torch.optim.SGD(model.parameters(), lr=0.5).step()
-    export_hf(model, out, _NoTokenizer(), dtype=torch.float32, is_main=dist.get_rank() == 0)
+    export_model(model, out, _NoTokenizer(), dtype=torch.float32, is_main=dist.get_rank() == 0)  # -> out/hf
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() != 0:
         return []
     ref_model.load_state_dict({k.removeprefix("hf."): v for k, v in state.items()}, strict=True)
     reloaded, info = AutoModelForCausalLM.from_pretrained(
-        out, attn_implementation="eager", dtype=torch.float32, output_loading_info=True
+        out / "hf", attn_implementation="eager", dtype=torch.float32, output_loading_info=True
     )
     errors = [f"{path.name}: export {k} {v}" for k, v in info.items() if k in ("missing_keys", "unexpected_keys") and v]
     ids = torch.arange(1, 12)[None]
