@@ -16,6 +16,7 @@ import numba
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import torch
 from datasets.fingerprint import Hasher
 from datasets.table import InMemoryTable
 from tqdm.auto import tqdm
@@ -279,6 +280,7 @@ def _build_table(
     out_labels = _prefaulted_empty(num_slots, token_dtype)
     out_positions = _prefaulted_empty(num_slots, np.int32)
     step = max(num_packs // 100, -(-(1 << 22) // pack_size))  # progress chunks of >= 4M slots: one kernel launch each
+    torch_threads = torch.get_num_threads()
     with tqdm(total=num_packs, desc="Packing", unit="pack", disable=None, leave=False) as progress:
         for first in range(0, num_packs, step):
             last = min(num_packs, first + step)
@@ -288,6 +290,9 @@ def _build_table(
                 pack_size, padding_idx, CROSS_ENTROPY_IGNORE_INDEX, out_ids, out_labels, out_positions,
             )
             progress.update(last - first)
+    # numba's OpenMP layer resizes the OpenMP pool torch shares to every core; left so, each rank of a
+    # multi-process job computes with all cores, and their spinning threads starve each other.
+    torch.set_num_threads(torch_threads)
 
     seq_lens = lengths[plan.sample_order].astype(np.int32)
     seq_lens_padded = padded_lens[plan.sample_order].astype(np.int32)

@@ -168,6 +168,20 @@ def test_dataset_dict_split_and_extra_columns():
     assert packed[0]["input_ids"] == [1, 2, 3, 4, 5, 0, 0, 0]
 
 
+def test_packing_leaves_torch_thread_count_alone():
+    """numba's OpenMP layer resizes the pool torch shares; a rank set to 1 thread must stay at 1, or
+    the ranks of a multi-process job oversubscribe the cores (a 2-rank CPU run was 4x slower)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        pack_dataset(make_dataset([3, 4, 2, 5]), "train", 10, algorithm="bfd")
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_reads_through_an_indices_mapping():
     ds = make_dataset([2, 3, 4]).select([2, 0])
     packed = pack_dataset(ds, "train", 8, algorithm="sequential")
