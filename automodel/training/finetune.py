@@ -57,6 +57,8 @@ class FinetuneRecipe:
         self.output_dir = Path(self.trainer.output_dir)
 
     def setup(self) -> None:
+        # A process group the caller made (a notebook, a larger job) is used and left open at cleanup.
+        self._owns_process_group = not dist.is_initialized()
         try:
             self.dims = init_distributed(self.parallel_config)
         except ValueError as error:
@@ -264,7 +266,7 @@ class FinetuneRecipe:
     def cleanup(self) -> None:
         if hasattr(self, "run_dir"):
             self.run_dir.release()
-        if dist.is_initialized():
+        if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
 
 

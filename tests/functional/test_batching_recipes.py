@@ -1,6 +1,7 @@
 """Batching modes through real torchrun processes (gloo on CPU): every mode's DP/CP contract in one
-launch; the recipe with ``packing=streaming``, with static rmpad under CP, and with the packed-data
-cache (``packing=bfd``, ``packing.cache_dir``) run twice: the second run reads what the first wrote."""
+launch; in a second launch the recipe with ``packing=streaming``, with static rmpad under CP, and with
+the packed-data cache (``packing=bfd``, ``packing.cache_dir``) run twice: the second run reads what
+the first wrote."""
 
 from __future__ import annotations
 
@@ -9,22 +10,30 @@ import math
 from pathlib import Path
 
 import pytest
-from torchrun import run_torchrun
+from torchrun import recipe_run, run_recipes, run_torchrun
 
 pytestmark = pytest.mark.distributed
 
-# A small slice of the shipped data and two steps keep each run near 25 s on two busy CPU cores.
+# A small slice of the shipped data and two steps keep each run to a few seconds.
 FAST = ["data.split='train[:400]'", "trainer.max_steps=2", "trainer.grad_accum_steps=1", "trainer.progress_bar=false",
         "trainer.export_hf=false", "trainer.checkpoint_every=null"]  # fmt: skip
+CACHED_BFD = ["packing=bfd", "packing.packed_sequence_size=512"]
 
 
-def finetune(output_dir: Path, *overrides: str) -> str:
-    result = run_torchrun(
-        ["-m", "automodel", "finetune", "tiny_llama_sft", f"trainer.output_dir={output_dir}", *FAST, *overrides],
-        nproc=2, timeout=150,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-4000:]
-    return result.stdout
+@pytest.fixture(scope="module")
+def recipe_runs(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """The recipe runs of this module on 2 ranks, in one launch; returns (root, each run's log)."""
+    root = tmp_path_factory.mktemp("batching_recipes")
+    cache = f"++packing.cache_dir={root / 'cache'}"
+    overrides = {
+        "streaming": ["packing=streaming", "packing.buffer_size=64", "packing.packed_sequence_size=512"],
+        "rmpad_cp": ["packing=rmpad", "packing.max_seq_len=512", "packing.pad_packed_input=true", "parallel.cp_size=2"],
+        "cache_first": [*CACHED_BFD, cache],
+        "cache_second": [*CACHED_BFD, cache],
+    }  # fmt: skip
+    runs = {name: recipe_run("tiny_llama_sft", f"trainer.output_dir={root / name}", *FAST, *extra)
+            for name, extra in overrides.items()}  # fmt: skip
+    return root, run_recipes(runs, nproc=2, workdir=root)
 
 
 def losses(output_dir: Path) -> list[float]:
@@ -40,28 +49,25 @@ def test_every_mode_across_two_processes():
     assert result.stdout.count("ok:") == 12, result.stdout[-4000:]
 
 
-def test_streaming_recipe_trains(tmp_path):
-    finetune(tmp_path / "run", "packing=streaming", "packing.buffer_size=64", "packing.packed_sequence_size=512")
-    losses(tmp_path / "run")
+def test_streaming_recipe_trains(recipe_runs):
+    root, _ = recipe_runs
+    losses(root / "streaming")
 
 
-def test_static_rmpad_under_cp_counts_only_real_tokens(tmp_path):
+def test_static_rmpad_under_cp_counts_only_real_tokens(recipe_runs):
     """``pad_packed_input`` pads every micro-batch to 4 x 512 tokens; the padding is never real."""
-    finetune(tmp_path / "run", "packing=rmpad", "packing.max_seq_len=512", "packing.pad_packed_input=true",
-             "parallel.cp_size=2")  # fmt: skip
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    losses(tmp_path / "run")
+    root, _ = recipe_runs
+    records = [json.loads(line) for line in (root / "rmpad_cp" / "metrics.jsonl").read_text().splitlines()]
+    losses(root / "rmpad_cp")
     assert all(0 < r["fill"] < 0.9 for r in records), records
 
 
-def test_cache_recipe_second_run_reads_the_cache(tmp_path):
-    cache = tmp_path / "cache"
-    first_log = finetune(tmp_path / "first", "packing=bfd", "packing.packed_sequence_size=512", f"++packing.cache_dir={cache}")
-    entries = sorted(p for p in cache.iterdir() if p.is_dir())
-    assert len(entries) == 1 and entries[0].name.startswith("packed-"), entries  # no staging left
-    assert "pack cache: packed" in first_log
-    second_log = finetune(tmp_path / "second", "packing=bfd", "packing.packed_sequence_size=512", f"++packing.cache_dir={cache}")
-    assert sorted(p for p in cache.iterdir() if p.is_dir()) == entries
+def test_cache_recipe_second_run_reads_the_cache(recipe_runs):
+    root, logs = recipe_runs
+    entries = sorted(p for p in (root / "cache").iterdir() if p.is_dir())
+    assert len(entries) == 1 and entries[0].name.startswith("packed-"), entries  # no staging left, no second entry
+    assert "pack cache: packed" in logs["cache_first"]
+    second_log = logs["cache_second"]
     assert f"pack cache: reading {entries[0]}" in second_log
     assert "pack_dataset:" not in second_log and "pack cache: packed" not in second_log
-    assert losses(tmp_path / "second") == losses(tmp_path / "first")  # same packs, same run
+    assert losses(root / "cache_second") == losses(root / "cache_first")  # same packs, same run

@@ -1,4 +1,5 @@
-"""The finetune recipe end to end, through real torchrun processes (gloo on CPU)."""
+"""The finetune recipe end to end: one-process runs in this process, every two-process run in ONE
+real torchrun launch (gloo on CPU, the ``two_ranks`` fixture), and two simulated nodes."""
 
 from __future__ import annotations
 
@@ -11,12 +12,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from torchrun import REPO_ROOT, run_torchrun
+from torchrun import REPO_ROOT, recipe_run, run_recipes
+
+from automodel.cli import main
+from automodel.config import load_recipe
+from automodel.training.finetune import run
 
 pytestmark = pytest.mark.distributed
 
 # A small slice of the shipped data keeps each run to a few seconds of training.
 FAST = ["data.split='train[:800]'", "trainer.progress_bar=false", "trainer.export_hf=false"]
+CP_STEPS = ["trainer.max_steps=4", "packing=rmpad", "trainer.export_hf=true"]
+RESUME_STEPS = ["trainer.max_steps=6", "trainer.checkpoint_every=3"]
+TWO_NODE_STEPS = ["trainer.max_steps=3"]
 
 
 def with_fast(*overrides: str) -> list[str]:
@@ -25,12 +33,9 @@ def with_fast(*overrides: str) -> list[str]:
     return list(merged.values())
 
 
-def finetune(output_dir: Path, nproc: int, *overrides: str, timeout: float = 180) -> list[dict]:
-    result = run_torchrun(
-        ["-m", "automodel", "finetune", "tiny_llama_sft", f"trainer.output_dir={output_dir}", *with_fast(*overrides)],
-        nproc=nproc, timeout=timeout,
-    )
-    assert result.returncode == 0, result.stdout[-4000:]
+def one_process(output_dir: Path, *overrides: str) -> list[dict]:
+    """The recipe in this process (a one-process gloo group)."""
+    run(load_recipe("tiny_llama_sft", [f"trainer.output_dir={output_dir}", *with_fast(*overrides)]))
     return read_metrics(output_dir)
 
 
@@ -44,16 +49,46 @@ def assert_close_per_step(a: list[dict], b: list[dict], key: str, tol: float) ->
         assert abs(ra[key] - rb[key]) <= tol * max(1.0, abs(rb[key])), (key, ra["step"], ra[key], rb[key])
 
 
+def hf_checkpoint_steps(checkpoint: Path) -> list[str]:
+    """Overrides that start from a random 512-token Llama saved by transformers (rank 0 reads it and
+    broadcasts; both ranks must start from exactly those weights)."""
+    return ["model=hf_checkpoint", f"model.pretrained_path={checkpoint}", "model.dtype=float32",
+            "trainer.max_steps=4", "packing.micro_batch_size=2", "trainer.export_hf=true"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """Every two-process run of this module, in one launch; returns (root, each run's log)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("two_ranks")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(root / "ckpt")
+
+    def fast(name: str, *overrides: str, expect_error: str | None = None) -> dict:
+        return recipe_run("tiny_llama_sft", f"trainer.output_dir={root / name}", *with_fast(*overrides),
+                          expect_error=expect_error)
+
+    runs = {
+        "cp2": fast("cp2", *CP_STEPS, "parallel.cp_size=2"),
+        "dp2": fast("dp2", *hf_checkpoint_steps(root / "ckpt"), "trainer.grad_accum_steps=1"),
+        "whole": fast("whole", *RESUME_STEPS),
+        "stopped": fast("split", *RESUME_STEPS, "trainer.stop_at_step=3"),
+        "resumed": fast("split", *RESUME_STEPS),
+        "one_node": fast("one_node", *TWO_NODE_STEPS),
+        "cp4": fast("cp4", "parallel.cp_size=4", expect_error="parallel.cp_size=4 must divide the world size 2"),
+    }
+    return root, run_recipes(runs, nproc=2, workdir=root)
+
+
 def test_default_recipe_trains_and_writes_its_outputs(tmp_path):
     """The README's main job, cut to its first 40 steps: loss falls clearly; checkpoint, metrics, curve
     and an HF export that transformers loads and that gives our model's logits."""
     out = tmp_path / "run"
-    result = subprocess.run(
-        [sys.executable, "-m", "automodel", "finetune", "tiny_llama_sft", f"trainer.output_dir={out}",
-         "trainer.progress_bar=false", "trainer.max_steps=40"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    assert main(["finetune", "tiny_llama_sft", f"trainer.output_dir={out}", "trainer.progress_bar=false",
+                 "trainer.max_steps=40"]) == 0
     records = read_metrics(out)
     assert [r["step"] for r in records] == list(range(1, 41))
     first, last = records[0]["loss"], sum(r["loss"] for r in records[-10:]) / 10
@@ -82,38 +117,31 @@ def test_default_recipe_trains_and_writes_its_outputs(tmp_path):
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_context_parallel_equals_one_process(tmp_path):
+def test_context_parallel_equals_one_process(tmp_path, two_ranks):
     """CP=2 (two ranks split each micro-batch) and CP=1 on the same samples: rmpad groups samples by
     count, so CP padding (from the run's cp_size) changes no micro-batch's samples."""
-    steps = ["trainer.max_steps=4", "packing=rmpad"]
-    cp1 = finetune(tmp_path / "cp1", 1, *steps, "trainer.export_hf=true")
-    cp2 = finetune(tmp_path / "cp2", 2, *steps, "parallel.cp_size=2", "trainer.export_hf=true")
+    root, _ = two_ranks
+    cp1 = one_process(tmp_path / "cp1", *CP_STEPS)
+    cp2 = read_metrics(root / "cp2")
     assert_close_per_step(cp2, cp1, "loss", 1e-5)
     assert_close_per_step(cp2, cp1, "grad_norm", 1e-5)
     assert [r["real_tokens"] for r in cp2] == [r["real_tokens"] for r in cp1]
     # Adam divides each update by that element's gradient RMS: where a gradient is ~0, the rounding of
     # another reduction order becomes a visible step (seen: 1 element of 49,152 off by 1.2e-5).
-    assert_same_weights(tmp_path / "cp1" / "hf", tmp_path / "cp2" / "hf", atol=5e-5)
+    assert_same_weights(tmp_path / "cp1" / "hf", root / "cp2" / "hf", atol=5e-5)
 
 
-def test_data_parallel_equals_one_process_with_the_same_global_batch(tmp_path):
-    """From a Hugging Face checkpoint (rank 0 reads it and broadcasts; both ranks must start from exactly
-    those weights): per step, 2 ranks x 1 micro-batch of 2 packs == 1 rank x 2 micro-batches of 2 packs."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    LlamaForCausalLM(config).save_pretrained(tmp_path / "ckpt")
-    steps = ["model=hf_checkpoint", f"model.pretrained_path={tmp_path / 'ckpt'}", "model.dtype=float32",
-             "trainer.max_steps=4", "packing.micro_batch_size=2", "trainer.export_hf=true"]
-    dp2 = finetune(tmp_path / "dp2", 2, *steps, "trainer.grad_accum_steps=1")
-    one = finetune(tmp_path / "one", 1, *steps, "trainer.grad_accum_steps=2")
+def test_data_parallel_equals_one_process_with_the_same_global_batch(tmp_path, two_ranks):
+    """From a Hugging Face checkpoint: per step, 2 ranks x 1 micro-batch of 2 packs == 1 rank x 2
+    micro-batches of 2 packs."""
+    root, _ = two_ranks
+    one = one_process(tmp_path / "one", *hf_checkpoint_steps(root / "ckpt"), "trainer.grad_accum_steps=2")
+    dp2 = read_metrics(root / "dp2")
     assert 6.0 < one[0]["loss"] < 6.5  # a random 512-token model starts near ln(512) = 6.24
     assert_close_per_step(dp2, one, "loss", 1e-5)
     assert_close_per_step(dp2, one, "grad_norm", 1e-5)
     assert [r["label_tokens"] for r in dp2] == [r["label_tokens"] for r in one]
-    assert_same_weights(tmp_path / "one" / "hf", tmp_path / "dp2" / "hf", atol=5e-5)  # Adam: see the CP test
+    assert_same_weights(tmp_path / "one" / "hf", root / "dp2" / "hf", atol=5e-5)  # Adam: see the CP test
 
 
 def assert_same_weights(a: Path, b: Path, atol: float) -> None:
@@ -125,13 +153,12 @@ def assert_same_weights(a: Path, b: Path, atol: float) -> None:
         torch.testing.assert_close(wa[name], wb[name], atol=atol, rtol=0, msg=name)
 
 
-def test_resume_gives_bitwise_the_same_losses(tmp_path):
+def test_resume_gives_bitwise_the_same_losses(two_ranks):
     """Stopped after step 3 (as a preempted job) and resumed == uninterrupted, bitwise, with 2 ranks."""
-    steps = ["trainer.max_steps=6", "trainer.checkpoint_every=3"]
-    whole = finetune(tmp_path / "whole", 2, *steps)
-    finetune(tmp_path / "split", 2, *steps, "trainer.stop_at_step=3")
-    assert [r["step"] for r in read_metrics(tmp_path / "split")] == [1, 2, 3]
-    resumed = finetune(tmp_path / "split", 2, *steps)
+    root, logs = two_ranks
+    assert "step 3/6" in logs["stopped"] and "step 4/6" not in logs["stopped"], logs["stopped"][-3000:]
+    assert "at step 3" in logs["resumed"] and "step 1/6" not in logs["resumed"], logs["resumed"][-3000:]
+    resumed, whole = read_metrics(root / "split"), read_metrics(root / "whole")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
     for a, b in zip(resumed, whole):
         assert (a["step"], a["loss"], a["grad_norm"], a["lr"]) == (b["step"], b["loss"], b["grad_norm"], b["lr"])
@@ -139,14 +166,9 @@ def test_resume_gives_bitwise_the_same_losses(tmp_path):
 
 def test_padded_batches_train_through_the_same_recipe(tmp_path):
     """packing=none (the padded baseline) goes through the same THD path; its fill shows the padding."""
-    records = finetune(tmp_path, 1, "packing=none", "trainer.max_steps=3")
+    records = one_process(tmp_path, "packing=none", "trainer.max_steps=3")
     assert len(records) == 3 and all(r["loss"] == r["loss"] and r["loss"] > 0 for r in records)
     assert records[0]["fill"] < 0.9  # padded batches carry padding; the packers fill ~100%
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "automodel", *args], cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=120)
 
 
 @pytest.mark.parametrize(
@@ -157,30 +179,27 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
          "packing.pad_packed_to_length=13"),
     ],
 )
-def test_config_errors_fail_fast(tmp_path, overrides, message):
-    result = run_cli("finetune", "tiny_llama_sft", f"trainer.output_dir={tmp_path}", *overrides)
-    assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
+def test_config_errors_fail_fast(tmp_path, capfd, overrides, message):
+    assert main(["finetune", "tiny_llama_sft", f"trainer.output_dir={tmp_path}", *overrides]) == 2
+    stderr = capfd.readouterr().err
+    assert message in stderr, stderr[-2000:]
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
-def test_unknown_key_in_a_recipe_file_names_the_key(tmp_path):
+def test_unknown_key_in_a_recipe_file_names_the_key(tmp_path, capfd):
     recipe = tmp_path / "typo.yaml"
     recipe.write_text(
         (REPO_ROOT / "recipes" / "llm" / "tiny_llama_sft.yaml").read_text().replace("max_steps:", "max_step:")
     )
-    result = run_cli("finetune", str(recipe), f"trainer.output_dir={tmp_path / 'out'}")
-    assert result.returncode == 2
-    assert "unknown key 'trainer.max_step' for automodel.training.config.TrainerConfig; did you mean 'max_steps'?" in result.stderr
+    assert main(["finetune", str(recipe), f"trainer.output_dir={tmp_path / 'out'}"]) == 2
+    stderr = capfd.readouterr().err
+    assert "unknown key 'trainer.max_step' for automodel.training.config.TrainerConfig; did you mean 'max_steps'?" in stderr
 
 
-def test_cp_size_must_divide_the_world_size(tmp_path):
-    result = run_torchrun(
-        ["-m", "automodel", "finetune", "tiny_llama_sft", f"trainer.output_dir={tmp_path}",
-         *with_fast("parallel.cp_size=4")],
-        nproc=2,
-    )
-    assert result.returncode != 0
-    assert "parallel.cp_size=4 must divide the world size 2" in result.stdout
+def test_cp_size_must_divide_the_world_size(two_ranks):
+    root, logs = two_ranks
+    assert "RECIPE-RUN-ERROR cp4: parallel.cp_size=4 must divide the world size 2" in logs["cp4"], logs["cp4"]
+    assert not (root / "cp4").exists()  # refused before the run directory is made
 
 
 def free_port() -> int:
@@ -189,17 +208,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_nodes_simulated_on_one_machine_match_one_node(tmp_path):
+def test_two_nodes_simulated_on_one_machine_match_one_node(tmp_path, two_ranks):
     """Two `torchrun --nnodes 2 --node-rank i` launches rendezvous on 127.0.0.1 (one process each)."""
-    steps = ["trainer.max_steps=3"]
-    one_node = finetune(tmp_path / "one_node", 2, *steps)
+    root, _ = two_ranks
     port = free_port()
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
         "--master-addr", "127.0.0.1", "--master-port", str(port),
     ]
     recipe = ["-m", "automodel", "finetune", "tiny_llama_sft", f"trainer.output_dir={tmp_path / 'two_nodes'}",
-              *with_fast(*steps)]
+              *with_fast(*TWO_NODE_STEPS)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     nodes = [
         subprocess.Popen([*command, "--node-rank", str(rank), *recipe], cwd=REPO_ROOT, env=env,
@@ -208,4 +226,4 @@ def test_two_nodes_simulated_on_one_machine_match_one_node(tmp_path):
     ]
     outputs = [node.communicate(timeout=180)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
-    assert_close_per_step(read_metrics(tmp_path / "two_nodes"), one_node, "loss", 1e-6)
+    assert_close_per_step(read_metrics(tmp_path / "two_nodes"), read_metrics(root / "one_node"), "loss", 1e-6)

@@ -1,11 +1,12 @@
-"""The tiny_llama_lora recipe end to end (LoRA + validation), through real torchrun launches (gloo).
+"""The tiny_llama_lora recipe end to end (LoRA + validation), in this process and in one real
+torchrun launch (gloo).
 
-Five short launches share one setting (rmpad: micro-batches hold the same samples whatever the
+Five short runs share one setting (rmpad: micro-batches hold the same samples whatever the
 DP/CP layout, 4 steps of a global batch of 2 micro-batches):
 
 - ``one``: 1 process, validation every step, adapter + merged export;
 - ``split``: 1 process without validation, stopped after step 2, then resumed to step 4;
-- ``dp2``: 2 data-parallel ranks; ``cp2``: 2 context-parallel ranks (both with validation).
+- ``dp2``: 2 data-parallel ranks; ``cp2``: 2 context-parallel ranks (both with validation, one launch).
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from torchrun import run_torchrun
+from torchrun import recipe_run, run_recipes
+
+from automodel.config import load_recipe
+from automodel.training.finetune import run
 
 pytestmark = pytest.mark.distributed
 
@@ -26,12 +30,13 @@ COMMON = [
 ]
 
 
-def lora_run(output_dir: Path, nproc: int, *overrides: str) -> list[dict]:
-    result = run_torchrun(
-        ["-m", "automodel", "finetune", "tiny_llama_lora", f"trainer.output_dir={output_dir}", *COMMON, *overrides],
-        nproc=nproc, timeout=240,
-    )
-    assert result.returncode == 0, result.stdout[-4000:]
+def lora_run(output_dir: Path, *overrides: str) -> list[dict]:
+    """The recipe in this process (a one-process gloo group)."""
+    run(load_recipe("tiny_llama_lora", [f"trainer.output_dir={output_dir}", *COMMON, *overrides]))
+    return read_metrics(output_dir)
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -71,7 +76,7 @@ def test_lora_recipe_with_validation(tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    one = lora_run(tmp_path / "one", 1, "trainer.grad_accum_steps=2", VALIDATION, "trainer.eval_every=1",
+    one = lora_run(tmp_path / "one", "trainer.grad_accum_steps=2", VALIDATION, "trainer.eval_every=1",
                    "peft.export_merged=true")
     # -- LoRA trains, and only the adapters change
     assert [r["step"] for r in one] == [1, 2, 3, 4] and one[-1]["loss"] < one[0]["loss"], one
@@ -99,8 +104,9 @@ def test_lora_recipe_with_validation(tmp_path):
     # -- resume: stopped after step 2 and resumed gives bitwise the uninterrupted run; that run had
     # no validation, so this also shows validation leaves training (data order, RNG) untouched
     split = ["trainer.grad_accum_steps=2"]
-    lora_run(tmp_path / "split", 1, *split, "trainer.stop_at_step=2")
-    resumed = lora_run(tmp_path / "split", 1, *split)
+    lora_run(tmp_path / "split", *split, "trainer.stop_at_step=2")
+    assert [r["step"] for r in read_metrics(tmp_path / "split")] == [1, 2]
+    resumed = lora_run(tmp_path / "split", *split)
     assert all("val_loss" not in r for r in resumed) and all("val_loss" in r for r in one)
     for key in ("loss", "grad_norm", "label_tokens"):
         assert [r[key] for r in resumed] == [r[key] for r in one], key
@@ -111,17 +117,25 @@ def test_lora_recipe_with_validation(tmp_path):
         assert torch.equal(adapter_one[name], adapter_resumed[name]), name
 
     # -- DP 2 and CP 2 equal one process: training loss, adapter, val_loss
-    dp2 = lora_run(tmp_path / "dp2", 2, "trainer.grad_accum_steps=1", VALIDATION, "trainer.eval_every=1")
-    cp2 = lora_run(tmp_path / "cp2", 2, "trainer.grad_accum_steps=2", "parallel.cp_size=2", VALIDATION,
-                   "trainer.eval_every=1")
-    for run, name in ((dp2, "dp2"), (cp2, "cp2")):
-        assert [r["val_label_tokens"] for r in run] == [r["val_label_tokens"] for r in one]
-        assert_per_step(run, one, "loss", 1e-5)
+    two_ranks = {
+        "dp2": ["trainer.grad_accum_steps=1"],
+        "cp2": ["trainer.grad_accum_steps=2", "parallel.cp_size=2"],
+    }
+    run_recipes(
+        {name: recipe_run("tiny_llama_lora", f"trainer.output_dir={tmp_path / name}", *COMMON, *overrides,
+                          VALIDATION, "trainer.eval_every=1")
+         for name, overrides in two_ranks.items()},
+        nproc=2, workdir=tmp_path,
+    )  # fmt: skip
+    for name in two_ranks:
+        records = read_metrics(tmp_path / name)
+        assert [r["val_label_tokens"] for r in records] == [r["val_label_tokens"] for r in one]
+        assert_per_step(records, one, "loss", 1e-5)
         # After step 1 Adam moves every weight by +-lr whatever the gradient's rounding, so the
         # weights agree to ~1e-9: val_loss then differs only by the float32 rounding of summing
         # the cross-entropy in another grouping (per rank, per CP half), ~1e-7 relative.
-        assert_per_step(run[:1], one[:1], "val_loss", 1e-6)
-        assert_per_step(run, one, "val_loss", 1e-5)  # later steps add the weights' own rounding drift
+        assert_per_step(records[:1], one[:1], "val_loss", 1e-6)
+        assert_per_step(records, one, "val_loss", 1e-5)  # later steps add the weights' own rounding drift
         # Compared through the model's output: Adam turns the near-zero lora_A gradients of the first
         # steps (B starts at zero) into +-lr moves, so single adapter entries may differ by ~1e-4
         # while B @ A, and so the logits, agree to float32 rounding.
