@@ -279,7 +279,7 @@ class PaddedBatching(_Mode):
 
     def prepare(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
         padded = cp_padded(read_lengths(dataset), env.cp_size)
-        kept = np.flatnonzero(keep_fitting("packing none", padded, self.max_length, True, env.cp_size))
+        kept = np.flatnonzero(keep_fitting("packing.max_length", padded, self.max_length, True, env.cp_size))
         collate = functools.partial(padded_sequence_thd_collater, padding_idx=env.padding_idx, cp_size=env.cp_size)
         return Prepared(_sample_rows(dataset), kept, functools.partial(_groups, size=self.micro_batch_size), collate, "")
 
@@ -343,7 +343,7 @@ class RmpadBatching(_FlatMode):
     def prepare(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
         length = self._static_length(self.micro_batch_size * self.max_seq_len, "micro_batch_size * max_seq_len", env.cp_size)
         padded = cp_padded(read_lengths(dataset), env.cp_size)
-        kept = np.flatnonzero(keep_fitting("packing rmpad", padded, self.max_seq_len, True, env.cp_size))
+        kept = np.flatnonzero(keep_fitting("packing.max_seq_len", padded, self.max_seq_len, True, env.cp_size))
         return _flat_prepared(dataset, env, kept, functools.partial(_groups, size=self.micro_batch_size), length)
 
 
@@ -405,8 +405,9 @@ class DynBszBatching(_FlatMode):
         length = self._static_length(self.length_cap, "the length cap", env.cp_size)
         sizes = cp_padded(read_lengths(dataset), env.cp_size)
         weights = sizes if self.count == "tokens" else label_token_counts(dataset)
-        fits = keep_fitting("packing dyn_bsz", sizes, self.length_cap, True, env.cp_size)
-        fits &= keep_fitting("packing dyn_bsz (label budget)", weights, self.max_tokens_per_micro_batch, True, 1)
+        cap_name = "packing.max_packed_length" if self.max_packed_length else "packing.max_tokens_per_micro_batch"
+        fits = keep_fitting(cap_name, sizes, self.length_cap, True, env.cp_size)
+        fits &= keep_fitting("packing.max_tokens_per_micro_batch (label tokens)", weights, self.max_tokens_per_micro_batch, True, 1)
         plan = functools.partial(
             plan_token_budget, weights=weights, sizes=sizes, budget=self.max_tokens_per_micro_batch,
             max_size=self.length_cap, buffer_size=self.buffer_size,
@@ -467,7 +468,7 @@ class BalancedBatching(_Mode):
 
     def prepare(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
         padded = cp_padded(read_lengths(dataset), env.cp_size)
-        keep = keep_fitting("packing balanced", padded, self.packed_sequence_size, self.drop_long_samples, env.cp_size)
+        keep = keep_fitting("packing.packed_sequence_size", padded, self.packed_sequence_size, self.drop_long_samples, env.cp_size)
         plan = functools.partial(
             plan_balanced_epoch, lengths=padded, dp_size=env.dp_size, samples_per_pack=self.micro_batch_size,
             packs_per_rank=self.packs_per_rank, max_tokens_per_gpu=self.packed_sequence_size,

@@ -112,7 +112,7 @@ def pack_dataset(
     lengths, columns = _token_columns(dataset)
 
     padded_lens = cp_padded(lengths, cp_size)
-    keep = keep_fitting("pack_dataset", padded_lens, packed_sequence_size, drop_long_samples, cp_size)
+    keep = keep_fitting("packed_sequence_size", padded_lens, packed_sequence_size, drop_long_samples, cp_size)
     fitting = np.flatnonzero(keep)
     plan = plan_packs(padded_lens[fitting], packed_sequence_size, algorithm, seed)
     lower_bound = lower_bound_packs(padded_lens[fitting], packed_sequence_size)
@@ -229,8 +229,9 @@ def read_lengths(dataset: datasets.Dataset) -> np.ndarray:
     return tokens
 
 
-def keep_fitting(what: str, padded_lens: np.ndarray, cap: int, drop_long_samples: bool, cp_size: int) -> np.ndarray:
-    """``[N]`` bool, True for samples whose padded length fits ``cap``: the one over-long report.
+def keep_fitting(limit: str, padded_lens: np.ndarray, cap: int, drop_long_samples: bool, cp_size: int) -> np.ndarray:
+    """``[N]`` bool, True for samples whose padded length fits ``cap`` (the setting named ``limit``):
+    the one over-long report.
 
     The rest are dropped and logged with counts, or raise ValueError when ``drop_long_samples`` is False.
     """
@@ -240,12 +241,12 @@ def keep_fitting(what: str, padded_lens: np.ndarray, cap: int, drop_long_samples
         after = f" after padding to a multiple of 2*cp_size={2 * cp_size}" if cp_size > 1 else ""
         if not drop_long_samples:
             raise ValueError(
-                f"drop_long_samples=False but sample {i} has {padded_lens[i]} tokens{after}, more than the limit "
-                f"{cap}: raise the limit, shorten the sample, or set drop_long_samples=True"
+                f"drop_long_samples=False but sample {i} has {padded_lens[i]} tokens{after}, more than {limit}={cap}: "
+                f"raise {limit}, shorten the sample, or set drop_long_samples=True"
             )
         logger.warning(
-            "%s: dropped %d of %d samples (%.3f%%) longer than %d tokens%s",
-            what, int(too_long.sum()), len(too_long), 100 * too_long.mean(), cap, after,
+            "dropped %d of %d samples (%.3f%%) longer than %s=%d tokens%s",
+            int(too_long.sum()), len(too_long), 100 * too_long.mean(), limit, cap, after,
         )
     return ~too_long
 

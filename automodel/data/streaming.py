@@ -113,7 +113,7 @@ class _EpochPacks(torch.utils.data.IterableDataset):
             while chunk := list(itertools.islice(rows, m.buffer_size - len(planner.samples))):
                 read += len(chunk)
                 padded = cp_padded(np.array([len(row["input_ids"]) for row in chunk], np.int64), env.cp_size)
-                fits = np.flatnonzero(keep_fitting("packing streaming", padded, m.packed_sequence_size,
+                fits = np.flatnonzero(keep_fitting("packing.packed_sequence_size", padded, m.packed_sequence_size,
                                                    m.drop_long_samples, env.cp_size))  # fmt: skip
                 for pack in planner.add([chunk[i] for i in fits], padded[fits].tolist()):
                     yield build_row(pack, env.padding_idx, env.cp_size, m.packed_sequence_size)

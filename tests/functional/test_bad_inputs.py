@@ -119,7 +119,7 @@ FUNCTION_CASES = [
     (lambda: pack_dataset(datasets.DatasetDict(train=_rows(3)), "test", 8), ValueError, "split"),
     (lambda: pack_dataset(_rows(3, 4).remove_columns("labels").add_column("labels", [[1], [1, 2, 3, 4]]),
                           "train", 8), ValueError, "labels"),
-    (lambda: pack_dataset(_rows(3, 20), "train", 8, drop_long_samples=False), ValueError, "drop_long_samples"),
+    (lambda: pack_dataset(_rows(3, 20), "train", 8, drop_long_samples=False), ValueError, "packed_sequence_size=8"),
     (lambda: packed_sequence_thd_collater([{k: v for k, v in _pack().items() if k != "seq_lens"}]),
      ValueError, "seq_lens"),
     (lambda: packed_sequence_thd_collater([_pack(8), _pack(10, (10,))]), ValueError, "packed_sequence_size"),

@@ -143,6 +143,23 @@ def test_build_eval_covers_every_sample_once_with_equal_counts(name):
     assert sorted(real) == expected and len(fillers) < 4
 
 
+@pytest.mark.parametrize(
+    "mode, limit",
+    [
+        (PackedBatching(packed_sequence_size=16), "packed_sequence_size=16"),
+        (PaddedBatching(max_length=16), "packing.max_length=16"),
+        (RmpadBatching(max_seq_len=16), "packing.max_seq_len=16"),
+        (DynBszBatching(max_tokens_per_micro_batch=16), "packing.max_tokens_per_micro_batch=16"),
+        (DynBszBatching(max_tokens_per_micro_batch=16, count="label_tokens", max_packed_length=16),
+         "packing.max_packed_length=16"),
+        (BalancedBatching(packed_sequence_size=16), "packing.packed_sequence_size=16"),
+    ],
+)
+def test_over_long_samples_are_reported_with_the_limit_they_exceed(mode, limit, caplog):
+    mode.build(tagged_dataset([10, 20, 5, 30]), LoaderEnv())
+    assert f"dropped 2 of 4 samples (50.000%) longer than {limit} tokens" in caplog.text
+
+
 def test_streaming_contract():
     mode = StreamingPackedBatching(packed_sequence_size=64, micro_batch_size=1, steps_per_epoch=6, buffer_size=10)
     rows = DATA.to_iterable_dataset(num_shards=2)

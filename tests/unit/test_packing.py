@@ -152,7 +152,7 @@ def test_long_samples_are_dropped_counted_and_reported_once(caplog):
     assert packed["seq_lens"] == [[3, 2]]
     drops = [r for r in caplog.records if "dropped" in r.getMessage()]
     assert len(drops) == 1
-    assert "dropped 2 of 4 samples" in drops[0].getMessage()
+    assert "dropped 2 of 4 samples (50.000%) longer than packed_sequence_size=10 tokens" in drops[0].getMessage()
 
 
 def test_report_is_logged(caplog):
@@ -284,7 +284,7 @@ GOOD = make_dataset([3, 4])
         (dict(packed_sequence_size=8, algorithm="ffd"), "algorithm"),
         (dict(packed_sequence_size=8, drop_long_samples="yes"), "drop_long_samples"),
         (dict(packed_sequence_size=8, padding_idx=2**40), "padding_idx"),
-        (dict(packed_sequence_size=3, drop_long_samples=False), "drop_long_samples"),
+        (dict(packed_sequence_size=3, drop_long_samples=False), "more than packed_sequence_size=3"),
     ],
 )
 def test_bad_arguments(kwargs, field):
