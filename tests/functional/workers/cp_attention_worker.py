@@ -1,6 +1,8 @@
 """torchrun worker: context-parallel THD attention equals the single-process result (gloo, CPU).
 
-Every rank builds the same random batch of packs, laid out as pack_dataset and the collater lay
+CP runs over the whole world, then (with 4 or more ranks) over groups of 2 ranks ([0, 1], [2, 3], ...:
+groups whose global ranks differ from their group ranks). Every rank of a CP group builds the same
+random batch of packs, laid out as pack_dataset and the collater lay
 it out for cp_size = world size, shards it with make_cp_batch_for_te, and runs each case: CP attention on its local
 tokens against the same backend without CP on the whole batch, index-selected with the partition
 indices; forward and q/k/v gradients. Any mismatch raises (non-zero exit). Each rank prints one
@@ -88,7 +90,8 @@ def run_case(backend, cp_comm_type, heads, dtype, batch, seed, group) -> dict[st
     if backend == "te":
         attn(*local_leaves, meta)  # a second step with the same group must not set it again
         expected = dict(
-            cp_group=group, cp_global_ranks=list(range(cp_size)), cp_stream=None, cp_comm_type=cp_comm_type
+            cp_group=group, cp_global_ranks=dist.get_process_group_ranks(group), cp_stream=None,
+            cp_comm_type=cp_comm_type,
         )
         if attn.core_attention.cp_calls != [expected]:
             raise AssertionError(
@@ -106,15 +109,10 @@ def run_case(backend, cp_comm_type, heads, dtype, batch, seed, group) -> dict[st
     return errors
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--pack-size", type=int, default=32)
-    args = parser.parse_args()
-    dist.init_process_group("gloo")
-    group = dist.group.WORLD
-    rank, cp_size = dist.get_rank(), dist.get_world_size()
-    batch = packed_batch(args.seed, cp_size, args.pack_size)
+def check_cp_group(group, seed: int, pack_size: int) -> None:
+    """Every case on ``group``; prints one ``CP-ATTENTION PASS ... cp=<size> rank=<global rank>`` per case."""
+    rank, cp_size = dist.get_rank(), dist.get_world_size(group)
+    batch = packed_batch(seed, cp_size, pack_size)
 
     cases = [("portable", "p2p", (4, 2), torch.float32), ("portable", "p2p", (2, 2), torch.float32)]
     cases += [("portable", "p2p", (4, 2), torch.bfloat16)]
@@ -123,7 +121,7 @@ def main() -> None:
             ("te", comm, (2 * cp_size, cp_size), torch.bfloat16) for comm in ("p2p", "all_gather", "a2a")
         ]
     for i, (backend, comm, heads, dtype) in enumerate(cases):
-        errors = run_case(backend, comm, heads, dtype, batch, args.seed + i, group)
+        errors = run_case(backend, comm, heads, dtype, batch, seed + i, group)
         summary = " ".join(f"{name}={err:.1e}" for name, err in errors.items())
         print(
             f"CP-ATTENTION PASS backend={backend} cp_comm_type={comm} heads={heads[0]}/{heads[1]} "
@@ -133,7 +131,7 @@ def main() -> None:
     if te_pytorch() is not None:
         # check-gpu's CP rows, on the stand-in: the same comparison it makes on GPUs.
         results = check_gpu.te_cp_vs_te(
-            torch.device("cpu"), args.seed, group, [("length mix", [7, 30, 1, 19])]
+            torch.device("cpu"), seed, group, [("length mix", [7, 30, 1, 19])]
         )
         if not all(r.passed for r in results):
             raise AssertionError(check_gpu.format_table(results))
@@ -143,7 +141,7 @@ def main() -> None:
         )
         # a2a scatters heads over the ranks: an indivisible head count must fail on the host.
         try:
-            run_case("te", "a2a", (2 * cp_size, 1), torch.bfloat16, batch, args.seed, group)
+            run_case("te", "a2a", (2 * cp_size, 1), torch.bfloat16, batch, seed, group)
         except ValueError as error:
             if "must both be divisible by cp_size" not in str(error):
                 raise
@@ -152,6 +150,19 @@ def main() -> None:
             raise AssertionError(
                 "te backend accepted cp_comm_type='a2a' with num_kv_heads=1 indivisible by cp"
             )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--pack-size", type=int, default=32)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    check_cp_group(dist.group.WORLD, args.seed, args.pack_size)
+    if world >= 4:
+        pairs = [dist.new_group([r, r + 1]) for r in range(0, world - 1, 2)]  # every rank makes every group
+        check_cp_group(pairs[dist.get_rank() // 2], args.seed + 100, args.pack_size)
     dist.destroy_process_group()
 
 
