@@ -64,11 +64,12 @@ def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def recipe_changes(old: DictConfig, new: DictConfig) -> tuple[list[str], list[str]]:
-    """``(refused, accepted)``: one ``key: old -> new`` line per differing key."""
+    """``(refused, accepted)``: one ``key: old -> new`` line per differing key. An absent key equals
+    null (``peft: null`` and no ``peft`` section both mean full fine-tuning)."""
     a, b = flatten(OmegaConf.to_container(old)), flatten(OmegaConf.to_container(new))
     refused, accepted = [], []
     for key in sorted(a.keys() | b.keys()):
-        if a.get(key, "<absent>") != b.get(key, "<absent>"):
+        if a.get(key) != b.get(key):
             line = f"{key}: {a.get(key, '<absent>')!r} -> {b.get(key, '<absent>')!r}"
             (accepted if _is_mutable(key) else refused).append(line)
     return refused, accepted

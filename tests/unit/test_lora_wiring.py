@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pytest
+from omegaconf import OmegaConf
 
 from automodel.config import ConfigError, build_section, load_recipe
 from automodel.data.sft import load_tokenizer
@@ -31,6 +32,9 @@ def test_resume_may_change_eval_every_and_export_merged_only():
     assert [line.split(":")[0] for line in accepted] == ["peft.export_merged", "trainer.eval_every"]
     refused, _ = recipe_changes(load_recipe("tiny_llama_sft"), load_recipe("tiny_llama_sft", ["+peft=lora"]))
     assert refused and all(line.startswith("peft.") for line in refused)  # LoRA cannot be switched on mid-run
+    sft = load_recipe("tiny_llama_sft")
+    with_null = OmegaConf.create({**OmegaConf.to_container(sft), "peft": None})
+    assert recipe_changes(sft, with_null) == ([], [])  # "peft: null" == no peft section
 
 
 def test_generation_eos_adds_a_different_end_of_turn_token(llama3_like_tokenizer):
