@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from automodel.data.batching import plan_balanced_epoch
+from automodel.data.collate import cp_padded
 from automodel.data.planning import sample_costs
 from benchmarks.packing import DISTRIBUTIONS, sample_lengths
 
@@ -37,8 +38,7 @@ def balance_case(
     packs_per_rank: int, cap: int, cp_size: int, cost_coefficients: tuple[float, float], seed: int = 0,
 ) -> dict:
     lengths = sample_lengths(distribution, num_samples, max_length, seed)
-    multiple = 2 * cp_size if cp_size > 1 else 1
-    padded = -(-lengths // multiple) * multiple
+    padded = cp_padded(lengths, cp_size)
     costs = sample_costs(padded, cost_coefficients)
     start = time.perf_counter()
     plan = plan_balanced_epoch(

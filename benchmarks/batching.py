@@ -26,7 +26,8 @@ import numba
 import numpy as np
 
 from automodel.data.batching import DynBszBatching, LoaderEnv, RmpadBatching, _groups
-from automodel.data.planning import plan_token_budget
+from automodel.data.collate import cp_padded
+from automodel.data.planning import lower_bound_packs, plan_token_budget
 from benchmarks.packing import DISTRIBUTIONS, sample_lengths, synthetic_dataset
 
 
@@ -74,15 +75,14 @@ def bench_dyn_bsz(
     """Token-budget planning (``count="tokens"``) on one shuffled epoch; under CP (``cp_size`` > 1)
     each sample occupies its length rounded up to a multiple of 2 * cp_size."""
     lengths = sample_lengths(distribution, num_samples, budget, seed)
-    multiple = 2 * cp_size if cp_size > 1 else 1
-    slots = -(-lengths // multiple) * multiple
+    slots = cp_padded(lengths, cp_size)
     order = np.random.default_rng((seed, 0)).permutation(num_samples)
     plan_token_budget(order[:100], slots, slots, budget, budget, buffer_size)  # load the compiled kernel
     arrival_order_scan(order[:100], slots, budget, buffer_size)
     plan = plan_token_budget(order, slots, slots, budget, budget, buffer_size)
     seconds = _median_seconds(lambda: plan_token_budget(order, slots, slots, budget, budget, buffer_size), repeats)
     baseline = arrival_order_scan(order, slots, budget, buffer_size)
-    bound = -(-int(slots.sum()) // budget)
+    bound = lower_bound_packs(slots, budget)
     tokens = np.add.reduceat(slots[plan.sample_order], plan.pack_offsets[:-1])
     return {
         "mode": "dyn_bsz",

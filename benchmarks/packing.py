@@ -58,6 +58,7 @@ def synthetic_dataset(lengths: np.ndarray, vocab_size: int = 32000, seed: int = 
 
 def _end_to_end_case(distribution: str, algorithm: str, num_samples: int, size: int) -> dict:
     from automodel.data import pack_dataset
+    from automodel.data.planning import lower_bound_packs
 
     lengths = sample_lengths(distribution, num_samples, size)
     dataset = synthetic_dataset(lengths)
@@ -66,7 +67,7 @@ def _end_to_end_case(distribution: str, algorithm: str, num_samples: int, size: 
     packed = pack_dataset(dataset, "train", size, algorithm=algorithm)
     seconds = time.perf_counter() - start
     peak_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    lower_bound = -(-int(lengths.sum()) // size)
+    lower_bound = lower_bound_packs(lengths, size)
     slots = len(packed) * size
     return {
         "distribution": distribution,

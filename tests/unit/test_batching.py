@@ -270,13 +270,18 @@ def test_balanced_examples():
 lengths_lists = st.lists(st.integers(1, 50), min_size=1, max_size=60)
 
 
+def assert_partition_within(plan, lengths: np.ndarray, cap: int) -> None:
+    """The plan holds every sample exactly once, and no pack more than ``cap`` tokens."""
+    assert sorted(plan.sample_order.tolist()) == list(range(len(lengths)))
+    assert np.add.reduceat(lengths[plan.sample_order], plan.pack_offsets[:-1]).max() <= cap
+
+
 @settings(max_examples=30, deadline=None)
 @given(lengths=lengths_lists, algorithm=st.sampled_from(["bfd", "sequential"]))
 def test_every_sample_packed_once_within_capacity(lengths, algorithm):
     lengths = np.array(lengths)
     plan = plan_packs(lengths, 50, algorithm)
-    assert sorted(plan.sample_order.tolist()) == list(range(len(lengths)))
-    assert np.add.reduceat(lengths[plan.sample_order], plan.pack_offsets[:-1]).max() <= 50
+    assert_partition_within(plan, lengths, 50)
 
 
 @settings(max_examples=30, deadline=None)
@@ -284,8 +289,7 @@ def test_every_sample_packed_once_within_capacity(lengths, algorithm):
 def test_token_budget_uses_every_sample_once(lengths, buffer_size):
     lengths = np.array(lengths)
     plan = plan_token_budget(np.arange(len(lengths))[::-1], lengths, lengths, 60, 60, buffer_size)
-    assert sorted(plan.sample_order.tolist()) == list(range(len(lengths)))
-    assert np.add.reduceat(lengths[plan.sample_order], plan.pack_offsets[:-1]).max() <= 60
+    assert_partition_within(plan, lengths, 60)
 
 
 @settings(max_examples=20, deadline=None)
@@ -293,5 +297,4 @@ def test_token_budget_uses_every_sample_once(lengths, buffer_size):
 def test_balanced_packs_partition_the_samples(lengths, num_packs):
     lengths = np.array(lengths)
     plan = plan_balanced_packs(lengths, num_packs=min(num_packs, len(lengths)), max_tokens_per_gpu=80)
-    assert sorted(plan.sample_order.tolist()) == list(range(len(lengths)))
-    assert np.add.reduceat(lengths[plan.sample_order], plan.pack_offsets[:-1]).max() <= 80
+    assert_partition_within(plan, lengths, 80)
