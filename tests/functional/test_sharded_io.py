@@ -1,0 +1,84 @@
+"""Sharded load and streamed export (automodel/models/hf_io.py): world 1 in this process, worlds 4
+and 2 in ONE torchrun launch of 4 ranks (sharded_io_worker.py); and a full disk during the export."""
+
+from __future__ import annotations
+
+import resource
+import signal
+
+import pytest
+import torch
+from torchrun import run_torchrun
+from workers.sharded_io import (
+    CHECKPOINTS,
+    LORA,
+    compare_dirs,
+    make_checkpoints,
+    read_dir,
+    reference_model,
+    shard_mismatches,
+)
+
+from automodel.models import ModelSpec, build_model, export_model, setup_checks
+from automodel.models.hf_io import ExportWriteError
+
+
+class _NoTokenizer:
+    def save_pretrained(self, path) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return make_checkpoints(tmp_path_factory.mktemp("sharded_io"))
+
+
+def build(path, lora=None):
+    spec = ModelSpec(pretrained_path=str(path), attention_backend="portable")
+    config = setup_checks(spec, cp_size=1, vocab_needed=None, max_sample_tokens=None)
+    return build_model(spec, config, device=torch.device("cpu"), shard=lambda m: None, seed=0, lora=lora)
+
+
+@pytest.mark.parametrize("name", sorted(CHECKPOINTS))
+def test_one_process_loads_from_pretrained_bitwise_and_exports_the_source(checkpoints, name, tmp_path, caplog):
+    path = checkpoints / name
+    model = build(path)
+    assert "broadcasts" not in caplog.text  # read slice by slice, no fallback
+    assert shard_mismatches(model, reference_model(path)) == []
+    export_model(model, tmp_path, _NoTokenizer(), dtype=CHECKPOINTS[name]["dtype"], is_main=True)
+    assert compare_dirs(tmp_path / "hf", path, reload=True) == []
+    assert not (tmp_path / "hf.tmp").exists()
+
+
+def test_one_process_lora_adapters_are_peft_seeded_init(checkpoints):
+    model = build(checkpoints / "untied_bf16", LORA)
+    assert shard_mismatches(model, reference_model(checkpoints / "untied_bf16", LORA)) == []
+
+
+def test_a_full_disk_during_the_export_names_the_path_and_bytes_and_keeps_the_old_export(checkpoints, tmp_path):
+    path = checkpoints / "untied_bf16"
+    model = build(path)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "earlier.txt").write_text("an earlier export")
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, limits[1]))  # files stop growing at 20 kB
+    try:
+        with pytest.raises(ExportWriteError) as error:
+            export_model(model, tmp_path, _NoTokenizer(), dtype=torch.bfloat16, is_main=True)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, previous)
+    message = str(error.value)
+    needed = sum(t.numel() * 2 for t in read_dir(path).values())  # every tensor in bf16
+    assert str(tmp_path / "hf.tmp") in message and f"{needed:,} bytes" in message, message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # nothing partial left beside it
+    assert (tmp_path / "hf" / "earlier.txt").read_text() == "an earlier export"
+
+
+@pytest.mark.distributed
+def test_worlds_4_and_2_load_bitwise_and_export_like_the_source_and_todays_path(checkpoints):
+    result = run_torchrun(["tests/functional/workers/sharded_io_worker.py", "--checkpoints", str(checkpoints)],
+                          nproc=4, timeout=400)
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert f"checked {2 * len(CHECKPOINTS) + 2} cases; 0 failures" in result.stdout
