@@ -7,7 +7,7 @@ import importlib
 import sys
 from pathlib import Path
 
-BENCHMARKS = ("packing", "throughput", "batching", "balance")
+BENCHMARKS = ("packing", "throughput", "batching", "balance", "sharded_io")
 
 USAGE = """automodel <command> [...]    (automodel --version)
 

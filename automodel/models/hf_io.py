@@ -170,7 +170,7 @@ def _scatter_sources(tensor: torch.Tensor, sources: dict[str, torch.Tensor], sto
         with safe_open(stored[key].file, framework="pt") as handle:
             values = handle.get_tensor(key).reshape(-1)[inside]
         rows = coords[inside] - low
-        local[tuple(rows.unbind(dim=-1))] = values.to(local.dtype)
+        local[tuple(rows.unbind(dim=-1))] = values.to(local.device, local.dtype)
 
 
 def init_buffers(hf: PreTrainedModel) -> None:
@@ -321,7 +321,7 @@ def export_hf(
         if not is_main or failure is not None:
             continue
         try:
-            out = full.to(_export_dtype(full, dtype))
+            out = full.to(_export_dtype(full, dtype)).cpu()
             for key, value in revert_weight_conversion(hf, {name: out}).items():
                 streams[where[key]].write(key, value)
         except OSError as error:
