@@ -11,7 +11,10 @@ phase, its peak RSS above its RSS just before the model build (Linux: the high-w
 float32 bytes, and the phase's wall time; ``export own`` is the export's peak above the RSS it
 started from (what the export itself holds). Each process first runs the same phases on a tiny
 model, so that the figures are the extra over a tiny model's run (code paths, allocator arenas and
-the process group are warm). The training step's own state at world W (float32 shard,
+the process group are warm). The workers run with ``MALLOC_MMAP_THRESHOLD_=1048576`` (unless set):
+glibc then maps every block above 1 MiB on its own and returns it when freed, so RSS follows live
+memory; with glibc's default (a threshold that grows up to 32 MiB), freed gradient and all-gather
+buffers stay resident in the heap and every path's ``step`` figure roughly doubles. The training step's own state at world W (float32 shard,
 gradient shard, AdamW's two moments: 4/W of the model, plus the unsharded root unit and one layer
 during forward/backward) is part of the ``step`` and ``run`` figures whichever path loads.
 
@@ -179,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                 command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
                            "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "-m", "benchmarks.sharded_io",
                            "--worker", "--mode", mode, "--checkpoint", str(checkpoint), "--out", tmp]
-                env = {**os.environ, "OMP_NUM_THREADS": "1",
+                env = {"MALLOC_MMAP_THRESHOLD_": "1048576", **os.environ, "OMP_NUM_THREADS": "1",
                        "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)}
                 done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
                 if done.returncode != 0:

@@ -106,9 +106,10 @@ def _local(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
 
 def conversion_sources(hf: PreTrainedModel, name: str, shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
     """Checkpoint name -> the flat indices into parameter ``name`` that the entry fills, from
-    transformers' reverse conversion (what ``save_pretrained`` applies) run on an index tensor."""
+    transformers' reverse conversion (what ``save_pretrained`` applies) run on an index tensor
+    (4 bytes per element of that one parameter, while it loads)."""
     numel = math.prod(shape)
-    index = torch.arange(numel, dtype=torch.int64).view(shape)
+    index = torch.arange(numel, dtype=torch.int32 if numel < 2**31 else torch.int64).view(shape)
     return revert_weight_conversion(hf, {name: index})
 
 
@@ -163,7 +164,7 @@ def _scatter_sources(tensor: torch.Tensor, sources: dict[str, torch.Tensor], sto
     low = torch.tensor(offsets)
     high = low + torch.tensor(local.shape)
     for key, flat in sources.items():
-        coords = torch.stack(torch.unravel_index(flat.reshape(-1), shape), dim=-1)  # [n, dims]
+        coords = torch.stack(torch.unravel_index(flat.reshape(-1).long(), shape), dim=-1)  # [n, dims]
         inside = ((coords >= low) & (coords < high)).all(dim=-1)
         if not inside.any():
             continue
