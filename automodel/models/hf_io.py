@@ -64,11 +64,14 @@ class StoredTensor:
 
 
 def stored_tensors(path: str | Path) -> dict[str, StoredTensor]:
-    """Every tensor of a local safetensors checkpoint (one file or sharded) by name, from the headers."""
+    """Every tensor of a local safetensors checkpoint (one file, or the files its index names) by
+    name, from the headers."""
     from safetensors import safe_open
 
     directory = Path(path)
     files = sorted(directory.glob("*.safetensors")) if directory.is_dir() else []
+    if (directory / INDEX).is_file():  # the files the index names, as from_pretrained reads them
+        files = sorted({directory / name for name in json.loads((directory / INDEX).read_text())["weight_map"].values()})
     if not files:
         raise UnshardableCheckpoint(f"{path} is not a local directory of safetensors files")
     found = {}
@@ -144,6 +147,11 @@ def load_sharded(hf: PreTrainedModel, path: str | Path, where: str) -> None:
                 f"{sorted(sources)[:3]} (not all stored with those shapes)"
             )
         converted[key] = (tensor, sources)
+    consumed = {checkpoint_name(k) for k in hf.state_dict()} | {k for _, s in converted.values() for k in s}
+    unused = sorted(set(stored) - consumed)
+    if unused:  # e.g. quantization scales: from_pretrained decides what they mean
+        raise UnshardableCheckpoint(f"{where}: the checkpoint holds tensors the model has no place for, first "
+                                    f"{unused[:3]}")
     init_buffers(hf)
     with torch.no_grad():
         dcp.load(direct, storage_reader=HuggingFaceStorageReader(str(path)))

@@ -94,3 +94,21 @@ def test_worlds_4_and_2_load_bitwise_and_export_like_the_source_and_todays_path(
                           nproc=4, timeout=400)
     assert result.returncode == 0, result.stdout[-4000:]
     assert f"checked {2 * len(CHECKPOINTS) + 1} cases; 0 failures" in result.stdout
+
+
+def test_checkpoint_tensors_the_model_has_no_place_for_fall_back_to_from_pretrained(checkpoints, tmp_path, caplog):
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    path = tmp_path / "extra"
+    shutil.copytree(checkpoints / "untied_bf16", path)
+    save_file({"model.layers.0.mlp.down_proj.scale": torch.ones(2)}, path / "scales.safetensors")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.layers.0.mlp.down_proj.scale"] = "scales.safetensors"
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="down_proj.scale"):  # from_pretrained's unexpected key, named
+        build(path)
+    assert "has no place for, first ['model.layers.0.mlp.down_proj.scale']" in caplog.text
+    assert "rank 0 reads the whole model" in caplog.text
