@@ -112,3 +112,19 @@ def test_checkpoint_tensors_the_model_has_no_place_for_fall_back_to_from_pretrai
         build(path)
     assert "has no place for, first ['model.layers.0.mlp.down_proj.scale']" in caplog.text
     assert "rank 0 reads the whole model" in caplog.text
+
+
+def test_a_nan_in_the_checkpoint_is_refused_with_the_tensor_named(checkpoints, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "nan"
+    shutil.copytree(checkpoints / "tied_fp32", path)
+    file = sorted(path.glob("*.safetensors"))[0]
+    tensors = load_file(file)
+    name = sorted(tensors)[0]
+    tensors[name].view(-1)[3] = float("nan")
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"\['{name}'\] hold NaN or inf values; the checkpoint is corrupt"):
+        build(path)
