@@ -127,7 +127,7 @@ def load_sharded(hf: PreTrainedModel, path: str | Path, where: str) -> None:
     """
     stored = stored_tensors(path)
     direct: dict[str, torch.Tensor] = {}
-    converted: dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
+    converted: dict[str, tuple[torch.Tensor, list[str]]] = {}  # name -> (parameter, its checkpoint entries)
     for name, tensor in model_tensors(hf).items():
         if ".lora_" in name:
             continue
@@ -138,7 +138,7 @@ def load_sharded(hf: PreTrainedModel, path: str | Path, where: str) -> None:
                                  f"{tuple(tensor.shape)}")
             direct[key] = tensor
             continue
-        sources = conversion_sources(hf, key, tuple(tensor.shape))
+        sources = revert_weight_conversion(hf, {key: torch.empty(tensor.shape, device="meta")})  # names, shapes
         covered = sum(s.numel() for s in sources.values())
         wrong = [k for k, s in sources.items() if k not in stored or stored[k].shape != tuple(s.shape)]
         if wrong or covered != tensor.numel():
@@ -146,7 +146,7 @@ def load_sharded(hf: PreTrainedModel, path: str | Path, where: str) -> None:
                 f"{where}: the model's {key!r} is not in the checkpoint, and transformers' conversion maps it to "
                 f"{sorted(sources)[:3]} (not all stored with those shapes)"
             )
-        converted[key] = (tensor, sources)
+        converted[key] = (tensor, list(sources))
     consumed = {checkpoint_name(k) for k in hf.state_dict()} | {k for _, s in converted.values() for k in s}
     unused = sorted(set(stored) - consumed)
     if unused:  # e.g. quantization scales: from_pretrained decides what they mean
@@ -155,8 +155,8 @@ def load_sharded(hf: PreTrainedModel, path: str | Path, where: str) -> None:
     init_buffers(hf)
     with torch.no_grad():
         dcp.load(direct, storage_reader=HuggingFaceStorageReader(str(path)))
-        for tensor, sources in converted.values():
-            _scatter_sources(tensor, sources, stored)
+        for key, (tensor, _) in converted.items():  # one parameter's index tensor at a time
+            _scatter_sources(tensor, conversion_sources(hf, key, tuple(tensor.shape)), stored)
     check_finite_shards({**direct, **{k: t for k, (t, _) in converted.items()}}, where)
 
 
