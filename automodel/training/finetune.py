@@ -158,9 +158,9 @@ class FinetuneRecipe:
         if self.step == self.trainer.max_steps:
             self._finish()
 
-    def _train_step(self) -> dict[str, Any]:
-        start = time.perf_counter()
-        micro_batches = [self._shard(next(self.stream)) for _ in range(self.trainer.grad_accum_steps)]
+    def _forward_backward(self, micro_batches: list[dict[str, Any]]) -> tuple[float, dict[str, Any]]:
+        """The objective (the one part a DPORecipe replaces): forward and backward of the step's
+        micro-batches; returns the global loss and the objective's own metrics."""
         label_tokens = self._all_reduce_sum([count_label_tokens(b["labels"]) for b in micro_batches])
         if sum(label_tokens) == 0:
             raise ValueError(f"step {self.step + 1} has no label token on any rank; check the loss masks of the data")
@@ -173,13 +173,20 @@ class FinetuneRecipe:
                 micro_loss = self.model(batch["input_ids"], batch["position_ids"], batch["labels"], batch["attn_meta"])
             (micro_loss / normalizer).backward()
             loss_sum += micro_loss.detach()
+        (loss_total,) = self._all_reduce_sum([loss_sum], dtype=torch.float64)
+        return loss_total / normalizer, {"label_tokens": int(normalizer)}
+
+    def _train_step(self) -> dict[str, Any]:
+        start = time.perf_counter()
+        micro_batches = [self._shard(next(self.stream)) for _ in range(self.trainer.grad_accum_steps)]
+        loss, objective_metrics = self._forward_backward(micro_batches)
         grad_norm = self._clip_gradients()
         real = sum(int((~b["padding_mask"]).sum()) for b in micro_batches)
         slots = sum(b["padding_mask"].numel() for b in micro_batches)
-        loss_total, real, slots = self._all_reduce_sum([loss_sum, real, slots], dtype=torch.float64)
-        if not (math.isfinite(loss_total) and math.isfinite(grad_norm)):  # before the step writes NaN into weights
+        real, slots = self._all_reduce_sum([real, slots], dtype=torch.float64)
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # before the step writes NaN into weights
             raise NonFiniteError(
-                f"step {self.step + 1}: loss {loss_total / normalizer} and grad norm {grad_norm} must be finite; "
+                f"step {self.step + 1}: loss {loss} and grad norm {grad_norm} must be finite; "
                 "stopped before the optimizer step (nothing of this step was saved). Lower optim.lr, set "
                 "optim.max_grad_norm, or check the data and the checkpoint it started from"
             )
@@ -191,10 +198,10 @@ class FinetuneRecipe:
         return {
             "step": self.step + 1,
             "epoch": self.stream.epoch,
-            "loss": loss_total / normalizer,
+            "loss": loss,
             "lr": lr,
             "grad_norm": grad_norm,
-            "label_tokens": int(normalizer),
+            **objective_metrics,
             "real_tokens": int(real),
             "fill": real / slots,
             "tokens_per_s": real / seconds,
@@ -286,8 +293,17 @@ def _configure_logging(is_main: bool) -> None:
     )
 
 
+def recipe_class(cfg: DictConfig) -> type[FinetuneRecipe]:
+    """:class:`FinetuneRecipe`, or with a ``dpo`` section the DPO objective on the same trainer."""
+    if cfg.get("dpo") is not None:
+        from automodel.training.dpo import DPORecipe  # imports this module
+
+        return DPORecipe
+    return FinetuneRecipe
+
+
 def run(cfg: DictConfig) -> FinetuneRecipe:
-    recipe = FinetuneRecipe(cfg)
+    recipe = recipe_class(cfg)(cfg)
     try:
         recipe.setup()
         with logging_redirect_tqdm(loggers=[logging.getLogger()]):  # log lines print above the progress bar
