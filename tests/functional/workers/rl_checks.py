@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from workers.hf_families import collated, compare, full_grads, make_checkpoint, samples, shard
 from transformers import AutoModelForCausalLM
+from workers.hf_families import collated, compare, full_grads, make_checkpoint, samples, shard
 
 from automodel.distributed.parallel import apply_fsdp
 from automodel.logprobs import packed_log_probs
