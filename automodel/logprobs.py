@@ -56,7 +56,9 @@ def packed_log_probs(model: torch.nn.Module, batch: dict[str, Any]) -> SampleLog
         The same :class:`SampleLogProbs` on every rank of the CP group; differentiable.
     """
     meta: ThdAttentionMetadata = batch["attn_meta"]
-    local_T = model(batch["input_ids"], batch["position_ids"], batch["labels"], meta, per_token=True)
+    local_T = model(
+        batch["input_ids"], batch["position_ids"], batch["labels"], meta, batch.get("label_positions"), per_token=True
+    )
     labelled_T = (batch["labels"] != CROSS_ENTROPY_IGNORE_INDEX).float()
     if meta.cp_size > 1:
         index = meta.partition_indices[meta.cp_rank].to(local_T.device)

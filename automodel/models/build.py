@@ -81,18 +81,25 @@ class CausalLMForTraining(nn.Module):
         position_ids_T: torch.Tensor,
         labels_T: torch.Tensor,
         thd_layout: ThdAttentionMetadata,
+        label_positions_N: torch.Tensor | None = None,
         per_token: bool = False,
     ) -> torch.Tensor:
         """Float32 sum of the next-token cross-entropy over this rank's label tokens; with
         ``per_token`` the log-probability of each label instead, float32 ``[T]`` (0 where -100).
-        Both go through the one output head (the family's logit transform included)."""
+        Both go through the one output head (the family's logit transform included).
+
+        ``label_positions_N``: the labelled positions (:func:`automodel.loss.label_positions` of
+        the host labels), so that the step never waits for the device to find them."""
         hf = self.transformers_model
         hidden_TD = getattr(hf, hf.base_model_prefix)(
             input_ids=input_ids_T[None], position_ids=position_ids_T[None], thd_layout=thd_layout, use_cache=False
         ).last_hidden_state[0]
         head = hf.get_output_embeddings()
         output = chunked_token_log_probs if per_token else chunked_cross_entropy_sum
-        return output(hidden_TD, head.weight, labels_T, bias_V=head.bias, **logit_transform(hf.config))
+        return output(
+            hidden_TD, head.weight, labels_T, bias_V=head.bias, label_positions_N=label_positions_N,
+            **logit_transform(hf.config),
+        )
 
 
 def logit_transform(config: PretrainedConfig) -> dict[str, Any]:

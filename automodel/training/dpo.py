@@ -96,25 +96,25 @@ class DPORecipe(FinetuneRecipe):
         with self.model.hf.disable_adapter():
             return self._pair_log_probs(self.model, batch)[0]
 
-    def _reduce_over_dp(self, values: list) -> list[float]:
-        """Sums over the DP ranks (the ranks of a CP group hold the same pairs)."""
-        packed = torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in values]).to(self.dims.device)
-        dist.all_reduce(packed, group=self.dims.mesh["dp"].get_group())
-        return packed.tolist()
+    def _sum_over_dp(self, values: torch.Tensor) -> torch.Tensor:
+        """Summed over the DP ranks (the ranks of a CP group hold the same pairs), float64 on the device."""
+        values = values.to(self.dims.device, torch.float64)
+        dist.all_reduce(values, group=self.dims.mesh["dp"].get_group())
+        return values
 
-    def _forward_backward(self, micro_batches: list[dict[str, Any]]) -> tuple[float, dict[str, Any]]:
+    def _forward_backward(self, micro_batches: list[dict[str, Any]], label_tokens: torch.Tensor) -> dict[str, torch.Tensor]:
         """The step's mean DPO loss over all its pairs (every DP rank's), backward done; reward metrics."""
-        (pairs,) = self._reduce_over_dp([sum(len(b["attn_meta"].real_lens) // 2 for b in micro_batches)])
-        totals = torch.zeros(len(_SUMMED), dtype=torch.float64)
+        pairs = self._sum_over_dp(torch.tensor(float(sum(len(b["attn_meta"].real_lens) // 2 for b in micro_batches))))
+        totals = torch.zeros(len(_SUMMED), dtype=torch.float64, device=self.dims.device)
         for i, batch in enumerate(micro_batches):
             self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # reduce once per step
             with self._autocast():
                 reference = self._reference_log_probs(batch)
                 terms = dpo_terms(self._pair_log_probs(self.model, batch)[0], reference, self.dpo.beta)
-            (terms["loss"].sum() / pairs).backward()
-            totals += torch.stack([terms[k].detach().sum().double().cpu() for k in _SUMMED])
-        sums = dict(zip(_SUMMED, self._reduce_over_dp(list(totals))))
-        return sums.pop("loss") / pairs, {k: v / pairs for k, v in sums.items()} | {"pairs": int(pairs)}
+            (terms["loss"].sum() / pairs.float()).backward()
+            totals += torch.stack([terms[k].detach().sum() for k in _SUMMED]).double()
+        means = self._sum_over_dp(totals) / pairs
+        return dict(zip(_SUMMED, means)) | {"pairs": pairs}
 
     def _validate(self) -> dict[str, Any]:
         """``val_loss`` and the reward metrics (``val_reward_accuracy``...) over the validation pairs."""
@@ -129,7 +129,7 @@ class DPORecipe(FinetuneRecipe):
                 totals += torch.stack([terms[k][keep].sum().double().cpu() for k in _SUMMED])
                 pairs += int(keep.sum())
         self.model.train()
-        *sums, pairs = self._reduce_over_dp([*totals, pairs])
+        *sums, pairs = self._sum_over_dp(torch.stack([*totals, torch.tensor(float(pairs), dtype=torch.float64)])).tolist()
         if pairs == 0:
             raise ValueError("the validation set has no pair on any rank")
         record = {f"val_{k}": v / pairs for k, v in zip(_SUMMED, sums)}
