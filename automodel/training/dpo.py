@@ -82,6 +82,7 @@ class DPORecipe(FinetuneRecipe):
         self.reference = None
         if self.lora is None:  # a frozen copy of the starting weights (LoRA: adapters disabled instead)
             self.reference = self._build_model().eval().requires_grad_(False)
+            logger.info("DPO reference: a frozen copy of the starting model (no gradients, no optimizer state)")
 
     @staticmethod
     def _pair_log_probs(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
