@@ -207,13 +207,16 @@ def _dataset_of_rows(rows: list) -> datasets.Dataset:
         if not isinstance(row, Mapping):
             raise ValueError(f"row {i} is a {type(row).__name__}: rows must be dicts of token lists (input_ids, labels)")
     names = [c for c in ("input_ids", "labels", "loss_mask") if any(c in row for row in rows)]
-    columns = {name: [row.get(name) for row in rows] for name in names}
-    if "loss_mask" in columns:  # a row without one masks nothing
-        columns["loss_mask"] = [
-            np.ones(len(row.get("input_ids") or ()), np.int8) if mask is None else mask
-            for row, mask in zip(rows, columns["loss_mask"])
-        ]
+    # plain lists: Arrow refuses a column mixing tensors or arrays of different dtypes
+    columns = {name: [_plain(row.get(name)) for row in rows] for name in names}
+    for i, (ids, mask) in enumerate(zip(columns.get("input_ids", ()), columns.get("loss_mask", ()))):
+        if mask is None and ids is not None:  # a row without a loss_mask masks nothing
+            columns["loss_mask"][i] = [1] * len(ids)
     return datasets.Dataset.from_dict(columns)
+
+
+def _plain(value):
+    return value.tolist() if hasattr(value, "tolist") else value
 
 
 def _token_columns(dataset: datasets.Dataset) -> tuple[np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]]]:

@@ -62,8 +62,8 @@ def test_pack_dataset_takes_a_map_style_torch_dataset():
         def __len__(self):
             return 2
 
-        def __getitem__(self, i):
-            return rows(*S_TOKENS)[i]
+        def __getitem__(self, i):  # tensors, as torch datasets often give
+            return {k: torch.tensor(v) for k, v in rows(*S_TOKENS)[i].items()}
 
     packed = pack_dataset(Samples(), None, 16, cp_size=2, algorithm="sequential")
     assert columns(packed) == columns(
