@@ -98,7 +98,7 @@ def make_cp_batch_for_te(
         A tuple ``(batch, local_indices)`` when ``return_local_indices``.
     """
     if qkv_format != "thd":
-        raise ValueError(f"Currently only 'thd' format is supported, got: {qkv_format!r} (make_cp_batch_for_te)")
+        raise ValueError(f"Currently only 'thd' format is supported, got: {qkv_format!r}; set qkv_format='thd'")
     cp_size, cp_rank = _resolve_cp(cp_mesh, cp_size, cp_rank)
 
     def shard(rows: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor]:
