@@ -144,9 +144,9 @@ def packed_sequence_thd_collater(batch: Sequence[dict[str, Any]]) -> dict[str, A
     for key in _TOKEN_KEYS:
         rows = [np.asarray(pack[key]) for pack in batch]
         if len({len(row) for row in rows}) > 1 or len(rows[0]) != len(batch[0]["input_ids"]):
-            raise RowLengthError(
+            raise RowLengthError(  # the torch.stack wording NeMo AutoModel's callers may match on
                 f"{key}: every row of a batch must have the same length (packed_sequence_size), got "
-                f"{[len(row) for row in rows]}"
+                f"{[len(row) for row in rows]}: stack expects each tensor to be equal size"
             )
         collated[key] = torch.from_numpy(np.stack(rows).astype(np.int64, copy=False))
     for key in _LAYOUT_KEYS:

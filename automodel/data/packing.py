@@ -80,7 +80,7 @@ def pack_dataset(
     Args:
         dataset: ``datasets.Dataset`` or ``DatasetDict`` with list columns ``input_ids``, ``labels``
             (already aligned targets) and optionally ``loss_mask`` (0 turns the label into -100); or
-            a list (or map-style torch ``Dataset``) of such rows, a missing ``loss_mask`` masking nothing.
+            a list (or any map-style dataset) of such rows, a missing ``loss_mask`` masking nothing.
         split: the split to pack when ``dataset`` is a ``DatasetDict``.
         packed_sequence_size: S, tokens per pack.
         max_packs: keep only the first ``max_packs`` packs; samples left out are reported.
@@ -187,9 +187,9 @@ def _select_split(dataset, split) -> datasets.Dataset:
         if split not in dataset:
             raise ValueError(f"split {split!r} is not in the DatasetDict; available splits: {list(dataset)}")
         dataset = dataset[split]
-    elif isinstance(dataset, (list, tuple)) or (
-        isinstance(dataset, torch.utils.data.Dataset) and hasattr(dataset, "__len__")
-    ):
+    elif hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__") and not isinstance(
+        dataset, (datasets.Dataset, str, Mapping)
+    ):  # a list of rows, or a map-style dataset of them (NeMo AutoModel's ChatDataset, a torch Dataset)
         dataset = _dataset_of_rows([dataset[i] for i in range(len(dataset))])
     if not isinstance(dataset, datasets.Dataset):
         raise TypeError(
