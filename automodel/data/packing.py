@@ -208,15 +208,11 @@ def _dataset_of_rows(rows: list) -> datasets.Dataset:
             raise ValueError(f"row {i} is a {type(row).__name__}: rows must be dicts of token lists (input_ids, labels)")
     names = [c for c in ("input_ids", "labels", "loss_mask") if any(c in row for row in rows)]
     # plain lists: Arrow refuses a column mixing tensors or arrays of different dtypes
-    columns = {name: [_plain(row.get(name)) for row in rows] for name in names}
+    columns = {name: [np.asarray(row.get(name)).tolist() for row in rows] for name in names}
     for i, (ids, mask) in enumerate(zip(columns.get("input_ids", ()), columns.get("loss_mask", ()))):
         if mask is None and ids is not None:  # a row without a loss_mask masks nothing
             columns["loss_mask"][i] = [1] * len(ids)
     return datasets.Dataset.from_dict(columns)
-
-
-def _plain(value):
-    return value.tolist() if hasattr(value, "tolist") else value
 
 
 def _token_columns(dataset: datasets.Dataset) -> tuple[np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]]]:
