@@ -108,9 +108,10 @@ class NonFiniteError(RuntimeError):
 
 def check_finite_parameters(model: torch.nn.Module, where: str) -> None:
     """NonFiniteError on every rank naming the parameters holding NaN or inf on any rank's shard."""
-    names = list(dict(model.named_parameters()))
+    trained = {name: p for name, p in model.named_parameters() if p.requires_grad}  # frozen: checked at load
+    names = list(trained)
     bad = torch.tensor(
-        [not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all() for p in model.parameters()],
+        [not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all() for p in trained.values()],
         dtype=torch.float32,
     )
     if dist.is_initialized():
