@@ -22,6 +22,7 @@ row shard), so the stored values do not depend on the number of ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -103,7 +104,19 @@ def is_quantized(tensor: torch.Tensor) -> bool:
 
 def dequantized(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` with every NF4 tensor dequantized to float32 (once, for export)."""
-    return {k: v.get_original_weight().float() if is_quantized(v) else v for k, v in state.items()}
+    return {k: dequantize_float32(v) if is_quantized(v) else v for k, v in state.items()}
+
+
+def dequantize_float32(nf4: torch.Tensor) -> torch.Tensor:
+    """An NF4 tensor's values computed in float32 math: its code table, scale factors and mean are
+    stored in the original dtype (bf16 under a bf16 base), which ``get_original_weight`` would
+    compute in; here they are widened first."""
+    names, ctx = nf4.__tensor_flatten__()
+    inner = {name: getattr(nf4, name) for name in names}
+    for name in ("nf4", "scaler_mean", "quantization_factor"):
+        inner[name] = inner[name].float()
+    ctx = {**ctx, "tensor_meta": dataclasses.replace(ctx["tensor_meta"], dtype=torch.float32)}
+    return type(nf4).__tensor_unflatten__(inner, ctx, nf4.shape, nf4.stride()).get_original_weight()
 
 
 def stored_bytes(tensor: torch.Tensor) -> int:

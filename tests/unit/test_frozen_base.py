@@ -124,3 +124,17 @@ def test_quantize_frozen_base_without_fsdp():
     ids = torch.randint(0, CONFIG.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     model(ids).backward()  # dequantized on the fly; gradients reach the adapters
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_bf16_nf4_dequantizes_in_float32():
+    from torchao.quantization import to_nf4
+
+    weight = torch.randn(128, 128, generator=torch.Generator().manual_seed(0))
+    nf4 = to_nf4(weight.to(torch.bfloat16))
+    exact = to_nf4(weight).get_original_weight()  # float32 throughout (other scales: a reference only)
+    values = dequantized({"w": nf4})["w"]
+    in_bf16 = nf4.get_original_weight()
+    assert values.dtype == torch.float32 and in_bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(values, in_bf16.float(), rtol=8e-3, atol=0)  # the same values, up to bf16 rounding
+    assert not torch.equal(values, in_bf16.float())  # but not rounded to bf16
+    assert (values - weight).abs().max() <= 1.05 * (exact - weight).abs().max()  # as close as a float32 base's
