@@ -8,7 +8,8 @@ DP/CP layout, 4 steps of a global batch of 2 micro-batches):
 - ``split``: 1 process without validation, stopped after step 2, then resumed to step 4;
 - ``dp2``: 2 data-parallel ranks; ``cp2``: 2 context-parallel ranks (both with validation, one launch);
 - QLoRA (``peft.quantize_base=nf4``): ``qlora`` in 1 process with the merged export, ``qsplit``
-  stopped and resumed, ``qdp2`` and ``qcp2`` in the same 2-rank launch.
+  stopped and resumed, ``qdp2`` and ``qcp2`` in the same 2-rank launch; ``bf16dp2``: LoRA on a bf16
+  base (``model.dtype=bfloat16``) there too.
 """
 
 from __future__ import annotations
@@ -151,12 +152,16 @@ def test_lora_recipe_with_validation(tmp_path):
         "cp2": ["trainer.grad_accum_steps=2", "parallel.cp_size=2", VALIDATION, "trainer.eval_every=1"],
         "qdp2": ["trainer.grad_accum_steps=1", *QLORA],
         "qcp2": ["trainer.grad_accum_steps=2", "parallel.cp_size=2", *QLORA],
+        "bf16dp2": ["trainer.grad_accum_steps=1", "model.dtype=bfloat16"],  # bf16 base, fp32 adapters, one unit
     }
     run_recipes(
         {name: recipe_run("tiny_llama_lora", f"trainer.output_dir={tmp_path / name}", *COMMON, *overrides)
          for name, overrides in two_ranks.items()},
         nproc=2, workdir=tmp_path,
     )  # fmt: skip
+    bf16 = read_metrics(tmp_path / "bf16dp2")
+    assert bf16[-1]["loss"] < bf16[0]["loss"], bf16
+    assert_per_step(bf16[:1], one[:1], "loss", 2e-2)  # step 1: the same weights, computed in bf16
     for name in ("qdp2", "qcp2"):
         assert_per_step(read_metrics(tmp_path / name), qlora, "loss", 1e-5)
         adapted = peft.PeftModel.from_pretrained(dequantized_base(), tmp_path / name / "adapter")
