@@ -39,6 +39,7 @@ from automodel.attention.hf import (
 from automodel.data.sft import end_of_turn_token_id
 from automodel.loss import chunked_cross_entropy_sum, chunked_token_log_probs
 from automodel.models.families import check_model_config
+from automodel.models.frozen_base import dequantized, quantize_frozen_base, store_frozen_base
 from automodel.models.lora import LoraConfig, export_adapter, merged_state_dict
 from automodel.models.spec import ModelSpec, check_checkpoint_tensors, check_finite
 
@@ -177,11 +178,16 @@ def build_model(
     if lora is not None:
         with torch.device("meta"):
             model.hf = lora.apply(hf)
+        store_frozen_base(model, spec.torch_dtype)
     shard(model)
     model.to_empty(device=device)
     if config.tie_word_embeddings:
         hf.tie_weights()  # to_empty gives each module its own new tensor, untying them
     load_weights(model, spec, config, seed=seed, is_main=is_main, lora=lora)
+    if lora is not None and lora.quantize_base == "nf4":
+        quantize_frozen_base(
+            model, model.decoder_layers, block_size=lora.nf4_block_size, scaler_block_size=lora.nf4_scaler_block_size
+        )
     return model
 
 
@@ -240,7 +246,7 @@ def export_model(
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not is_main:
         return
-    state = {k.removeprefix(_PREFIX): v for k, v in state.items()}
+    state = {k.removeprefix(_PREFIX): v for k, v in dequantized(state).items()}
     if lora is not None:
         export_adapter(model.hf, state, output_dir / "adapter")
         tokenizer.save_pretrained(output_dir / "adapter")
