@@ -38,6 +38,8 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 from transformers.core_model_loading import revert_weight_conversion
 
+from automodel.models.frozen_base import dequantize_float32, is_quantized
+
 logger = logging.getLogger(__name__)
 
 MAX_SHARD_BYTES = 5 * 2**30  # per safetensors file; one tensor larger than this gets a file of its own
@@ -228,7 +230,9 @@ def full_tensors(hf: nn.Module, merge: Callable[[str, torch.Tensor, Callable], t
 
 
 def _gather(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    """The full tensor; an NF4 frozen base weight (QLoRA) dequantized to float32."""
+    full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return dequantize_float32(full) if is_quantized(full) else full
 
 
 def export_plan(hf: PreTrainedModel, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
