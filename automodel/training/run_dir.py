@@ -28,7 +28,7 @@ from filelock import FileLock, Timeout
 from omegaconf import DictConfig, OmegaConf
 
 from automodel.config import ConfigError
-from automodel.training.checkpoint import META, Checkpointer, CheckpointInfo, read_info
+from automodel.training.checkpoint import META, Checkpointer, CheckpointInfo, read_info, verify_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -111,19 +111,19 @@ class RunDirectory:
         """Lock the directory, decide fresh start or resume, save the recipe: ``(run_id, checkpoint)``.
 
         Collective: rank 0 decides and every rank gets its decision (or its error)."""
-        decision: list[Any] = [None, None, None]  # run_id, checkpoint path, error message
+        decision: list[Any] = [None, None, None]  # run_id, checkpoint path, error (a ConfigError)
         if self.rank == 0:
             try:
                 self.acquire()
                 run_id, checkpoint = self._decide(cfg, trainer, world_size, dp_size)
                 decision = [run_id, str(checkpoint.path) if checkpoint else None, None]
             except ConfigError as error:
-                decision = [None, None, str(error)]
+                decision = [None, None, error]
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(decision, src=0)
         run_id, checkpoint, error = decision
         if error is not None:
-            raise ConfigError(error)
+            raise error from None
         return run_id, read_info(Path(checkpoint)) if checkpoint else None
 
     def _decide(self, cfg: DictConfig, trainer, world_size: int, dp_size: int) -> tuple[str, CheckpointInfo | None]:
@@ -133,6 +133,7 @@ class RunDirectory:
         if trainer.resume == "auto" and run_id is not None:
             latest = Checkpointer(self.path, trainer.keep_last, 0, world_size, run_id).latest()
         if latest is not None:
+            verify_checkpoint(latest.path)  # nothing in it is unpickled unchecked, and a bad file stops here
             self._check_resume(cfg, trainer, latest, world_size, dp_size)
         else:
             # Checkpoints with a meta.json belong to a run; a fresh run must not mix its own with them.
