@@ -40,7 +40,13 @@ from automodel.data.sft import end_of_turn_token_id
 from automodel.loss import chunked_cross_entropy_sum
 from automodel.models.families import check_model_config
 from automodel.models.lora import LoraConfig, export_adapter, merged_state_dict
-from automodel.models.spec import ModelSpec, check_checkpoint_tensors, check_finite
+from automodel.models.spec import (
+    ModelSpec,
+    check_backend_device,
+    check_checkpoint_tensors,
+    check_finite,
+    check_model_sanity,
+)
 
 _PREFIX = "hf."
 
@@ -108,7 +114,9 @@ def setup_checks(
     readable, model type verified, features vs backend, tokenizer vs vocabulary, cp_size, windows
     vs sample length, and the checkpoint's tensor names and shapes from its safetensors headers."""
     config = spec.hf_config()
+    check_model_sanity(config, max_sample_tokens=max_sample_tokens, exceed_max_positions=spec.exceed_max_positions)
     backend = resolve_attention_backend(spec.attention_backend)
+    check_backend_device(backend)
     check_model_config(
         config, backend, cp_size=cp_size, vocab_needed=vocab_needed, max_sample_tokens=max_sample_tokens
     )
@@ -165,7 +173,8 @@ def source_model(spec: ModelSpec, config: PretrainedConfig, seed: int) -> PreTra
         torch.manual_seed(seed)
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     hf, info = AutoModelForCausalLM.from_pretrained(
-        spec.pretrained_path, config=config, dtype=torch.float32, output_loading_info=True
+        spec.pretrained_path, config=config, dtype=torch.float32, output_loading_info=True,
+        trust_remote_code=spec.trust_remote_code,
     )
     wrong = {key: names for key, names in info.items() if key in ("missing_keys", "unexpected_keys") and names}
     if wrong:

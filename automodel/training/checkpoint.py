@@ -112,6 +112,29 @@ def verify_checkpoint(path: Path) -> None:
             _load_weights_only(io.BytesIO(f.read(storage.length)), Path(path) / storage.relative_path, index)
     for rng in sorted(Path(path).glob("rng_rank_*.pt")):
         _load_weights_only(rng, rng, "RNG state")
+    _check_data_position(Path(path) / DATA)
+
+
+def _check_data_position(file: Path) -> None:
+    """``data.json`` must be the ``{epoch, consumed, fingerprint}`` every batching mode writes."""
+    try:
+        position = json.loads(file.read_text())
+    except (OSError, ValueError) as error:
+        position, problem = None, f"unreadable ({error})"
+    else:
+        problem = None
+    valid = (
+        isinstance(position, dict) and set(position) == {"epoch", "consumed", "fingerprint"}
+        and all(isinstance(position[k], int) and not isinstance(position[k], bool) and position[k] >= 0
+                for k in ("epoch", "consumed"))
+        and isinstance(position["fingerprint"], str)
+    )  # fmt: skip
+    if not valid:
+        raise UnsafeCheckpointError(
+            f"{file} is not a data position ({problem or f'got {position!r:.120}'}): it must be "
+            '{"epoch": int >= 0, "consumed": int >= 0, "fingerprint": str} as the run wrote it; delete that '
+            "checkpoint directory to resume from the previous one, or start a new trainer.output_dir"
+        )
 
 
 def _storage_of(metadata: Metadata, fqn: str):

@@ -38,6 +38,8 @@ LOCK = ".lock"
 HOLDER = ".lock.holder.json"
 # Outputs of a run that trainer.overwrite=true deletes.
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "hf", "adapter", "loss_curve.png", RUN)
+# A directory holding any of these is a run directory (a run that died early has its lock at least).
+RUN_MARKERS = (RUN, RECIPE, LOCK, "checkpoints", "metrics.jsonl")
 
 # Keys (and sections under them) that may change between a checkpoint and its resume. The global
 # batch is checked separately (trainer.grad_accum_steps may change with the world size).
@@ -83,6 +85,21 @@ class RunDirectory:
         self.rank = rank
         self._lock: FileLock | None = None
 
+    def check_is_run_directory(self, overwrite: bool) -> None:
+        """ConfigError unless ``output_dir`` is new, empty or a run directory (or ``overwrite``): a run
+        never spreads its checkpoints, lock and ``hf/`` over a directory of other files, such as the
+        current directory given as ``.``."""
+        where = f"trainer.output_dir={str(self.path)!r} ({self.path.resolve()})"
+        if self.path.exists() and not self.path.is_dir():
+            raise ConfigError(f"{where} is a file; give a directory path, e.g. runs/my_run")
+        entries = sorted(p.name for p in self.path.iterdir()) if self.path.is_dir() else []
+        if entries and not set(entries) & set(RUN_MARKERS) and not overwrite:
+            listed = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+            raise ConfigError(
+                f"{where} is a directory of other files ({listed}), not a run directory; point it at a new or "
+                "empty directory (e.g. runs/my_run), or set trainer.overwrite=true to write the run there"
+            )
+
     def acquire(self) -> None:
         """Exclusive lock on the directory (released by the kernel if this process dies); ConfigError
         naming the holder when another run has it."""
@@ -114,6 +131,7 @@ class RunDirectory:
         decision: list[Any] = [None, None, None]  # run_id, checkpoint path, error (a ConfigError)
         if self.rank == 0:
             try:
+                self.check_is_run_directory(trainer.overwrite)
                 self.acquire()
                 run_id, checkpoint = self._decide(cfg, trainer, world_size, dp_size)
                 decision = [run_id, str(checkpoint.path) if checkpoint else None, None]
