@@ -220,6 +220,35 @@ def test_the_load_itself_reads_no_unverified_pickle(used_dir, tmp_path, one_proc
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("position", ['{"epoch": 0, "consumed": 8}', '{"epoch": "x", "consumed": 8, "fingerprint": "f"}', "[]"])
+def test_a_data_position_that_is_not_one_is_refused_naming_data_json(used_dir, data_work, position):
+    checkpoint = used_dir / "checkpoints" / "step_00000004"
+    (checkpoint / "data.json").write_text(position)
+    meta = json.loads((checkpoint / META).read_text())
+    meta["files"]["data.json"] = len(position)
+    (checkpoint / META).write_text(json.dumps(meta))
+    with pytest.raises(UnsafeCheckpointError) as error:
+        run(recipe(used_dir))
+    assert str(checkpoint / "data.json") in str(error.value) and "fingerprint" in str(error.value)
+    assert data_work == []
+
+
+def test_a_rerun_after_a_death_before_the_first_checkpoint_keeps_the_old_metrics(tmp_path, caplog):
+    """The attempt wrote 8 records and no checkpoint: a fresh start moves them aside and says so."""
+    from automodel.training.metrics import MetricsLog
+    from automodel.training.tracking import TrackingConfig
+
+    path = tmp_path / "metrics.jsonl"
+    old = [{"step": step, "loss": 5.0 - step / 10} for step in range(1, 9)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in old))
+    with caplog.at_level("WARNING", logger="automodel.training.metrics"):
+        log = MetricsLog(path, 0, TrackingConfig(tensorboard=False))
+    log.write({"step": 1, "loss": 4.0})
+    assert read_metrics(tmp_path / "metrics.jsonl.1") == old
+    assert read_metrics(path) == [{"step": 1, "loss": 4.0}]
+    assert "8 records (steps 1-8)" in caplog.text and "metrics.jsonl.1" in caplog.text
+
+
 def test_a_recipe_cannot_name_a_loader(tmp_path):
     bad = tmp_path / "bad.yaml"  # a recipe value built by torch.load of a file
     bad.write_text((REPO_ROOT / "recipes/llm/tiny_llama_sft.yaml").read_text().replace(
