@@ -122,7 +122,7 @@ def setup_checks(
     )
     if spec.pretrained_path is not None:
         with torch.device("meta"):
-            meta = AutoModelForCausalLM.from_config(config)
+            meta = AutoModelForCausalLM.from_config(config, trust_remote_code=spec.trust_remote_code)
         check_checkpoint_tensors(
             spec.pretrained_path, {k: tuple(v.shape) for k, v in meta.state_dict().items()},
             tied=bool(getattr(config, "tie_word_embeddings", False)),
@@ -145,7 +145,9 @@ def build_model(
     ``shard(model)`` (FSDP2), materialize on ``device``, rank 0's weights broadcast to every rank."""
     register_thd_attention()
     with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(config, attn_implementation=THD_ATTENTION, dtype=torch.float32)
+        hf = AutoModelForCausalLM.from_config(
+            config, attn_implementation=THD_ATTENTION, dtype=torch.float32, trust_remote_code=spec.trust_remote_code
+        )
     model = CausalLMForTraining(hf).train()
     backend = resolve_attention_backend(spec.attention_backend)
     found = attach_thd_attention(hf, backend, cp_comm_type)
@@ -171,7 +173,7 @@ def source_model(spec: ModelSpec, config: PretrainedConfig, seed: int) -> PreTra
     """The full model on CPU in float32: the checkpoint, or transformers' init seeded with ``seed``."""
     if spec.pretrained_path is None:
         torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=spec.trust_remote_code)
     hf, info = AutoModelForCausalLM.from_pretrained(
         spec.pretrained_path, config=config, dtype=torch.float32, output_loading_info=True,
         trust_remote_code=spec.trust_remote_code,
