@@ -213,9 +213,9 @@ def _union_members(hint: Any) -> tuple[Any, ...]:
 
 def _type_hints(component: Any) -> dict[str, Any]:
     """Resolved annotations of a dataclass's fields or a function's parameters ({} if unresolvable)."""
+    annotated = component.__init__ if inspect.isclass(component) and not dataclasses.is_dataclass(component) else component
     try:
-        return typing.get_type_hints(component if dataclasses.is_dataclass(component) else component.__init__
-                                     if inspect.isclass(component) else component)
+        return typing.get_type_hints(annotated)
     except Exception:  # noqa: BLE001 - a forward reference we cannot resolve: no type check, not an error
         return {}
 

@@ -77,7 +77,9 @@ def load_sft_source(
         split: files form one split named ``"train"``, which may be sliced the ``datasets`` way
             (``"train[:1000]"``, ``"train[:10%]"``); for a saved ``DatasetDict`` or a Hub id the
             name (and slice) of one of its splits; ignored for a saved ``Dataset``.
-        cache_dir: where ``datasets`` caches the Arrow conversion (default: its own).
+        cache_dir: where ``datasets`` caches the Arrow conversion (default: its own). JSON and JSONL
+            files are parsed row by row in memory instead, so that each row keeps its own types
+            (a row typed unlike the others is kept as JSON text in :data:`RAW_ROW_COLUMN`).
 
     Returns:
         ``(rows, origin)``: the rows unchanged, and ``origin(i)`` -> ``"data/a.jsonl row 3"`` for
