@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import codecs
 import collections
+import csv
 import glob
 import itertools
 import json
@@ -139,8 +140,13 @@ def _load_files(files: list[str], split: str, cache_dir: str | None) -> tuple[da
     builder = builders.pop()
     if builder == "json":
         return _load_json_files(files, split)
-    # One load per file, so that a row can be traced back to its file.
-    parts = [datasets.load_dataset(builder, data_files=[f], split="train", cache_dir=cache_dir) for f in files]
+    # One load per file, so that a row can be traced back to its file. CSV cells are text: read as
+    # strings, so that a column of numbers ("2", "1652") is not typed as floats for every row.
+    parts = [
+        datasets.load_dataset(builder, data_files=[f], split="train", cache_dir=cache_dir,
+                              **({"features": _csv_text_features(f)} if builder == "csv" else {}))
+        for f in files
+    ]  # fmt: skip
     try:
         rows = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     except ValueError as error:
@@ -150,6 +156,13 @@ def _load_files(files: list[str], split: str, cache_dir: str | None) -> tuple[da
     if (instruction.from_, instruction.to) != (0, len(rows)):
         rows = rows.select(range(instruction.from_, instruction.to))
     return rows, RowOrigin(tuple(files), tuple(starts), instruction.from_)
+
+
+def _csv_text_features(file: str) -> datasets.Features:
+    """Every column of the CSV file's header as a string column."""
+    with open(file, newline="", encoding="utf-8-sig") as f:
+        header = next(csv.reader(f), [])
+    return datasets.Features({name: datasets.Value("string") for name in header})
 
 
 def _load_json_files(files: list[str], split: str) -> tuple[datasets.Dataset, RowOrigin]:
