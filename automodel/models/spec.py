@@ -91,12 +91,15 @@ def check_model_sanity(
     ``max_position_embeddings`` unless ``model.exceed_max_positions``. Runs at setup, before any data."""
     layers = getattr(config, "num_hidden_layers", None)
     if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
-        raise ValueError(f"model config num_hidden_layers={layers!r}: a model needs at least 1 layer")
+        raise ValueError(
+            f"num_hidden_layers={layers!r} in the model config (model.config, or config.json of "
+            "model.pretrained_path): a model needs at least 1 layer"
+        )
     for name, value in _floats(config.to_dict()):
         if not math.isfinite(value):
             raise ValueError(
-                f"model config {name}={value}: must be a finite number; fix it in model.config (or the "
-                "checkpoint's config.json)"
+                f"{name}={value} in the model config: must be a finite number; fix it in model.config (or "
+                "config.json of model.pretrained_path)"
             )
     limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and max_sample_tokens is not None and max_sample_tokens > limit and not exceed_max_positions:
