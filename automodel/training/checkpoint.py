@@ -101,11 +101,12 @@ def verify_checkpoint(path: Path) -> None:
     value of the shards with ``weights_only=True`` (tensors are read that way by DCP itself), the RNG
     files with ``weights_only=True``. UnsafeCheckpointError naming the first file refused."""
     metadata = read_dcp_metadata(path)
+    storage_of = {index.fqn: storage for index, storage in metadata.storage_data.items()}
     for index, entry in metadata.state_dict_metadata.items():
         if not isinstance(entry, BytesStorageMetadata):
             continue
-        storage = _storage_of(metadata, index)
-        if storage is None or storage.transform_descriptors:
+        storage = storage_of.get(index)
+        if storage is None or storage.transform_descriptors:  # compressed values: the load's planner checks them
             continue
         with (Path(path) / storage.relative_path).open("rb") as f:
             f.seek(storage.offset)
@@ -135,10 +136,6 @@ def _check_data_position(file: Path) -> None:
             '{"epoch": int >= 0, "consumed": int >= 0, "fingerprint": str} as the run wrote it; delete that '
             "checkpoint directory to resume from the previous one, or start a new trainer.output_dir"
         )
-
-
-def _storage_of(metadata: Metadata, fqn: str):
-    return next((info for key, info in metadata.storage_data.items() if key.fqn == fqn), None)
 
 
 def _load_weights_only(source, file: Path, what: str) -> Any:
