@@ -95,13 +95,28 @@ class CausalLMForTraining(nn.Module):
         the host labels), so that the step never waits for the device to find them."""
         hf = self.transformers_model
         hidden_TD = getattr(hf, hf.base_model_prefix)(
-            input_ids=input_ids_T[None], position_ids=position_ids_T[None], thd_layout=thd_layout, use_cache=False
+            input_ids=input_ids_T[None], position_ids=batched_position_ids(hf.config, position_ids_T),
+            thd_layout=thd_layout, use_cache=False,
         ).last_hidden_state[0]
         head = hf.get_output_embeddings()
         return chunked_cross_entropy_sum(
             hidden_TD, head.weight, labels_T, bias_V=head.bias, label_positions_N=label_positions_N,
             **logit_transform(hf.config),
         )
+
+
+def batched_position_ids(config: PretrainedConfig, position_ids: torch.Tensor) -> torch.Tensor:
+    """``[T]`` -> ``[1, T]``; mRoPE ``[R, 1, T]`` (from :func:`process_input_for_thd`) as it is, for a
+    model whose rotary config has an ``mrope_section``, and refused for any other."""
+    if position_ids.dim() == 1:
+        return position_ids[None]
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if position_ids.dim() == 3 and position_ids.shape[1] == 1 and "mrope_section" in rope:
+        return position_ids
+    raise ValueError(
+        f"position_ids of shape {tuple(position_ids.shape)} (mRoPE [R, 1, T]) reach {config.model_type}, whose "
+        "rotary embedding takes one position per token ([T]); give [B, S] position ids"
+    )
 
 
 def logit_transform(config: PretrainedConfig) -> dict[str, Any]:
