@@ -37,7 +37,7 @@ from automodel.attention.hf import (
     register_thd_attention,
 )
 from automodel.data.sft import end_of_turn_token_id
-from automodel.loss import chunked_cross_entropy_sum
+from automodel.loss import chunked_cross_entropy_sum, chunked_token_log_probs
 from automodel.models.families import check_model_config
 from automodel.models.lora import LoraConfig, export_adapter, merged_state_dict
 from automodel.models.spec import (
@@ -88,8 +88,11 @@ class CausalLMForTraining(nn.Module):
         labels_T: torch.Tensor,
         thd_layout: ThdAttentionMetadata,
         label_positions_N: torch.Tensor | None = None,
+        per_token: bool = False,
     ) -> torch.Tensor:
-        """Float32 sum of the next-token cross-entropy over this rank's label tokens.
+        """Float32 sum of the next-token cross-entropy over this rank's label tokens; with
+        ``per_token`` the log-probability of each label instead, float32 ``[T]`` (0 where -100).
+        Both go through the one output head (the family's logit transform included).
 
         ``label_positions_N``: the labelled positions (:func:`automodel.loss.label_positions` of
         the host labels), so that the step never waits for the device to find them."""
@@ -99,7 +102,8 @@ class CausalLMForTraining(nn.Module):
             thd_layout=thd_layout, use_cache=False,
         ).last_hidden_state[0]
         head = hf.get_output_embeddings()
-        return chunked_cross_entropy_sum(
+        output = chunked_token_log_probs if per_token else chunked_cross_entropy_sum
+        return output(
             hidden_TD, head.weight, labels_T, bias_V=head.bias, label_positions_N=label_positions_N,
             **logit_transform(hf.config),
         )
