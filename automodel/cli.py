@@ -1,4 +1,4 @@
-"""``automodel``: finetune | recipes | bench | check-gpu."""
+"""``automodel``: finetune | recipes | bench | check-gpu | families."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ USAGE = """automodel <command> [...]    (automodel --version)
   bench batching [...]             rmpad / dyn_bsz fill and speed against VeOmni's arrival-order scan
   bench balance [...]              balanced packing: per-step load balance across DP ranks
   check-gpu [...]                  Transformer Engine against the portable attention on this machine's GPUs
+  families [--verify [TYPE ...]]   the supported model types; --verify re-runs the differential check
 """
 
 
@@ -41,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     if command == "bench" and rest and rest[0] in BENCHMARKS:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ lives beside the package
         return importlib.import_module(f"benchmarks.{rest[0]}").main(rest[1:])
+    if command == "families":
+        from automodel.models.verify import main as families
+
+        return families(rest)
     if command == "check-gpu":
         from automodel.attention.check_gpu import main as check_gpu
 

@@ -64,6 +64,12 @@ class FinetuneRecipe:
         except ValueError as error:
             raise ConfigError(str(error)) from None
         _configure_logging(self.dims.is_main)
+        # The model's config (type verified, features vs backend) before anything is written or tokenized.
+        try:
+            setup_checks(self.model_spec, cp_size=self.dims.cp_size, vocab_needed=None,
+                         max_sample_tokens=getattr(self.data, "max_length", None))
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
         # Lock, resume checks and the saved recipe: all before any data or model work.
         self.run_dir = RunDirectory(self.output_dir, self.dims.rank)
         run_id, resume_from = self.run_dir.prepare(self.cfg, self.trainer, self.dims.world_size, self.dims.dp_size)

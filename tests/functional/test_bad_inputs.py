@@ -78,6 +78,10 @@ RECIPE_CASES = [
     (["parallel.timeout_minutes=-1"], "parallel.timeout_minutes"),
     (["data.source=/nonexistent/train.jsonl"], "data.source"),
     (["data.format=alpacca"], "data.format"),
+    # model types the differential check refused, and a feature the backend lacks (supported.json)
+    (["model.config.model_type=stablelm"], "model_type 'stablelm' (model.pretrained_path / model.config) is refused"),
+    (["model.config.model_type=bloom"], "AttentionInterface"),
+    (["model.config.model_type=gemma2", "model.attention_backend=te"], "softcap"),
 ]
 
 
@@ -87,6 +91,13 @@ def test_a_bad_recipe_value_fails_naming_the_field_before_any_data_work(tmp_path
         run(load_recipe("tiny_llama_sft", [*FAST, f"trainer.output_dir={tmp_path}", *overrides]))
     assert field in str(error.value), str(error.value)
     assert data_work == []
+
+
+def test_a_refused_model_type_writes_no_run_directory(tmp_path, data_work):
+    output = tmp_path / "run"
+    with pytest.raises(ConfigError, match="falcon_mamba.*refused"):
+        run(load_recipe("tiny_llama_sft", [*FAST, f"trainer.output_dir={output}", "model.config.model_type=falcon_mamba"]))
+    assert not output.exists() and data_work == []
 
 
 def _rows(*lengths: int) -> datasets.Dataset:
