@@ -103,7 +103,7 @@ class _Core(nn.Module):
             q,
             k,
             v,
-            meta.cu_seqlens_padded.to(q.device),
+            meta.on_device("cu_seqlens_padded", q.device),
             meta.max_seqlen,
             scale=self.scale,
             window=extras.window,

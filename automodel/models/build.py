@@ -91,12 +91,17 @@ class CausalLMForTraining(nn.Module):
         position_ids_T: torch.Tensor,
         labels_T: torch.Tensor,
         thd_layout: ThdAttentionMetadata,
+        label_positions_N: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Float32 sum of the next-token cross-entropy over this rank's label tokens."""
+        """Float32 sum of the next-token cross-entropy over this rank's label tokens.
+
+        ``label_positions_N``: the labelled positions (:func:`automodel.loss.label_positions` of
+        the host labels), so that the step never waits for the device to find them."""
         hidden_TD = self.hidden_states(input_ids_T, position_ids_T, thd_layout)
         head = self.transformers_model.get_output_embeddings()
         return chunked_cross_entropy_sum(
-            hidden_TD, head.weight, labels_T, bias_V=head.bias, **logit_transform(self.config)
+            hidden_TD, head.weight, labels_T, bias_V=head.bias, label_positions_N=label_positions_N,
+            **logit_transform(self.config),
         )
 
     def hidden_states(
