@@ -56,7 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--expert-width", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--implementations", nargs="+", default=["grouped_mm", "batched_mm", "eager"])
+    parser.add_argument(
+        "--implementations",
+        nargs="+",
+        default=["grouped_mm", "eager"],
+        help="batched_mm gathers one weight matrix per (token, expert): memory grows with tokens x top_k",
+    )
     args = parser.parse_args(argv)
     common = dict(
         vocab_size=8192,

@@ -106,6 +106,8 @@ def check_model_config(
         )
     # A window or chunk applies only where the backend computes it and the check verified it for the type.
     needs, verified = attention_needs(config), set(entry.get("features", []))
+    if "sliding_window" in entry.get("ignores", []):  # the check ran with one set: no layer applies it
+        needs = AttentionNeeds(None, needs.chunk)
     restrictions = (
         ("sliding_window", needs.window, FEATURES[backend].window, "window" in verified),
         ("attention_chunk_size", needs.chunk, backend == "portable", "chunk" in verified),

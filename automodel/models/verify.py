@@ -128,6 +128,7 @@ class Verdict:
     reason: str = ""
     features: list[str] = field(default_factory=list)
     backends: list[str] = field(default_factory=list)
+    ignores: list[str] = field(default_factory=list)  # config fields the type carries but never applies
     max_error: float | None = None
 
 
@@ -297,7 +298,10 @@ def _reference(config: PretrainedConfig, state: dict, samples) -> tuple[float, t
     total, logits = 0.0, []
     for x, y in samples:
         with torch.no_grad():
-            logits.append(model(input_ids=x[None], use_cache=False).logits[0])
+            try:
+                logits.append(model(input_ids=x[None], use_cache=False).logits[0])
+            except Exception as error:  # transformers' own eager path cannot run this tiny config
+                raise NotBuildable(_one_line(error)) from error
         hidden = decoder(input_ids=x[None], use_cache=False).last_hidden_state[0]
         loss = chunked_cross_entropy_sum(hidden, head.weight, y, bias_V=head.bias, **logit_transform(config))
         loss = loss / n_labels
@@ -334,10 +338,7 @@ def packed_step_errors(model_type: str, config: PretrainedConfig | None = None, 
         model.hf.get_buffer(name).copy_(value)
     vocab = model.transformers_model.get_output_embeddings().weight.shape[0]
     samples = _samples(min(vocab, getattr(config, "vocab_size", vocab) or vocab), seed)
-    try:
-        ref_loss, ref_logits, ref_grads = _reference(config, state, samples)
-    except Exception as error:  # transformers' own eager path cannot run this tiny config
-        raise NotBuildable(_one_line(error)) from error
+    ref_loss, ref_logits, ref_grads = _reference(config, state, samples)
 
     ids, positions, labels, meta = _packed(samples)
     n_labels = int((labels != -100).sum())
@@ -385,6 +386,8 @@ REASONS = {
     "recurrent": "recurrent, state-space or convolutional token mixing ({}) carries state across packed samples",
     "own_mask": "its layers pass their own attention mask, which the THD path (no dense mask) cannot honour",
     "bidirectional": "its attention is bidirectional (is_causal=False), not causal within each sample",
+    "head": "its output head is more than lm_head on the final hidden states (a projection between them), which "
+    "the chunked loss does not compute",
     "ignores_position_ids": "it ignores position_ids (positions come from the row), so packed samples get the "
     "wrong positions",
     "differs": "the packed step differs from each sample alone ({})",
@@ -444,6 +447,8 @@ def verify(model_type: str) -> Verdict:
             return Verdict("refused", REASONS["drops_layout"])
         if "got an attention_mask" in message:
             return Verdict("refused", REASONS["own_mask"])
+        if "hidden_TD" in message:
+            return Verdict("refused", REASONS["head"])
         if "is_causal=False" in message:
             return Verdict("refused", REASONS["bidirectional"])
         if "KeyError" in message and THD_ATTENTION in message:
@@ -453,6 +458,10 @@ def verify(model_type: str) -> Verdict:
         return Verdict("refused", REASONS["differs"].format(message))
     if not errors:
         features = _features(config, calls)
+        # a window field that no layer applies (verified exact with it set): setup need not restrict it
+        ignores = (
+            ["sliding_window"] if getattr(config, "sliding_window", None) and "window" not in features else []
+        )
         if getattr(config, "sliding_window", 0) is None:  # off by default: verified with one too, if exact
             windowed = copy.deepcopy(config)
             windowed.sliding_window = WINDOW
@@ -462,7 +471,11 @@ def verify(model_type: str) -> Verdict:
                     features = sorted(set(features) | set(_features(windowed, windowed_calls)))
                     worst = max(worst, windowed_worst)
         return Verdict(
-            "verified", features=features, backends=_backends(features), max_error=float(f"{worst:.1e}")
+            "verified",
+            features=features,
+            backends=_backends(features),
+            ignores=ignores,
+            max_error=float(f"{worst:.1e}"),
         )
     if not calls.modules:
         return Verdict("refused", REASONS["no_attention_interface"], max_error=float(f"{worst:.1e}"))
