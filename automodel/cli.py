@@ -7,7 +7,7 @@ import importlib
 import sys
 from pathlib import Path
 
-BENCHMARKS = ("packing", "throughput", "batching", "balance")
+BENCHMARKS = ("packing", "throughput", "batching", "balance", "gpu", "lora_memory")
 
 USAGE = """automodel <command> [...]    (automodel --version)
 
@@ -19,6 +19,7 @@ USAGE = """automodel <command> [...]    (automodel --version)
   bench throughput [...]           real tokens/s of packed THD against padded batches (CPU)
   bench batching [...]             rmpad / dyn_bsz fill and speed against VeOmni's arrival-order scan
   bench balance [...]              balanced packing: per-step load balance across DP ranks
+  bench gpu [...]                  every GPU figure: tokens/s, MFU, memory, host syncs per backend (tiny on CPU)
   check-gpu [...]                  Transformer Engine against the portable attention on this machine's GPUs
 """
 

@@ -19,6 +19,7 @@ vocabulary block, V = vocabulary size, D = hidden size.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,23 @@ def count_label_tokens(labels_T: torch.Tensor) -> int:
     return int((labels_T != CROSS_ENTROPY_IGNORE_INDEX).sum())
 
 
+def label_positions(labels_T: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[N]`` int64 indices of the positions of ``labels_T`` (``[T]``) that carry a label, after
+    checking every label is a token id in ``[0, vocab_size)`` or the ignore index: a bad id would
+    otherwise end in an opaque device assert. Free on host labels; on device labels it reads them."""
+    labelled_N = (labels_T != CROSS_ENTROPY_IGNORE_INDEX).nonzero().squeeze(1)
+    if labelled_N.numel():
+        targets_N = labels_T[labelled_N]
+        low, high = torch.stack([targets_N.min(), targets_N.max()]).tolist()
+        if low < 0 or high >= vocab_size:
+            raise ValueError(
+                f"labels_T must hold token ids in [0, {vocab_size}) (the rows of weight_VD) or "
+                f"{CROSS_ENTROPY_IGNORE_INDEX}, got values in [{low}, {high}]; check the tokenizer against "
+                "the model's vocabulary"
+            )
+    return labelled_N
+
+
 def chunked_cross_entropy_sum(
     hidden_TD: torch.Tensor,
     weight_VD: torch.Tensor,
@@ -40,6 +58,7 @@ def chunked_cross_entropy_sum(
     logit_scale: float = 1.0,
     final_logit_softcap: float | None = None,
     chunk_tokens: int = 1024,
+    label_positions_N: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sum over label tokens of the cross-entropy of ``softcap(logit_scale * (hidden @ weight.T + bias))``.
 
@@ -54,6 +73,9 @@ def chunked_cross_entropy_sum(
             plain tensor (not a DTensor: call this where FSDP has unsharded it).
         labels_T: ``[T]`` integer target ids in ``[0, V)``, -100 where there is no target.
         bias_V: optional ``[V]`` output bias.
+        label_positions_N: ``[N]`` int64 indices of the labelled rows, on ``labels_T``'s device, made
+            by :func:`label_positions` from the host copy of the labels. Given, the call never waits
+            for the device; left out, it is computed here (one device read).
         chunk_tokens: label tokens per chunk; the working memory is about ``chunk_tokens * V * 4``
             bytes (one float32 chunk of logits), up to twice that with a softcap or bf16 matmuls.
 
@@ -62,26 +84,49 @@ def chunked_cross_entropy_sum(
         The matmuls run in the autocast dtype when autocast is on, else in the inputs' dtype; the
         softmax and the loss in float32.
     """
+    label_positions_N, rows = _labelled_rows(
+        hidden_TD, weight_VD, labels_T, bias_V, logit_scale, final_logit_softcap, chunk_tokens, label_positions_N
+    )
+    return _ChunkedCrossEntropy.apply(*rows, True)
+
+
+def chunked_token_log_probs(
+    hidden_TD: torch.Tensor,
+    weight_VD: torch.Tensor,
+    labels_T: torch.Tensor,
+    *,
+    bias_V: torch.Tensor | None = None,
+    logit_scale: float = 1.0,
+    final_logit_softcap: float | None = None,
+    chunk_tokens: int = 1024,
+    label_positions_N: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """float32 ``[T]``: ``log p(labels_T[t])`` under the same head as :func:`chunked_cross_entropy_sum`
+    (same arguments, same chunks: never a float32 ``[T, V]``), 0 where the label is -100.
+    Differentiable like the sum; ``-chunked_token_log_probs(...).sum()`` equals it."""
+    label_positions_N, rows = _labelled_rows(
+        hidden_TD, weight_VD, labels_T, bias_V, logit_scale, final_logit_softcap, chunk_tokens, label_positions_N
+    )
+    ce_N = _ChunkedCrossEntropy.apply(*rows, False)
+    zeros_T = torch.zeros(labels_T.shape, dtype=torch.float32, device=hidden_TD.device)
+    return zeros_T.index_copy(0, label_positions_N, -ce_N)
+
+
+def _labelled_rows(
+    hidden_TD, weight_VD, labels_T, bias_V, logit_scale, final_logit_softcap, chunk_tokens, label_positions_N
+):
+    """The labelled positions ``[N]`` and the arguments of :class:`_ChunkedCrossEntropy` for them."""
     _check_loss_args(hidden_TD, weight_VD, labels_T, bias_V, logit_scale, final_logit_softcap, chunk_tokens)
-    # Only positions with a label need logits; reading N syncs with the device once per call.
-    labelled_N = (labels_T != CROSS_ENTROPY_IGNORE_INDEX).nonzero().squeeze(1)
-    targets_N = labels_T[labelled_N].long()
-    if targets_N.numel():
-        low, high = torch.stack([targets_N.min(), targets_N.max()]).tolist()
-        vocab = weight_VD.shape[0]
-        if low < 0 or high >= vocab:
-            raise ValueError(
-                f"labels_T must hold token ids in [0, {vocab}) (the rows of weight_VD) or "
-                f"{CROSS_ENTROPY_IGNORE_INDEX}, got values in [{low}, {high}]; check the tokenizer against "
-                "the model's vocabulary"
-            )
+    if label_positions_N is None:  # found from the labels: on an accelerator, a wait for the device
+        label_positions_N = label_positions(labels_T, weight_VD.shape[0])
+    targets_N = labels_T[label_positions_N].long()
     device_type = hidden_TD.device.type
-    if torch.is_autocast_enabled(device_type):
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         compute_dtype = torch.get_autocast_dtype(device_type)
     else:
         compute_dtype = torch.promote_types(hidden_TD.dtype, weight_VD.dtype)
-    return _ChunkedCrossEntropySum.apply(
-        hidden_TD[labelled_N],
+    return label_positions_N, (
+        hidden_TD[label_positions_N],
         weight_VD,
         bias_V,
         targets_N,
@@ -141,16 +186,16 @@ def _capped_logits(
     return tanh_CV.mul_(softcap), None
 
 
-class _ChunkedCrossEntropySum(torch.autograd.Function):
+class _ChunkedCrossEntropy(torch.autograd.Function):
     """Forward over chunks of labelled rows, backward over blocks of the vocabulary; logits are
     recomputed, never stored. Each chunk's work is a function call, so its buffers are freed
-    before the next chunk's are allocated."""
+    before the next chunk's are allocated. Returns the sum (``reduce``) or each row's ``[N]``."""
 
     @staticmethod
-    def forward(ctx, h_ND, weight_VD, bias_V, targets_N, scale, softcap, chunk_tokens, compute_dtype):
+    def forward(ctx, h_ND, weight_VD, bias_V, targets_N, scale, softcap, chunk_tokens, compute_dtype, reduce):
         lse_N = torch.empty(h_ND.shape[0], dtype=torch.float32, device=h_ND.device)
         target_logit_N = torch.empty_like(lse_N)
-        with torch.autocast(h_ND.device.type, enabled=False):
+        with _autocast_off(h_ND.device.type):
             w_VD, b_V = _cast(weight_VD, compute_dtype), _cast(bias_V, compute_dtype)
             for start in range(0, h_ND.shape[0], chunk_tokens):
                 rows = slice(start, start + chunk_tokens)
@@ -160,7 +205,8 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
                 )
         ctx.save_for_backward(h_ND, weight_VD, bias_V, targets_N, lse_N)
         ctx.args = (scale, softcap, chunk_tokens, compute_dtype)
-        return (lse_N - target_logit_N).sum()
+        ce_N = lse_N - target_logit_N
+        return ce_N.sum() if reduce else ce_N
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -176,7 +222,7 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
         # matmul over all N rows (rounded once, as without chunks), and hidden's gradient is
         # summed over the blocks in float32.
         block = max(1, chunk_tokens * vocab // max(n, 1))
-        with torch.autocast(h_ND.device.type, enabled=False):
+        with _autocast_off(h_ND.device.type):
             h_ND_c, w_VD, b_V = (_cast(x, compute_dtype) for x in (h_ND, weight_VD, bias_V))
             for start in range(0, vocab if n else 0, block):
                 cols = slice(start, start + block)
@@ -189,7 +235,7 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
                     scale,
                     softcap,
                 )
-                g_NB.mul_(grad_loss)
+                g_NB.mul_(grad_loss if grad_loss.dim() == 0 else grad_loss[:, None])
                 if need_b:
                     grad_b_V[cols] = g_NB.sum(0)
                 g_NB = g_NB.to(compute_dtype)  # frees the float32 copy when they differ
@@ -198,7 +244,7 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
                 if need_h:
                     _accumulate_matmul(grad_h_ND, g_NB, w_VD[cols])
                 del g_NB  # before the next block allocates its own
-        return grad_h_ND.to(h_ND.dtype) if need_h else None, grad_w_VD, grad_b_V, *(None,) * 5
+        return grad_h_ND.to(h_ND.dtype) if need_h else None, grad_w_VD, grad_b_V, *(None,) * 6
 
 
 def _chunk_forward(h_CD, w_VD, b_V, targets_C, scale, softcap) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,6 +267,15 @@ def _block_logit_grad(h_ND, w_BD, b_B, targets_N, lse_N, scale, softcap) -> torc
     if tanh_NB is not None:  # softcap'(u) = 1 - tanh(u / c)^2
         g_NB.mul_(tanh_NB.square_().neg_().add_(1))
     return g_NB.mul_(scale) if scale != 1.0 else g_NB
+
+
+def _autocast_off(device_type: str):
+    # meta tensors (shape-only runs) have no autocast
+    return (
+        torch.autocast(device_type, enabled=False)
+        if torch.amp.is_autocast_available(device_type)
+        else nullcontext()
+    )
 
 
 def _cast(x: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

@@ -37,8 +37,9 @@ from automodel.attention.hf import (
     register_thd_attention,
 )
 from automodel.data.sft import end_of_turn_token_id
-from automodel.loss import chunked_cross_entropy_sum
+from automodel.loss import chunked_cross_entropy_sum, chunked_token_log_probs
 from automodel.models.families import check_model_config
+from automodel.models.frozen_base import dequantized, quantize_frozen_base, store_frozen_base
 from automodel.models.lora import LoraConfig, export_adapter, merged_state_dict
 from automodel.models.spec import ModelSpec, check_checkpoint_tensors, check_finite
 
@@ -81,14 +82,40 @@ class CausalLMForTraining(nn.Module):
         position_ids_T: torch.Tensor,
         labels_T: torch.Tensor,
         thd_layout: ThdAttentionMetadata,
+        label_positions_N: torch.Tensor | None = None,
+        per_token: bool = False,
     ) -> torch.Tensor:
-        """Float32 sum of the next-token cross-entropy over this rank's label tokens."""
+        """Float32 sum of the next-token cross-entropy over this rank's label tokens; with
+        ``per_token`` the log-probability of each label instead, float32 ``[T]`` (0 where -100).
+        Both go through the one output head (the family's logit transform included).
+
+        ``label_positions_N``: the labelled positions (:func:`automodel.loss.label_positions` of
+        the host labels), so that the step never waits for the device to find them."""
         hf = self.transformers_model
         hidden_TD = getattr(hf, hf.base_model_prefix)(
-            input_ids=input_ids_T[None], position_ids=position_ids_T[None], thd_layout=thd_layout, use_cache=False
+            input_ids=input_ids_T[None], position_ids=batched_position_ids(hf.config, position_ids_T),
+            thd_layout=thd_layout, use_cache=False,
         ).last_hidden_state[0]
         head = hf.get_output_embeddings()
-        return chunked_cross_entropy_sum(hidden_TD, head.weight, labels_T, bias_V=head.bias, **logit_transform(hf.config))
+        output = chunked_token_log_probs if per_token else chunked_cross_entropy_sum
+        return output(
+            hidden_TD, head.weight, labels_T, bias_V=head.bias, label_positions_N=label_positions_N,
+            **logit_transform(hf.config),
+        )
+
+
+def batched_position_ids(config: PretrainedConfig, position_ids: torch.Tensor) -> torch.Tensor:
+    """``[T]`` -> ``[1, T]``; mRoPE ``[R, 1, T]`` (from :func:`process_input_for_thd`) as it is, for a
+    model whose rotary config has an ``mrope_section``, and refused for any other."""
+    if position_ids.dim() == 1:
+        return position_ids[None]
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if position_ids.dim() == 3 and position_ids.shape[1] == 1 and "mrope_section" in rope:
+        return position_ids
+    raise ValueError(
+        f"position_ids of shape {tuple(position_ids.shape)} (mRoPE [R, 1, T]) reach {config.model_type}, whose "
+        "rotary embedding takes one position per token ([T]); give [B, S] position ids"
+    )
 
 
 def logit_transform(config: PretrainedConfig) -> dict[str, Any]:
@@ -151,11 +178,16 @@ def build_model(
     if lora is not None:
         with torch.device("meta"):
             model.hf = lora.apply(hf)
+        store_frozen_base(model, spec.torch_dtype)
     shard(model)
     model.to_empty(device=device)
     if config.tie_word_embeddings:
         hf.tie_weights()  # to_empty gives each module its own new tensor, untying them
     load_weights(model, spec, config, seed=seed, is_main=is_main, lora=lora)
+    if lora is not None and lora.quantize_base == "nf4":
+        quantize_frozen_base(
+            model, model.decoder_layers, block_size=lora.nf4_block_size, scaler_block_size=lora.nf4_scaler_block_size
+        )
     return model
 
 
@@ -214,7 +246,7 @@ def export_model(
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not is_main:
         return
-    state = {k.removeprefix(_PREFIX): v for k, v in state.items()}
+    state = {k.removeprefix(_PREFIX): v for k, v in dequantized(state).items()}
     if lora is not None:
         export_adapter(model.hf, state, output_dir / "adapter")
         tokenizer.save_pretrained(output_dir / "adapter")

@@ -28,7 +28,8 @@ class ModelSpec:
         attention_backend: ``auto`` (TE on CUDA when importable, else torch varlen on CUDA, else
             portable), ``te``, ``varlen`` or ``portable``.
         dtype: compute dtype. ``bfloat16`` keeps float32 master weights and optimizer state and
-            computes in bf16 through FSDP2's MixedPrecisionPolicy (gradients reduced in float32).
+            computes in bf16 through FSDP2's MixedPrecisionPolicy (gradients reduced in float32);
+            under LoRA the frozen base is stored in this dtype (models/frozen_base.py).
         activation_checkpointing: recompute each decoder layer in the backward pass.
     """
 

@@ -32,6 +32,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from automodel.models.frozen_base import is_quantized
+
 logger = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -108,9 +110,11 @@ class NonFiniteError(RuntimeError):
 
 def check_finite_parameters(model: torch.nn.Module, where: str) -> None:
     """NonFiniteError on every rank naming the parameters holding NaN or inf on any rank's shard."""
-    names = list(dict(model.named_parameters()))
+    # NF4 weights are quantized from a base checked finite at load, and isfinite does not take them
+    checked = {name: p for name, p in model.named_parameters() if not is_quantized(p)}
+    names = list(checked)
     bad = torch.tensor(
-        [not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all() for p in model.parameters()],
+        [not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all() for p in checked.values()],
         dtype=torch.float32,
     )
     if dist.is_initialized():
