@@ -81,6 +81,17 @@ class LoraConfig:
                     f"peft.quantize_base=nf4 needs torchao ({error}); pip install 'automodel[qlora]'"
                 ) from None
 
+    def check_model(self, config) -> None:
+        """ValueError before any data work when an adapter would sit on the output head that the
+        model ties to its input embeddings (one tensor under two names: the adapter cannot follow)."""
+        targets = [] if self.target_modules == "all-linear" else self.target_modules  # all-linear skips the head
+        if getattr(config, "tie_word_embeddings", False) and any(t.split(".")[-1] == "lm_head" for t in targets):
+            raise ValueError(
+                f"peft.target_modules={self.target_modules!r} includes lm_head, which this model ties to its input "
+                "embeddings (tie_word_embeddings=true); drop lm_head from the targets, or use a model whose head "
+                "is not tied"
+            )
+
     def peft_config(self) -> peft.LoraConfig:
         return peft.LoraConfig(
             r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,

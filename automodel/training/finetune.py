@@ -80,12 +80,16 @@ class FinetuneRecipe:
             self.dims.is_main,
         )
 
-        self.tokenizer = self.data.load_tokenizer()
-        # every model check that needs no weights runs now, before tokenizing and packing
-        self.hf_config = setup_checks(
-            self.model_spec, cp_size=self.dims.cp_size, vocab_needed=len(self.tokenizer),
-            max_sample_tokens=getattr(self.data, "max_length", None),
-        )
+        try:  # the tokenizer and every model check that needs no weights, before tokenizing and packing
+            self.tokenizer = self.data.load_tokenizer(trust_remote_code=self.model_spec.trust_remote_code)
+            self.hf_config = setup_checks(
+                self.model_spec, cp_size=self.dims.cp_size, vocab_needed=len(self.tokenizer),
+                max_sample_tokens=self._longest_sample(),
+            )
+            if self.lora is not None:
+                self.lora.check_model(self.hf_config)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
         with _main_rank_first(self.dims.is_main):  # rank 0 fills the datasets cache, the others read it
             dataset, self.val_dataset = self.data.build(self.tokenizer)
         padding_idx = self.tokenizer.pad_token_id
@@ -111,6 +115,12 @@ class FinetuneRecipe:
         if resume_from is not None:
             self.step = self.checkpointer.load(resume_from, self.model, self.optimizer, self.scheduler, self.stream)
             logger.info("resumed from %s at step %d", resume_from.path, self.step)
+
+    def _longest_sample(self) -> int | None:
+        """The most tokens a sample can have: ``data.max_length``, else the pack size (longer samples
+        are dropped or refused by packing), else unknown."""
+        max_length = getattr(self.data, "max_length", None)
+        return max_length or getattr(self.batching, "packed_sequence_size", getattr(self.batching, "max_seq_len", None))
 
     def _build_model(self) -> CausalLMForTraining:
         shard = functools.partial(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import numbers
 from pathlib import Path
 from typing import Any
@@ -12,11 +13,16 @@ from omegaconf import DictConfig, OmegaConf
 from automodel.config import ConfigError
 from automodel.training.tracking import TrackingConfig, metric_name
 
+logger = logging.getLogger(__name__)
+
 
 class MetricsLog:
     """Appends one JSON object per logged step to ``path`` and sends its numbers to the trackers
     (TensorBoard beside ``path`` by default) under :func:`metric_name`. On resume, records after the
-    resumed step (written by the interrupted run) are dropped so that every step appears once.
+    resumed step (written by the interrupted run, redone now) are dropped so that every step appears
+    once. A run starting at step 0 over the records of an attempt that died before its first
+    checkpoint moves them aside (``metrics.jsonl.1``, ``.2``...) and says so: no record is deleted
+    unannounced.
 
     Args:
         run_id: the run's id (``run.json``); trackers continue their run of the same id.
@@ -29,7 +35,19 @@ class MetricsLog:
     ):
         self.path = Path(path)
         self.sinks = (tracking or TrackingConfig()).build(self.path.parent, run_id, resumed_step, recipe or {})
-        kept = [r for r in read_metrics(self.path) if r["step"] <= resumed_step] if resumed_step else []
+        records = read_metrics(self.path)
+        kept = [r for r in records if r["step"] <= resumed_step]
+        if records and not resumed_step:
+            aside = next(self.path.with_name(f"{self.path.name}.{n}") for n in range(1, 10**6)
+                         if not self.path.with_name(f"{self.path.name}.{n}").exists())  # fmt: skip
+            self.path.rename(aside)
+            logger.warning(
+                "%s held %d records (steps %d-%d) of an earlier attempt that left no checkpoint; moved them to %s "
+                "and starting at step 1", self.path, len(records), records[0]["step"], records[-1]["step"], aside,
+            )  # fmt: skip
+        elif len(kept) < len(records):
+            logger.info("%s: dropped %d records after step %d, which this resumed run redoes",
+                        self.path, len(records) - len(kept), resumed_step)  # fmt: skip
         self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
     def write(self, record: dict[str, Any]) -> None:
