@@ -11,6 +11,7 @@ import contextlib
 import functools
 import logging
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from automodel.loss import label_positions
 from automodel.models import CausalLMForTraining, build_model, export_model, setup_checks
 from automodel.training.checkpoint import Checkpointer, NonFiniteError
 from automodel.training.host_syncs import record_host_syncs
-from automodel.training.metrics import MetricsLog, plot_loss_curve, read_metrics
+from automodel.training.metrics import open_metrics_log, plot_loss_curve, read_metrics
 from automodel.training.run_dir import RECIPE, RunDirectory
 from automodel.training.validation import evaluate
 
@@ -74,6 +75,10 @@ class FinetuneRecipe:
             self.dims.device, self.output_dir / RECIPE,
         )
         torch.manual_seed(self.trainer.seed)
+        self.metrics = open_metrics_log(  # trackers start (or fail) before any data work
+            self.output_dir, run_id, resume_from.step if resume_from else 0, self.trainer.tracking, self.cfg,
+            self.dims.is_main,
+        )
 
         try:  # the tokenizer and every model check that needs no weights, before tokenizing and packing
             self.tokenizer = self.data.load_tokenizer(trust_remote_code=self.model_spec.trust_remote_code)
@@ -110,9 +115,6 @@ class FinetuneRecipe:
         if resume_from is not None:
             self.step = self.checkpointer.load(resume_from, self.model, self.optimizer, self.scheduler, self.stream)
             logger.info("resumed from %s at step %d", resume_from.path, self.step)
-        self.metrics = (
-            MetricsLog(self.output_dir / "metrics.jsonl", self.step, self.trainer.tracking) if self.dims.is_main else None
-        )
 
     def _longest_sample(self) -> int | None:
         """The most tokens a sample can have: ``data.max_length``, else the pack size (longer samples
@@ -332,6 +334,8 @@ class FinetuneRecipe:
         )
 
     def cleanup(self) -> None:
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.close(failed=sys.exc_info()[0] is not None)  # called from run()'s finally
         if hasattr(self, "run_dir"):
             self.run_dir.release()
         if self._owns_process_group and dist.is_initialized():
