@@ -37,10 +37,17 @@ from automodel.attention.hf import (
     register_thd_attention,
 )
 from automodel.data.sft import end_of_turn_token_id
-from automodel.loss import chunked_cross_entropy_sum
+from automodel.loss import chunked_cross_entropy_sum, chunked_token_log_probs
 from automodel.models.families import check_model_config
+from automodel.models.frozen_base import dequantized, quantize_frozen_base, store_frozen_base
 from automodel.models.lora import LoraConfig, export_adapter, merged_state_dict
-from automodel.models.spec import ModelSpec, check_checkpoint_tensors, check_finite
+from automodel.models.spec import (
+    ModelSpec,
+    check_backend_device,
+    check_checkpoint_tensors,
+    check_finite,
+    check_model_sanity,
+)
 
 _PREFIX = "hf."
 
@@ -92,14 +99,18 @@ class CausalLMForTraining(nn.Module):
         labels_T: torch.Tensor,
         thd_layout: ThdAttentionMetadata,
         label_positions_N: torch.Tensor | None = None,
+        per_token: bool = False,
     ) -> torch.Tensor:
-        """Float32 sum of the next-token cross-entropy over this rank's label tokens.
+        """Float32 sum of the next-token cross-entropy over this rank's label tokens; with
+        ``per_token`` the log-probability of each label instead, float32 ``[T]`` (0 where -100).
+        Both go through the one output head (the family's logit transform included).
 
         ``label_positions_N``: the labelled positions (:func:`automodel.loss.label_positions` of
         the host labels), so that the step never waits for the device to find them."""
         hidden_TD = self.hidden_states(input_ids_T, position_ids_T, thd_layout)
         head = self.transformers_model.get_output_embeddings()
-        return chunked_cross_entropy_sum(
+        output = chunked_token_log_probs if per_token else chunked_cross_entropy_sum
+        return output(
             hidden_TD, head.weight, labels_T, bias_V=head.bias, label_positions_N=label_positions_N,
             **logit_transform(self.config),
         )
@@ -109,8 +120,23 @@ class CausalLMForTraining(nn.Module):
     ) -> torch.Tensor:
         """``[T, D]`` final hidden states (after the last norm) of one packed row."""
         return self.decoder(
-            input_ids=input_ids_T[None], position_ids=position_ids_T[None], thd_layout=thd_layout, use_cache=False
+            input_ids=input_ids_T[None], position_ids=batched_position_ids(self.config, position_ids_T),
+            thd_layout=thd_layout, use_cache=False,
         ).last_hidden_state[0]
+
+
+def batched_position_ids(config: PretrainedConfig, position_ids: torch.Tensor) -> torch.Tensor:
+    """``[T]`` -> ``[1, T]``; mRoPE ``[R, 1, T]`` (from :func:`process_input_for_thd`) as it is, for a
+    model whose rotary config has an ``mrope_section``, and refused for any other."""
+    if position_ids.dim() == 1:
+        return position_ids[None]
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if position_ids.dim() == 3 and position_ids.shape[1] == 1 and "mrope_section" in rope:
+        return position_ids
+    raise ValueError(
+        f"position_ids of shape {tuple(position_ids.shape)} (mRoPE [R, 1, T]) reach {config.model_type}, whose "
+        "rotary embedding takes one position per token ([T]); give [B, S] position ids"
+    )
 
 
 def logit_transform(config: PretrainedConfig) -> dict[str, Any]:
@@ -133,13 +159,15 @@ def setup_checks(
     readable, model type verified, features vs backend, tokenizer vs vocabulary, cp_size, windows
     vs sample length, and the checkpoint's tensor names and shapes from its safetensors headers."""
     config = spec.hf_config()
+    check_model_sanity(config, max_sample_tokens=max_sample_tokens, exceed_max_positions=spec.exceed_max_positions)
     backend = resolve_attention_backend(spec.attention_backend)
+    check_backend_device(backend)
     check_model_config(
         config, backend, cp_size=cp_size, vocab_needed=vocab_needed, max_sample_tokens=max_sample_tokens
     )
     if spec.pretrained_path is not None:
         with torch.device("meta"):
-            meta = AutoModelForCausalLM.from_config(config)
+            meta = AutoModelForCausalLM.from_config(config, trust_remote_code=spec.trust_remote_code)
         check_checkpoint_tensors(
             spec.pretrained_path, {k: tuple(v.shape) for k, v in meta.state_dict().items()},
             tied=bool(getattr(config, "tie_word_embeddings", False)),
@@ -162,7 +190,9 @@ def build_model(
     ``shard(model)`` (FSDP2), materialize on ``device``, rank 0's weights broadcast to every rank."""
     register_thd_attention()
     with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(config, attn_implementation=THD_ATTENTION, dtype=torch.float32)
+        hf = AutoModelForCausalLM.from_config(
+            config, attn_implementation=THD_ATTENTION, dtype=torch.float32, trust_remote_code=spec.trust_remote_code
+        )
     model = CausalLMForTraining(hf).train()
     backend = resolve_attention_backend(spec.attention_backend)
     attach_thd_attention(hf, backend, cp_comm_type)
@@ -171,11 +201,16 @@ def build_model(
     if lora is not None:
         with torch.device("meta"):
             model.hf = lora.apply(hf)
+        store_frozen_base(model, spec.torch_dtype)
     shard(model)
     model.to_empty(device=device)
     if config.tie_word_embeddings:
         hf.tie_weights()  # to_empty gives each module its own new tensor, untying them
     load_weights(model, spec, config, seed=seed, is_main=is_main, lora=lora)
+    if lora is not None and lora.quantize_base == "nf4":
+        quantize_frozen_base(
+            model, model.decoder_layers, block_size=lora.nf4_block_size, scaler_block_size=lora.nf4_scaler_block_size
+        )
     return model
 
 
@@ -183,9 +218,10 @@ def source_model(spec: ModelSpec, config: PretrainedConfig, seed: int) -> PreTra
     """The full model on CPU in float32: the checkpoint, or transformers' init seeded with ``seed``."""
     if spec.pretrained_path is None:
         torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=spec.trust_remote_code)
     hf, info = AutoModelForCausalLM.from_pretrained(
-        spec.pretrained_path, config=config, dtype=torch.float32, output_loading_info=True
+        spec.pretrained_path, config=config, dtype=torch.float32, output_loading_info=True,
+        trust_remote_code=spec.trust_remote_code,
     )
     wrong = {key: names for key, names in info.items() if key in ("missing_keys", "unexpected_keys") and names}
     if wrong:
@@ -234,7 +270,7 @@ def export_model(
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not is_main:
         return
-    state = {k.removeprefix(_PREFIX): v for k, v in state.items()}
+    state = {k.removeprefix(_PREFIX): v for k, v in dequantized(state).items()}
     if lora is not None:
         export_adapter(model.hf, state, output_dir / "adapter")
         tokenizer.save_pretrained(output_dir / "adapter")

@@ -62,6 +62,26 @@ def rope_types(config: PretrainedConfig) -> set[str]:
     return {p.get("rope_type", "default") for p in per_layer}
 
 
+def check_supported_type(config: PretrainedConfig, backend: str) -> dict:
+    """The type's entry in the supported table; a :class:`ConfigError` with the recorded reason
+    unless the differential check verified it, or naming the feature that ``backend`` (resolved)
+    cannot compute."""
+    entry = supported_table().get(config.model_type)
+    if entry is None or entry["status"] != "verified":
+        why = "it is not in transformers' causal-LM table" if entry is None else entry["reason"]
+        raise ConfigError(
+            f"model_type {config.model_type!r} (model.pretrained_path / model.config) is refused on the THD path: "
+            f"{why}; `automodel families` lists the supported types"
+        )
+    lacking = sorted(BACKEND_LACKS[backend] & set(entry.get("features", [])))
+    if lacking:
+        raise ConfigError(
+            f"{config.model_type} uses attention {', '.join(lacking)}, which model.attention_backend={backend!r} "
+            "cannot compute; set model.attention_backend=portable"
+        )
+    return entry
+
+
 def check_model_config(
     config: PretrainedConfig,
     backend: str,
@@ -80,13 +100,7 @@ def check_model_config(
         max_sample_tokens: the longest sample the data can produce (``data.max_length``), if known.
     """
     model_type = config.model_type
-    entry = supported_table().get(model_type)
-    if entry is None or entry["status"] != "verified":
-        why = "it is not in transformers' causal-LM table" if entry is None else entry["reason"]
-        raise ConfigError(
-            f"model_type {model_type!r} (model.pretrained_path / model.config) is refused on the THD path: {why}; "
-            "`automodel families` lists the supported types"
-        )
+    entry = check_supported_type(config, backend)
     bad_rope = rope_types(config) & set(REFUSED_ROPE_TYPES)
     if bad_rope:
         raise ConfigError(
@@ -97,12 +111,6 @@ def check_model_config(
         raise ConfigError(
             f"the tokenizer (data.tokenizer) has {vocab_needed} tokens but {model_type}'s vocab_size is "
             f"{config.vocab_size}; use the checkpoint's own tokenizer"
-        )
-    lacking = sorted(BACKEND_LACKS[backend] & set(entry.get("features", [])))
-    if lacking:
-        raise ConfigError(
-            f"{model_type} uses attention {', '.join(lacking)}, which model.attention_backend={backend!r} cannot "
-            "compute; set model.attention_backend=portable"
         )
     # A window or chunk applies only where the backend computes it and the check verified it for the type.
     needs, verified = attention_needs(config), set(entry.get("features", []))

@@ -11,6 +11,7 @@ import contextlib
 import functools
 import logging
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -21,16 +22,17 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from automodel.attention import ThdAttentionMetadata
+from automodel.attention import ThdAttentionMetadata, resolve_attention_backend
 from automodel.config import ConfigError, build_section
 from automodel.data.batching import LoaderEnv
 from automodel.distributed import make_cp_batch_for_te
 from automodel.distributed.parallel import apply_fsdp, init_distributed
 from automodel.loss import label_positions
 from automodel.models import CausalLMForTraining, build_model, export_model, setup_checks
+from automodel.models.families import check_supported_type
 from automodel.training.checkpoint import Checkpointer, NonFiniteError
 from automodel.training.host_syncs import record_host_syncs
-from automodel.training.metrics import MetricsLog, plot_loss_curve, read_metrics
+from automodel.training.metrics import open_metrics_log, plot_loss_curve, read_metrics
 from automodel.training.run_dir import RECIPE, RunDirectory
 from automodel.training.validation import evaluate
 
@@ -65,10 +67,11 @@ class FinetuneRecipe:
         except ValueError as error:
             raise ConfigError(str(error)) from None
         _configure_logging(self.dims.is_main)
-        # The model's config (type verified, features vs backend) before anything is written or tokenized.
+        # The model type and its features against the supported table, before anything is written.
         try:
-            setup_checks(self.model_spec, cp_size=self.dims.cp_size, vocab_needed=None,
-                         max_sample_tokens=getattr(self.data, "max_length", None))
+            check_supported_type(
+                self.model_spec.hf_config(), resolve_attention_backend(self.model_spec.attention_backend)
+            )
         except ValueError as error:
             raise ConfigError(str(error)) from None
         # Lock, resume checks and the saved recipe: all before any data or model work.
@@ -80,13 +83,21 @@ class FinetuneRecipe:
             self.dims.device, self.output_dir / RECIPE,
         )
         torch.manual_seed(self.trainer.seed)
-
-        self.tokenizer = self.data.load_tokenizer()
-        # every model check that needs no weights runs now, before tokenizing and packing
-        self.hf_config = setup_checks(
-            self.model_spec, cp_size=self.dims.cp_size, vocab_needed=len(self.tokenizer),
-            max_sample_tokens=getattr(self.data, "max_length", None),
+        self.metrics = open_metrics_log(  # trackers start (or fail) before any data work
+            self.output_dir, run_id, resume_from.step if resume_from else 0, self.trainer.tracking, self.cfg,
+            self.dims.is_main,
         )
+
+        try:  # the tokenizer and every model check that needs no weights, before tokenizing and packing
+            self.tokenizer = self.data.load_tokenizer(trust_remote_code=self.model_spec.trust_remote_code)
+            self.hf_config = setup_checks(
+                self.model_spec, cp_size=self.dims.cp_size, vocab_needed=len(self.tokenizer),
+                max_sample_tokens=self._longest_sample(),
+            )
+            if self.lora is not None:
+                self.lora.check_model(self.hf_config)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
         with _main_rank_first(self.dims.is_main):  # rank 0 fills the datasets cache, the others read it
             dataset, self.val_dataset = self.data.build(self.tokenizer)
         padding_idx = self.tokenizer.pad_token_id
@@ -112,9 +123,12 @@ class FinetuneRecipe:
         if resume_from is not None:
             self.step = self.checkpointer.load(resume_from, self.model, self.optimizer, self.scheduler, self.stream)
             logger.info("resumed from %s at step %d", resume_from.path, self.step)
-        self.metrics = (
-            MetricsLog(self.output_dir / "metrics.jsonl", self.step, self.trainer.tracking) if self.dims.is_main else None
-        )
+
+    def _longest_sample(self) -> int | None:
+        """The most tokens a sample can have: ``data.max_length``, else the pack size (longer samples
+        are dropped or refused by packing), else unknown."""
+        max_length = getattr(self.data, "max_length", None)
+        return max_length or getattr(self.batching, "packed_sequence_size", getattr(self.batching, "max_seq_len", None))
 
     def _build_model(self) -> CausalLMForTraining:
         shard = functools.partial(
@@ -176,8 +190,54 @@ class FinetuneRecipe:
             torch.tensor([[b["label_tokens"], b["real_tokens"], b["slots"]] for b in micro_batches]).sum(0),
             torch.float64,
         )
-        normalizer = counts[0].float()  # stays on the device: no wait before the backward
+        objective = self._forward_backward(micro_batches, counts[0])
+        grad_norm = self._grad_norm_after_clipping()
+        # the step's one device read
+        *values, label_tokens, real, slots, grad_norm = torch.cat(
+            [torch.stack(list(objective.values())).double(), counts, grad_norm[None].double()]
+        ).tolist()
+        metrics = dict(zip(objective, values))
+        loss = metrics.pop("loss")
+        if label_tokens == 0:
+            raise ValueError(
+                f"step {self.step + 1} has no label token on any rank; check the loss masks of the data"
+            )
+        if not (
+            math.isfinite(loss) and math.isfinite(grad_norm)
+        ):  # before the step writes NaN into weights
+            raise NonFiniteError(
+                f"step {self.step + 1}: loss {loss} and grad norm {grad_norm} must be finite; "
+                "stopped before the optimizer step (nothing of this step was saved). Lower optim.lr, set "
+                "optim.max_grad_norm, or check the data and the checkpoint it started from"
+            )
+        lr = self.optimizer.param_groups[0]["lr"]  # the lr this step uses (the scheduler then moves on)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        seconds = time.perf_counter() - start
+        record = {
+            "step": self.step + 1,
+            "epoch": self.stream.epoch,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            **metrics,
+            "label_tokens": int(label_tokens),
+            "real_tokens": int(real),
+            "fill": real / slots,
+            "tokens_per_s": real / seconds,
+            "step_time_s": seconds,
+        }
+        if self.dims.device.type == "cuda":
+            record["peak_memory_gb"] = torch.cuda.max_memory_allocated(self.dims.device) / 2**30
+        return record
 
+    def _forward_backward(self, micro_batches: list[dict[str, Any]], label_tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The objective, the one part a :class:`automodel.training.dpo.DPORecipe` replaces: forward
+        and backward of the step's micro-batches. ``label_tokens``: the step's label tokens on all
+        ranks (a device tensor). Returns 0-dim device tensors, not read here: ``loss`` (the global
+        loss) first, then the objective's own metrics."""
+        normalizer = label_tokens.float()  # stays on the device: no wait before the backward
         loss_sum = torch.zeros((), device=self.dims.device)
         for i, batch in enumerate(micro_batches):
             self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # reduce once per step
@@ -191,44 +251,7 @@ class FinetuneRecipe:
                 )
             (micro_loss / normalizer).backward()
             loss_sum += micro_loss.detach()
-        grad_norm = self._grad_norm_after_clipping()
-        loss_total = self._all_reduce(loss_sum, torch.float64)
-        # the step's one device read
-        loss_total, label_tokens, real, slots, grad_norm = torch.cat(
-            [loss_total[None], counts, grad_norm[None].double()]
-        ).tolist()
-        if label_tokens == 0:
-            raise ValueError(
-                f"step {self.step + 1} has no label token on any rank; check the loss masks of the data"
-            )
-        if not (
-            math.isfinite(loss_total) and math.isfinite(grad_norm)
-        ):  # before the step writes NaN into weights
-            raise NonFiniteError(
-                f"step {self.step + 1}: loss {loss_total / label_tokens} and grad norm {grad_norm} must be finite; "
-                "stopped before the optimizer step (nothing of this step was saved). Lower optim.lr, set "
-                "optim.max_grad_norm, or check the data and the checkpoint it started from"
-            )
-        lr = self.optimizer.param_groups[0]["lr"]  # the lr this step uses (the scheduler then moves on)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        seconds = time.perf_counter() - start
-        record = {
-            "step": self.step + 1,
-            "epoch": self.stream.epoch,
-            "loss": loss_total / label_tokens,
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "label_tokens": int(label_tokens),
-            "real_tokens": int(real),
-            "fill": real / slots,
-            "tokens_per_s": real / seconds,
-            "step_time_s": seconds,
-        }
-        if self.dims.device.type == "cuda":
-            record["peak_memory_gb"] = torch.cuda.max_memory_allocated(self.dims.device) / 2**30
-        return record
+        return {"loss": self._all_reduce(loss_sum, torch.float64) / label_tokens}
 
     def train_step(self, list_host_syncs: bool = False) -> dict[str, Any]:
         """One optimizer step; returns its metrics record. With ``list_host_syncs`` (CUDA), every
@@ -319,6 +342,8 @@ class FinetuneRecipe:
         )
 
     def cleanup(self) -> None:
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.close(failed=sys.exc_info()[0] is not None)  # called from run()'s finally
         if hasattr(self, "run_dir"):
             self.run_dir.release()
         if self._owns_process_group and dist.is_initialized():
@@ -341,8 +366,17 @@ def _configure_logging(is_main: bool) -> None:
     )
 
 
+def recipe_class(cfg: DictConfig) -> type[FinetuneRecipe]:
+    """:class:`FinetuneRecipe`, or with a ``dpo`` section the DPO objective on the same trainer."""
+    if cfg.get("dpo") is not None:
+        from automodel.training.dpo import DPORecipe  # imports this module
+
+        return DPORecipe
+    return FinetuneRecipe
+
+
 def run(cfg: DictConfig) -> FinetuneRecipe:
-    recipe = FinetuneRecipe(cfg)
+    recipe = recipe_class(cfg)(cfg)
     try:
         recipe.setup()
         with logging_redirect_tqdm(loggers=[logging.getLogger()]):  # log lines print above the progress bar
