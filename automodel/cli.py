@@ -1,4 +1,4 @@
-"""``automodel``: finetune | recipes | bench | check-gpu."""
+"""``automodel``: finetune | recipes | bench | check-gpu | families."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ USAGE = """automodel <command> [...]    (automodel --version)
   bench balance [...]              balanced packing: per-step load balance across DP ranks
   bench gpu [...]                  every GPU figure: tokens/s, MFU, memory, host syncs per backend (tiny on CPU)
   check-gpu [...]                  Transformer Engine against the portable attention on this machine's GPUs
+  families [--verify [TYPE ...]]   the supported model types; --verify re-runs the differential check
 """
 
 
@@ -42,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     if command == "bench" and rest and rest[0] in BENCHMARKS:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ lives beside the package
         return importlib.import_module(f"benchmarks.{rest[0]}").main(rest[1:])
+    if command == "families":
+        from automodel.models.verify import main as families
+
+        return families(rest)
     if command == "check-gpu":
         from automodel.attention.check_gpu import main as check_gpu
 

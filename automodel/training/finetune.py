@@ -11,6 +11,7 @@ import contextlib
 import functools
 import logging
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -21,16 +22,17 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from automodel.attention import ThdAttentionMetadata
+from automodel.attention import ThdAttentionMetadata, resolve_attention_backend
 from automodel.config import ConfigError, build_section
 from automodel.data.batching import LoaderEnv
 from automodel.distributed import make_cp_batch_for_te
 from automodel.distributed.parallel import apply_fsdp, init_distributed
 from automodel.loss import label_positions
 from automodel.models import CausalLMForTraining, build_model, export_model, setup_checks
+from automodel.models.families import check_supported_type
 from automodel.training.checkpoint import Checkpointer, NonFiniteError
 from automodel.training.host_syncs import record_host_syncs
-from automodel.training.metrics import MetricsLog, plot_loss_curve, read_metrics
+from automodel.training.metrics import open_metrics_log, plot_loss_curve, read_metrics
 from automodel.training.run_dir import RECIPE, RunDirectory
 from automodel.training.validation import evaluate
 
@@ -65,6 +67,13 @@ class FinetuneRecipe:
         except ValueError as error:
             raise ConfigError(str(error)) from None
         _configure_logging(self.dims.is_main)
+        # The model type and its features against the supported table, before anything is written.
+        try:
+            check_supported_type(
+                self.model_spec.hf_config(), resolve_attention_backend(self.model_spec.attention_backend)
+            )
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
         # Lock, resume checks and the saved recipe: all before any data or model work.
         self.run_dir = RunDirectory(self.output_dir, self.dims.rank)
         run_id, resume_from = self.run_dir.prepare(self.cfg, self.trainer, self.dims.world_size, self.dims.dp_size)
@@ -74,6 +83,10 @@ class FinetuneRecipe:
             self.dims.device, self.output_dir / RECIPE,
         )
         torch.manual_seed(self.trainer.seed)
+        self.metrics = open_metrics_log(  # trackers start (or fail) before any data work
+            self.output_dir, run_id, resume_from.step if resume_from else 0, self.trainer.tracking, self.cfg,
+            self.dims.is_main,
+        )
 
         try:  # the tokenizer and every model check that needs no weights, before tokenizing and packing
             self.tokenizer = self.data.load_tokenizer(trust_remote_code=self.model_spec.trust_remote_code)
@@ -110,9 +123,6 @@ class FinetuneRecipe:
         if resume_from is not None:
             self.step = self.checkpointer.load(resume_from, self.model, self.optimizer, self.scheduler, self.stream)
             logger.info("resumed from %s at step %d", resume_from.path, self.step)
-        self.metrics = (
-            MetricsLog(self.output_dir / "metrics.jsonl", self.step, self.trainer.tracking) if self.dims.is_main else None
-        )
 
     def _longest_sample(self) -> int | None:
         """The most tokens a sample can have: ``data.max_length``, else the pack size (longer samples
@@ -332,6 +342,8 @@ class FinetuneRecipe:
         )
 
     def cleanup(self) -> None:
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.close(failed=sys.exc_info()[0] is not None)  # called from run()'s finally
         if hasattr(self, "run_dir"):
             self.run_dir.release()
         if self._owns_process_group and dist.is_initialized():

@@ -50,6 +50,7 @@ MUTABLE_KEYS = (
     "parallel.cp_comm_type",
     "model.attention_backend", "model.trust_remote_code", "model.exceed_max_positions", "data.num_proc",
     "packing.num_workers", "packing.cache_dir", "peft.export_merged",
+    "trainer.tracking",  # where the numbers go, not what is trained
 )  # the rest of peft.* (targets, rank, alpha, dropout) shapes the trained parameters: never mutable
 
 
