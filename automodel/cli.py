@@ -7,7 +7,7 @@ import importlib
 import sys
 from pathlib import Path
 
-BENCHMARKS = ("packing", "throughput", "batching", "balance", "gpu", "lora_memory")
+BENCHMARKS = ("packing", "throughput", "batching", "balance", "gpu", "lora_memory", "sharded_io")
 
 USAGE = """automodel <command> [...]    (automodel --version)
 
