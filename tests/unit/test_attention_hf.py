@@ -159,7 +159,7 @@ def test_checkpoint_with_wrong_shapes_or_non_finite_weights_is_refused_naming_th
     weights["model.layers.1.mlp.up_proj.weight"][3, 4] = float("nan")
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
     config_ = setup_checks(spec, cp_size=1, vocab_needed=None, max_sample_tokens=None)
-    with pytest.raises(ValueError, match="'hf.model.layers.1.mlp.up_proj.weight'.*NaN"):
+    with pytest.raises(ValueError, match="'model.layers.1.mlp.up_proj.weight'.*NaN"):
         build_model(spec, config_, device=torch.device("cpu"), shard=lambda m: None, seed=0)
 
 
