@@ -72,12 +72,11 @@ def check_against_full_logits(t, v, d, labels, chunk_tokens, with_bias, scale, s
     # A CE value is a logsumexp minus a logit, both O(1): its float32 rounding is ~1e-7 absolute
     # however small the loss, so the loss is compared relative to max(|loss|, 1).
     assert_rel_close(actual, expected, floor=1.0)
-    # hidden's gradient is summed in float32 over the vocabulary blocks (up to V of them with
-    # chunk_tokens=1), so its rounding grows with their count: 1e-6 relative per 8 blocks.
-    blocks = -(-v // max(1, chunk_tokens * v // max(1, int((labels != IGNORE).sum()))))
+    # hidden's gradient is summed in float32 over vocabulary blocks (up to V of them), autograd's in
+    # one matmul: a few float32 ulps of the largest entry apart (hypothesis found 1.24e-6 at V=38).
     for grad, expected_grad in zip(grads, expected_grads, strict=True):
         assert grad.dtype == expected_grad.dtype and grad.shape == expected_grad.shape
-        assert_rel_close(grad, expected_grad, rel=1e-6 * max(1.0, blocks / 8))
+        assert_rel_close(grad, expected_grad, rel=4e-6)
 
 
 def test_hand_worked_value():
