@@ -11,6 +11,7 @@ components (``automodel.*``) or in :data:`ALLOWED_TARGETS`.
 
 from __future__ import annotations
 
+import ast
 import difflib
 import importlib
 import inspect
@@ -24,6 +25,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from automodel.errors import ConfigError
+
 SECTIONS = ("model", "data", "packing", "parallel", "optim", "trainer")
 # Sections a recipe may leave out (or set to null): ``peft`` absent means full fine-tuning.
 OPTIONAL_SECTIONS = ("peft",)
@@ -33,10 +36,6 @@ _HYDRA_KEYS = {"_target_", "_recursive_", "_convert_", "_partial_", "_args_"}
 ALLOWED_TARGETS = frozenset({
     "transformers.LlamaConfig", "transformers.Qwen2Config", "transformers.MistralConfig",
 })
-
-
-class ConfigError(ValueError):
-    """A recipe that cannot run: unknown key, bad value, missing file."""
 
 
 def _package_or_repo_dir(name: str) -> Path:
@@ -167,9 +166,15 @@ def _check_targets(node: Any, where: str) -> None:
 
 
 def _parameters(target: str, where: str) -> list[str] | None:
-    """Keyword parameters of ``target``, or None when it takes ``**kwargs``."""
+    """Keyword parameters of ``target``, or None when it takes ``**kwargs``. A project component's
+    are read from its source, so that checking a recipe imports no torch, transformers or datasets."""
     check_target(target, where)
     module_name, _, attribute = str(target).rpartition(".")
+    if module_name.startswith("automodel."):
+        try:
+            return source_parameters(module_name, attribute)
+        except LookupError:  # not a plain class of that module (a re-export, a factory): import it
+            pass
     try:
         component = getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError, ValueError):
@@ -178,6 +183,57 @@ def _parameters(target: str, where: str) -> list[str] | None:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         return None
     return [p.name for p in parameters if p.kind is not inspect.Parameter.VAR_POSITIONAL]
+
+
+def source_parameters(module_name: str, class_name: str) -> list[str] | None:
+    """The keyword parameters of class ``class_name`` of the project module ``module_name``, read
+    from the source without importing it: ``__init__``'s parameters, or a dataclass's init fields
+    (its own and those of dataclass bases in the same module). None when it takes ``**kwargs``;
+    LookupError when the source does not say (the caller then imports the module)."""
+    path = Path(__file__).resolve().parent.parent.joinpath(*module_name.split(".")).with_suffix(".py")
+    if not path.is_file():
+        raise LookupError(module_name)
+    classes = {node.name: node for node in ast.parse(path.read_text()).body if isinstance(node, ast.ClassDef)}
+    return _class_parameters(classes, class_name)
+
+
+def _class_parameters(classes: dict[str, ast.ClassDef], name: str) -> list[str] | None:
+    node = classes.get(name)
+    if node is None:
+        raise LookupError(name)
+    init = next((f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"), None)
+    if init is not None:
+        if init.args.kwarg is not None:
+            return None
+        return [a.arg for a in init.args.args[1:] + init.args.kwonlyargs]
+    bases = []
+    for base in node.bases:
+        if not isinstance(base, ast.Name):
+            raise LookupError(name)
+        bases.append(_class_parameters(classes, base.id))
+    if any(b is None for b in bases):
+        return None
+    inherited = [p for b in bases for p in b]
+    if not any(_decorator_name(d) == "dataclass" for d in node.decorator_list):
+        return inherited
+    own = [
+        item.target.id for item in node.body
+        if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+        and "ClassVar" not in ast.unparse(item.annotation) and not _init_false(item.value)
+    ]  # fmt: skip
+    return inherited + [p for p in own if p not in inherited]
+
+
+def _decorator_name(decorator: ast.expr) -> str:
+    target = decorator.func if isinstance(decorator, ast.Call) else decorator
+    return target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
+
+
+def _init_false(value: ast.expr | None) -> bool:
+    """``field(init=False)``: a dataclass field that is not a parameter."""
+    return isinstance(value, ast.Call) and any(
+        k.arg == "init" and isinstance(k.value, ast.Constant) and k.value.value is False for k in value.keywords
+    )
 
 
 def build_section(cfg: DictConfig, section: str) -> Any:

@@ -29,7 +29,8 @@ _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 @dataclass(frozen=True)
 class RowOrigin:
-    """Maps a row of a loaded source back to its file and its 0-based row in that file."""
+    """Maps a row of a loaded source back to its file and its place there, 1-based: ``a.jsonl line 42``
+    (JSON Lines hold a row per line), ``a.csv row 41`` (data rows, the header not counted)."""
 
     files: tuple[str, ...]
     starts: tuple[int, ...]  # first dataset row of each file
@@ -38,7 +39,8 @@ class RowOrigin:
     def __call__(self, row: int) -> str:
         row += self.offset
         i = bisect.bisect_right(self.starts, row) - 1
-        return f"{self.files[i]} row {row - self.starts[i]}"
+        unit = "line" if self.files[i].endswith(".jsonl") else "row"
+        return f"{self.files[i]} {unit} {row - self.starts[i] + 1}"
 
 
 def load_sft_source(
@@ -65,7 +67,7 @@ def load_sft_source(
         cache_dir: where ``datasets`` caches the Arrow conversion (default: its own).
 
     Returns:
-        ``(rows, origin)``: the rows unchanged, and ``origin(i)`` -> ``"data/a.jsonl row 3"`` for
+        ``(rows, origin)``: the rows unchanged, and ``origin(i)`` -> ``"data/a.jsonl line 4"`` for
         error messages.
 
     Example::

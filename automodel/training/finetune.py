@@ -22,13 +22,15 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from automodel.attention import ThdAttentionMetadata
-from automodel.config import ConfigError, build_section
+from automodel.config import build_section
 from automodel.data.batching import LoaderEnv
 from automodel.distributed import make_cp_batch_for_te
 from automodel.distributed.parallel import apply_fsdp, init_distributed
+from automodel.errors import ConfigError, DataError, ModelError, UserError
 from automodel.loss import count_label_tokens
 from automodel.models import CausalLMForTraining, build_model, export_model, setup_checks
 from automodel.training.checkpoint import Checkpointer, NonFiniteError
+from automodel.training.console import configure_console, on_terminal
 from automodel.training.metrics import MetricsLog, plot_loss_curve, read_metrics
 from automodel.training.run_dir import RECIPE, RunDirectory
 from automodel.training.validation import evaluate
@@ -63,7 +65,7 @@ class FinetuneRecipe:
             self.dims = init_distributed(self.parallel_config)
         except ValueError as error:
             raise ConfigError(str(error)) from None
-        _configure_logging(self.dims.is_main)
+        configure_console(self.dims.is_main)
         # Lock, resume checks and the saved recipe: all before any data or model work.
         self.run_dir = RunDirectory(self.output_dir, self.dims.rank)
         run_id, resume_from = self.run_dir.prepare(self.cfg, self.trainer, self.dims.world_size, self.dims.dp_size)
@@ -74,13 +76,17 @@ class FinetuneRecipe:
         )
         torch.manual_seed(self.trainer.seed)
 
-        self.tokenizer = self.data.load_tokenizer()
+        with _as_user_error(DataError):
+            self.tokenizer = self.data.load_tokenizer()
         # every model check that needs no weights runs now, before tokenizing and packing
-        self.hf_config = setup_checks(
-            self.model_spec, cp_size=self.dims.cp_size, vocab_needed=len(self.tokenizer),
-            max_sample_tokens=getattr(self.data, "max_length", None),
-        )
-        with _main_rank_first(self.dims.is_main):  # rank 0 fills the datasets cache, the others read it
+        with _as_user_error(ModelError):
+            self.hf_config = setup_checks(
+                self.model_spec, cp_size=self.dims.cp_size, vocab_needed=len(self.tokenizer),
+                max_sample_tokens=getattr(self.data, "max_length", None),
+            )
+        # rank 0 fills the datasets cache, the others read it; a bad row raised in a worker process
+        # of datasets.map arrives here as the worker's ValueError
+        with _main_rank_first(self.dims.is_main), _as_user_error(DataError):
             dataset, self.val_dataset = self.data.build(self.tokenizer)
         padding_idx = self.tokenizer.pad_token_id
         env = LoaderEnv(
@@ -96,7 +102,8 @@ class FinetuneRecipe:
         logger.info("%d micro-batches per epoch on each data-parallel rank", self.stream.batches_per_epoch)
         self.val_batches = None if self.val_dataset is None else self.batching.build_eval(self.val_dataset, env)
 
-        self.model = self._build_model()
+        with _as_user_error(ModelError):  # a checkpoint that does not match its config, bad LoRA targets
+            self.model = self._build_model()
         self.optimizer, self.scheduler = self.optim_config.build(self.model, self.trainer.max_steps)
         self.checkpointer = Checkpointer(
             self.output_dir, self.trainer.keep_last, self.dims.rank, self.dims.world_size, run_id
@@ -129,7 +136,7 @@ class FinetuneRecipe:
         last_step = self.trainer.stop_at_step or self.trainer.max_steps
         progress = tqdm(
             total=self.trainer.max_steps, initial=self.step, desc="training", unit="step",
-            disable=not (self.dims.is_main and self.trainer.progress_bar),
+            disable=not (self.dims.is_main and self.trainer.progress_bar and on_terminal()),
         )
         while self.step < last_step:
             record = self._train_step()
@@ -279,11 +286,16 @@ def _main_rank_first(is_main: bool):
         dist.barrier()
 
 
-def _configure_logging(is_main: bool) -> None:
-    logging.basicConfig(
-        level=logging.INFO if is_main else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", force=True,
-    )
+@contextlib.contextmanager
+def _as_user_error(kind: type[UserError]):
+    """The boundary checks of one stage raise ValueError naming the field and the fix: the user's
+    input, reported as ``kind`` (one line from the CLI)."""
+    try:
+        yield
+    except UserError:
+        raise
+    except ValueError as error:
+        raise kind(str(error)) from error
 
 
 def run(cfg: DictConfig) -> FinetuneRecipe:

@@ -114,11 +114,11 @@ GOOD_CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant
     [
         ("messages", {"messages": "hi"}, "messages", "non-empty list"),
         ("messages", {"messages": [{"role": "bot", "content": "hi"}]}, "messages", "role 'bot'"),
-        ("messages", {"messages": [{"role": "user", "content": 3}]}, "messages", "no text content"),
+        ("messages", {"messages": [{"role": "user", "content": 3}]}, "messages", "'content' must be text, got int"),
         ("messages", {"messages": [{"role": "assistant", "content": "red"}]}, "messages", "starts with an assistant"),
         ("messages", {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]}, "messages", "empty"),
         ("sharegpt", {"conversations": [{"from": "bot", "value": "hi"}]}, "conversations", "'from' 'bot'"),
-        ("alpaca", {"instruction": "hi", "output": None}, "output", "must be text"),
+        ("alpaca", {"instruction": "hi", "output": None}, "output", "has no value in this row"),
         ("prompt_completion", {"prompt": "hi", "completion": ""}, "completion", "empty"),
         ("text", {"text": 7}, "text", "must be text"),
         ("tokens", {"input_ids": [1, 9999]}, "input_ids", "outside"),
@@ -136,7 +136,7 @@ def test_malformed_row_names_file_row_and_field(tiny, tmp_path, format, bad_row,
         "tokens": {"input_ids": [1, 2, 3]},
     }[format]
     rows, origin = load_sft_source(write(tmp_path / "data.jsonl", [good, good, bad_row]))
-    with pytest.raises(ValueError, match=rf"data\.jsonl row 2: field '{field}'.*{reason}"):
+    with pytest.raises(ValueError, match=rf"data\.jsonl line 3: field '{field}'.*{reason}"):
         tokenize_sft_dataset(rows, tiny, format=format, origin=origin)
 
 
@@ -146,7 +146,7 @@ def test_skip_mode_drops_counts_and_reports(tiny, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="automodel.data.sft"):
         out = tokenize_sft_dataset(rows, tiny, format="messages", origin=origin, on_bad_row="skip")
     assert len(out) == 2
-    assert "skipped 2 of 4 rows (50.00%)" in caplog.text and "data.jsonl row 1" in caplog.text
+    assert "skipped 2 of 4 rows (50.00%)" in caplog.text and "data.jsonl line 2" in caplog.text
 
 
 def test_weight_rows_copies_then_samples_with_a_seed():

@@ -59,9 +59,9 @@ def test_row_origin_names_file_and_row(tmp_path):
     write_jsonl(tmp_path / "data" / "b.jsonl", ROWS)
     rows, origin = load_sft_source(tmp_path / "data", cache_dir=tmp_path / "cache")
     assert len(rows) == 5
-    assert [origin(i).rsplit("/", 1)[1] for i in (0, 1, 2, 4)] == ["a.jsonl row 0", "a.jsonl row 1", "b.jsonl row 0", "b.jsonl row 2"]
+    assert [origin(i).rsplit("/", 1)[1] for i in (0, 1, 2, 4)] == ["a.jsonl line 1", "a.jsonl line 2", "b.jsonl line 1", "b.jsonl line 3"]
     _, origin = load_sft_source(tmp_path / "data", split="train[3:]", cache_dir=tmp_path / "cache")
-    assert origin(0).endswith("b.jsonl row 1")  # the slice offset is kept
+    assert origin(0).endswith("b.jsonl line 2")  # the slice offset is kept
 
 
 def test_hub_id_not_in_cache_is_a_clear_error(tmp_path, monkeypatch):
