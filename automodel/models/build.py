@@ -39,7 +39,7 @@ from automodel.attention.hf import (
 from automodel.data.sft import end_of_turn_token_id
 from automodel.loss import chunked_cross_entropy_sum
 from automodel.models.families import check_model_config
-from automodel.models.lora import LoraConfig, export_adapter, merged_state_dict
+from automodel.models.lora import LoraConfig, base_state_dict, export_adapter, merged_state_dict
 from automodel.models.spec import ModelSpec, check_checkpoint_tensors, check_finite
 
 _PREFIX = "hf."
@@ -204,32 +204,41 @@ def load_weights(
 
 def export_model(
     model: CausalLMForTraining, output_dir: Path, tokenizer: Any, *, dtype: torch.dtype, is_main: bool,
-    lora: LoraConfig | None = None,
+    lora: LoraConfig | None = None, base: str | None = None,
 ) -> None:
     """The final model, with ``save_pretrained``: ``output_dir/hf`` (safetensors, config.json,
     generation_config.json, tokenizer); under LoRA ``output_dir/adapter`` in PEFT's format
     (``adapter_config.json`` + ``adapter_model.safetensors``) and ``hf/`` only with
-    ``lora.export_merged`` (the adapters folded into the base weights). Collective: every rank
-    must call it."""
+    ``lora.export_merged`` (the adapters folded into the base weights). The adapter names its base
+    (``base_model_name_or_path``): ``base``, the checkpoint it was trained on, or for a model built
+    from a config ``output_dir/base``, written here from the frozen base weights. Collective: every
+    rank must call it."""
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not is_main:
         return
     state = {k.removeprefix(_PREFIX): v for k, v in state.items()}
     if lora is not None:
+        if base is None:  # a seeded init that exists nowhere else: the adapter needs it on disk
+            base = str((output_dir / "base").resolve())
+            _save_hf(model.config, base_state_dict(state), tokenizer, Path(base), dtype)
+        model.hf.peft_config["default"].base_model_name_or_path = base
         export_adapter(model.hf, state, output_dir / "adapter")
         tokenizer.save_pretrained(output_dir / "adapter")
         if not lora.export_merged:
             return
         state = merged_state_dict(state, lora)
-    config = model.config
+    _save_hf(model.config, state, tokenizer, output_dir / "hf", dtype)
+
+
+def _save_hf(config: PretrainedConfig, state: dict[str, torch.Tensor], tokenizer: Any, out: Path, dtype: torch.dtype) -> None:
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if getattr(config, name, None) is None and getattr(tokenizer, name, None) is not None:
             setattr(config, name, getattr(tokenizer, name))
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     hf.load_state_dict(state, strict=True)
     hf.generation_config.eos_token_id = generation_eos(hf.generation_config.eos_token_id, tokenizer)
-    hf.to(dtype).save_pretrained(output_dir / "hf")
-    tokenizer.save_pretrained(output_dir / "hf")
+    hf.to(dtype).save_pretrained(out)
+    tokenizer.save_pretrained(out)
 
 
 def generation_eos(eos: int | list[int] | None, tokenizer: Any) -> int | list[int] | None:

@@ -96,6 +96,14 @@ def export_adapter(model: peft.PeftModel, full_state_dict: dict[str, torch.Tenso
     model.save_pretrained(str(out_dir), state_dict=full_state_dict, safe_serialization=True)
 
 
+def base_state_dict(full_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The transformers state dict of the frozen base: adapters dropped, keys as in the base class."""
+    return {
+        key.removeprefix(_PREFIX).replace(".base_layer.", "."): tensor
+        for key, tensor in full_state_dict.items() if ".lora_A." not in key and ".lora_B." not in key
+    }  # fmt: skip
+
+
 def merged_state_dict(full_state_dict: dict[str, torch.Tensor], lora: LoraConfig) -> dict[str, torch.Tensor]:
     """The transformers state dict with every adapter folded in: ``W + alpha / r * B @ A``.
 

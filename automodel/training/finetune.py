@@ -32,6 +32,7 @@ from automodel.models import CausalLMForTraining, build_model, export_model, set
 from automodel.training.checkpoint import Checkpointer, NonFiniteError
 from automodel.training.console import configure_console, on_terminal
 from automodel.training.metrics import MetricsLog, plot_loss_curve, read_metrics
+from automodel.training.model_card import write_adapter_card
 from automodel.training.run_dir import RECIPE, RunDirectory
 from automodel.training.validation import evaluate
 
@@ -258,13 +259,15 @@ class FinetuneRecipe:
         if self.trainer.export_hf:
             export_model(
                 self.model, self.output_dir, self.tokenizer, dtype=self.model_spec.torch_dtype,
-                is_main=self.dims.is_main, lora=self.lora,
+                is_main=self.dims.is_main, lora=self.lora, base=self.model_spec.pretrained_path,
             )
         if not self.dims.is_main:
             return
         metrics_path = self.output_dir / "metrics.jsonl"
         plot_loss_curve(metrics_path, self.output_dir / "loss_curve.png")
         records = read_metrics(metrics_path)
+        if self.trainer.export_hf and self.lora is not None:
+            write_adapter_card(self.output_dir / "adapter", self.cfg, records)
         logger.info(
             "done: loss %.4f (step %d) -> %.4f (step %d); outputs in %s", records[0]["loss"], records[0]["step"],
             records[-1]["loss"], records[-1]["step"], self.output_dir,
