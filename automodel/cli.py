@@ -95,7 +95,8 @@ def _finetune(argv: list[str]) -> int:
     parser.add_argument("--cfg", choices=["job"], help="print the resolved recipe (after overrides) and exit")
     args = _parse_recipe_args(parser, argv)
 
-    from automodel.config import load_recipe  # Hydra and the recipe only: no torch before the recipe is checked
+    # Hydra and the recipe only: no torch before the recipe is checked
+    from automodel.config import load_recipe
 
     cfg = load_recipe(args.recipe, args.overrides)
     if args.cfg == "job":
