@@ -10,7 +10,7 @@ from pathlib import Path
 
 from automodel.errors import UserError
 
-BENCHMARKS = ("packing", "throughput", "batching", "balance", "cli_latency")
+BENCHMARKS = ("packing", "throughput", "batching", "balance", "gpu", "cli_latency")
 
 USAGE = """automodel <command> [...]    (automodel --version; --debug: tracebacks of input errors)
 
@@ -24,6 +24,7 @@ USAGE = """automodel <command> [...]    (automodel --version; --debug: traceback
   bench throughput [...]           real tokens/s of packed THD against padded batches (CPU)
   bench batching [...]             rmpad / dyn_bsz fill and speed against VeOmni's arrival-order scan
   bench balance [...]              balanced packing: per-step load balance across DP ranks
+  bench gpu [...]                  every GPU figure: tokens/s, MFU, memory, host syncs per backend (tiny on CPU)
   bench cli_latency [...]          how fast the CLI answers --cfg job, typos and bad values
   check-gpu [...]                  Transformer Engine against the portable attention on this machine's GPUs
 """

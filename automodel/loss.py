@@ -19,6 +19,7 @@ vocabulary block, V = vocabulary size, D = hidden size.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,23 @@ def count_label_tokens(labels_T: torch.Tensor) -> int:
     return int((labels_T != CROSS_ENTROPY_IGNORE_INDEX).sum())
 
 
+def label_positions(labels_T: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[N]`` int64 indices of the positions of ``labels_T`` (``[T]``) that carry a label, after
+    checking every label is a token id in ``[0, vocab_size)`` or the ignore index: a bad id would
+    otherwise end in an opaque device assert. Free on host labels; on device labels it reads them."""
+    labelled_N = (labels_T != CROSS_ENTROPY_IGNORE_INDEX).nonzero().squeeze(1)
+    if labelled_N.numel():
+        targets_N = labels_T[labelled_N]
+        low, high = torch.stack([targets_N.min(), targets_N.max()]).tolist()
+        if low < 0 or high >= vocab_size:
+            raise ValueError(
+                f"labels_T must hold token ids in [0, {vocab_size}) (the rows of weight_VD) or "
+                f"{CROSS_ENTROPY_IGNORE_INDEX}, got values in [{low}, {high}]; check the tokenizer against "
+                "the model's vocabulary"
+            )
+    return labelled_N
+
+
 def chunked_cross_entropy_sum(
     hidden_TD: torch.Tensor,
     weight_VD: torch.Tensor,
@@ -40,6 +58,7 @@ def chunked_cross_entropy_sum(
     logit_scale: float = 1.0,
     final_logit_softcap: float | None = None,
     chunk_tokens: int = 1024,
+    label_positions_N: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sum over label tokens of the cross-entropy of ``softcap(logit_scale * (hidden @ weight.T + bias))``.
 
@@ -54,6 +73,9 @@ def chunked_cross_entropy_sum(
             plain tensor (not a DTensor: call this where FSDP has unsharded it).
         labels_T: ``[T]`` integer target ids in ``[0, V)``, -100 where there is no target.
         bias_V: optional ``[V]`` output bias.
+        label_positions_N: ``[N]`` int64 indices of the labelled rows, on ``labels_T``'s device, made
+            by :func:`label_positions` from the host copy of the labels. Given, the call never waits
+            for the device; left out, it is computed here (one device read).
         chunk_tokens: label tokens per chunk; the working memory is about ``chunk_tokens * V * 4``
             bytes (one float32 chunk of logits), up to twice that with a softcap or bf16 matmuls.
 
@@ -63,25 +85,16 @@ def chunked_cross_entropy_sum(
         softmax and the loss in float32.
     """
     _check_loss_args(hidden_TD, weight_VD, labels_T, bias_V, logit_scale, final_logit_softcap, chunk_tokens)
-    # Only positions with a label need logits; reading N syncs with the device once per call.
-    labelled_N = (labels_T != CROSS_ENTROPY_IGNORE_INDEX).nonzero().squeeze(1)
-    targets_N = labels_T[labelled_N].long()
-    if targets_N.numel():
-        low, high = torch.stack([targets_N.min(), targets_N.max()]).tolist()
-        vocab = weight_VD.shape[0]
-        if low < 0 or high >= vocab:
-            raise ValueError(
-                f"labels_T must hold token ids in [0, {vocab}) (the rows of weight_VD) or "
-                f"{CROSS_ENTROPY_IGNORE_INDEX}, got values in [{low}, {high}]; check the tokenizer against "
-                "the model's vocabulary"
-            )
+    if label_positions_N is None:  # found from the labels: on an accelerator, a wait for the device
+        label_positions_N = label_positions(labels_T, weight_VD.shape[0])
+    targets_N = labels_T[label_positions_N].long()
     device_type = hidden_TD.device.type
-    if torch.is_autocast_enabled(device_type):
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         compute_dtype = torch.get_autocast_dtype(device_type)
     else:
         compute_dtype = torch.promote_types(hidden_TD.dtype, weight_VD.dtype)
     return _ChunkedCrossEntropySum.apply(
-        hidden_TD[labelled_N],
+        hidden_TD[label_positions_N],
         weight_VD,
         bias_V,
         targets_N,
@@ -150,7 +163,7 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
     def forward(ctx, h_ND, weight_VD, bias_V, targets_N, scale, softcap, chunk_tokens, compute_dtype):
         lse_N = torch.empty(h_ND.shape[0], dtype=torch.float32, device=h_ND.device)
         target_logit_N = torch.empty_like(lse_N)
-        with torch.autocast(h_ND.device.type, enabled=False):
+        with _autocast_off(h_ND.device.type):
             w_VD, b_V = _cast(weight_VD, compute_dtype), _cast(bias_V, compute_dtype)
             for start in range(0, h_ND.shape[0], chunk_tokens):
                 rows = slice(start, start + chunk_tokens)
@@ -176,7 +189,7 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
         # matmul over all N rows (rounded once, as without chunks), and hidden's gradient is
         # summed over the blocks in float32.
         block = max(1, chunk_tokens * vocab // max(n, 1))
-        with torch.autocast(h_ND.device.type, enabled=False):
+        with _autocast_off(h_ND.device.type):
             h_ND_c, w_VD, b_V = (_cast(x, compute_dtype) for x in (h_ND, weight_VD, bias_V))
             for start in range(0, vocab if n else 0, block):
                 cols = slice(start, start + block)
@@ -221,6 +234,15 @@ def _block_logit_grad(h_ND, w_BD, b_B, targets_N, lse_N, scale, softcap) -> torc
     if tanh_NB is not None:  # softcap'(u) = 1 - tanh(u / c)^2
         g_NB.mul_(tanh_NB.square_().neg_().add_(1))
     return g_NB.mul_(scale) if scale != 1.0 else g_NB
+
+
+def _autocast_off(device_type: str):
+    # meta tensors (shape-only runs) have no autocast
+    return (
+        torch.autocast(device_type, enabled=False)
+        if torch.amp.is_autocast_available(device_type)
+        else nullcontext()
+    )
 
 
 def _cast(x: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

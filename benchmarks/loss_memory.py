@@ -31,6 +31,7 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -95,6 +96,22 @@ def run_case(args: argparse.Namespace) -> dict:
     }
 
 
+def measure(
+    case: str, device: str, dtype: str, tokens: int, vocab: int, hidden: int, chunk_tokens: int = 1024,
+    softcap: float | None = None,
+) -> dict:
+    """:func:`run_case` in a fresh subprocess (a clean peak), its figures plus T, V and D."""
+    command = [
+        sys.executable, "-m", "benchmarks.loss_memory", "--device", device, "--dtype", dtype, "--tokens", str(tokens),
+        "--vocab", str(vocab), "--hidden", str(hidden), "--chunk-tokens", str(chunk_tokens), "--case", case,
+        *(["--softcap", str(softcap)] if softcap is not None else []),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    if result.returncode:
+        raise RuntimeError(result.stderr[-2000:])
+    return {**json.loads(result.stdout.splitlines()[-1]), "tokens": tokens, "vocab": vocab, "hidden": hidden}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -118,32 +135,12 @@ def main(argv: list[str] | None = None) -> int:
         f"chunk_tokens={args.chunk_tokens} softcap={args.softcap}"
     )
     print(f"{'case':8} {'peak GB':>8} {'grads GB':>9} {'extra GB':>9} {'seconds':>8} {'loss/token':>11}")
-    shared = [
-        "--device",
-        args.device,
-        "--dtype",
-        args.dtype,
-        "--tokens",
-        str(args.tokens),
-        "--vocab",
-        str(args.vocab),
-        "--hidden",
-        str(args.hidden),
-        "--chunk-tokens",
-        str(args.chunk_tokens),
-    ]
-    if args.softcap is not None:
-        shared += ["--softcap", str(args.softcap)]
     for case in args.cases:
-        result = subprocess.run(
-            [sys.executable, "-m", "benchmarks.loss_memory", *shared, "--case", case],
-            capture_output=True,
-            text=True,
-        )
-        if result.returncode:
-            print(f"{case:8} failed:\n{result.stderr[-2000:]}")
+        try:
+            r = measure(case, args.device, args.dtype, args.tokens, args.vocab, args.hidden, args.chunk_tokens, args.softcap)
+        except RuntimeError as error:
+            print(f"{case:8} failed:\n{error}")
             return 1
-        r = json.loads(result.stdout.splitlines()[-1])
         print(
             f"{case:8} {r['peak_gb']:8.3f} {r['grads_gb']:9.3f} {r['extra_gb']:9.3f} {r['seconds']:8.1f} "
             f"{r['loss_per_token']:11.5f}"

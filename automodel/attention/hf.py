@@ -72,7 +72,7 @@ class _Core(nn.Module):
             return self.inner(q.contiguous(), k.contiguous(), v.contiguous(), meta)
         varlen = importlib.import_module("automodel.attention.varlen")
         out = varlen.varlen_attention(
-            q, k, v, meta.cu_seqlens_padded.to(q.device), meta.max_seqlen, scale=self.scale, window=window
+            q, k, v, meta.on_device("cu_seqlens_padded", q.device), meta.max_seqlen, scale=self.scale, window=window
         )
         return out.reshape(q.shape[0], -1)
 

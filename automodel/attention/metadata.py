@@ -4,11 +4,15 @@ Attention backends read only this object, so the data path and the backends meet
 Under context parallelism every field describes the GLOBAL batch (all CP ranks' tokens), as
 Transformer Engine requires; the local tokens are this rank's share in
 ``thd_get_partitioned_indices`` order.
+
+The layout lives on the host, so reading it never waits for the device; the kernels that need
+``cu_seqlens`` on the device get a copy made once per batch (:meth:`ThdAttentionMetadata.on_device`),
+queued before the forward by :meth:`ThdAttentionMetadata.prefetch`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -30,6 +34,9 @@ class ThdAttentionMetadata:
         max_seqlen: longest padded sequence.
         cp_size, cp_rank: context-parallel size and this rank's index in the CP group.
         cp_group: the CP process group (None when cp_size == 1).
+        device_copies: ``(name, device) -> tensor``: the layout tensors already copied to a device
+            (:meth:`on_device`); a copy of the metadata (``dataclasses.replace``, as FSDP2 does to
+            forward inputs) shares them.
     """
 
     cu_seqlens: torch.Tensor
@@ -38,6 +45,7 @@ class ThdAttentionMetadata:
     cp_size: int = 1
     cp_rank: int = 0
     cp_group: dist.ProcessGroup | None = None
+    device_copies: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         total = int(self.cu_seqlens_padded[-1]) if self.cu_seqlens_padded.numel() else 0
@@ -63,6 +71,20 @@ class ThdAttentionMetadata:
             )
         if self.cp_size > 1 and self.cp_group is None:
             raise ValueError(f"cp_size={self.cp_size} needs a cp_group")
+
+    def on_device(self, name: str, device: torch.device) -> torch.Tensor:
+        """``cu_seqlens`` or ``cu_seqlens_padded`` on ``device``, copied once per batch (a layer per
+        call would otherwise copy, and on CUDA wait, every time)."""
+        key = (name, torch.device(device))
+        if key not in self.device_copies:
+            self.device_copies[key] = getattr(self, name).to(device, non_blocking=True)
+        return self.device_copies[key]
+
+    def prefetch(self, device: torch.device) -> ThdAttentionMetadata:
+        """Queue the device copies of the layout before the forward, so no layer waits on one."""
+        for name in ("cu_seqlens", "cu_seqlens_padded"):
+            self.on_device(name, device)
+        return self
 
     @classmethod
     def from_batch(cls, batch: dict[str, Any], cp_group: dist.ProcessGroup | None = None) -> ThdAttentionMetadata:

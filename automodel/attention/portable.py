@@ -86,7 +86,7 @@ class PortableAttention(nn.Module):
             out = self._segments(q, k, v, meta, extras)
         else:
             kv_local = torch.cat([k, v], dim=-1)  # one collective for both
-            order = inverse_permutation(meta.partition_indices.flatten()).to(q.device)
+            order = inverse_permutation(meta.partition_indices.flatten()).to(q.device, non_blocking=True)
             kv = gather_tokens(kv_local, meta.cp_group)[order]
             k_global, v_global = kv.split(self.head_dim, dim=-1)
             positions = meta.partition_indices[meta.cp_rank]
@@ -156,7 +156,7 @@ def local_query_attention(
             continue
         rows = slice(local_start, local_start + n_local)
         local_start += n_local
-        i = (positions[rows] - seq_start).to(q.device)[:, None]  # [n_local, 1] query index in sequence
+        i = (positions[rows] - seq_start).to(q.device, non_blocking=True)[:, None]  # [n_local, 1] query index in sequence
         n_keys = int(positions[rows].max()) - seq_start + 1  # causal: no query sees past its own slot
         j = torch.arange(n_keys, device=q.device)[None, :]
         # [n_local, n_keys]; real and padding never mix

@@ -143,8 +143,8 @@ class TransformerEngineAttention(nn.Module):
         if not (q.is_cuda or self._cpu_ok):
             raise ValueError(f"attention backend 'te' needs q/k/v on a CUDA device, got {q.device}")
         self._set_cp_group(meta, q.device)
-        cu_seqlens = meta.cu_seqlens.to(q.device)
-        cu_seqlens_padded = meta.cu_seqlens_padded.to(q.device)
+        cu_seqlens = meta.on_device("cu_seqlens", q.device)
+        cu_seqlens_padded = meta.on_device("cu_seqlens_padded", q.device)
         out = self.core_attention(
             q,
             k,
@@ -206,7 +206,7 @@ def local_padding_rows(meta: ThdAttentionMetadata, device: torch.device) -> torc
     if cached is not None and cached[0]() is meta and cached[1] == device:
         return cached[2]
     mask = padding_mask_from_layout(meta.real_lens, meta.padded_lens)[meta.partition_indices[meta.cp_rank]]
-    rows = mask.to(device)[:, None]
+    rows = mask.to(device, non_blocking=True)[:, None]
     _padding_rows_cache = (weakref.ref(meta), device, rows)
     return rows
 

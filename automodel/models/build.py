@@ -81,14 +81,21 @@ class CausalLMForTraining(nn.Module):
         position_ids_T: torch.Tensor,
         labels_T: torch.Tensor,
         thd_layout: ThdAttentionMetadata,
+        label_positions_N: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Float32 sum of the next-token cross-entropy over this rank's label tokens."""
+        """Float32 sum of the next-token cross-entropy over this rank's label tokens.
+
+        ``label_positions_N``: the labelled positions (:func:`automodel.loss.label_positions` of
+        the host labels), so that the step never waits for the device to find them."""
         hf = self.transformers_model
         hidden_TD = getattr(hf, hf.base_model_prefix)(
             input_ids=input_ids_T[None], position_ids=position_ids_T[None], thd_layout=thd_layout, use_cache=False
         ).last_hidden_state[0]
         head = hf.get_output_embeddings()
-        return chunked_cross_entropy_sum(hidden_TD, head.weight, labels_T, bias_V=head.bias, **logit_transform(hf.config))
+        return chunked_cross_entropy_sum(
+            hidden_TD, head.weight, labels_T, bias_V=head.bias, label_positions_N=label_positions_N,
+            **logit_transform(hf.config),
+        )
 
 
 def logit_transform(config: PretrainedConfig) -> dict[str, Any]:

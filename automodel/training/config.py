@@ -90,6 +90,9 @@ class TrainerConfig:
             adapter (output_dir/adapter), and output_dir/hf only with ``peft.export_merged``.
         bf16_autocast: bf16 autocast on CUDA (ignored on CPU).
         progress_bar: a tqdm bar on rank 0.
+        sync_debug_step: on CUDA, run this step under torch's sync debug mode and log every place
+            where the host waited for the device (file, line, operation); ``host_syncs`` in that
+            step's metrics record counts them. Null: off.
         tracking: experiment trackers (:class:`TrackingConfig`): TensorBoard by default, W&B, MLflow.
     """
 
@@ -107,6 +110,7 @@ class TrainerConfig:
     export_hf: bool = True
     bf16_autocast: bool = True
     progress_bar: bool = True
+    sync_debug_step: int | None = None
     tracking: TrackingConfig | dict | None = None
 
     def __post_init__(self) -> None:
@@ -121,6 +125,8 @@ class TrainerConfig:
         _check(_is_int(self.seed), f"trainer.seed must be an int, got {self.seed!r}")
         _check(self.eval_every is None or (_is_int(self.eval_every) and self.eval_every >= 1),
                f"trainer.eval_every must be a positive int or null, got {self.eval_every!r}")
+        _check(self.sync_debug_step is None or (_is_int(self.sync_debug_step) and self.sync_debug_step >= 1),
+               f"trainer.sync_debug_step must be a positive int or null, got {self.sync_debug_step!r}")
         _check(self.checkpoint_every is None or (_is_int(self.checkpoint_every) and self.checkpoint_every >= 1),
                f"trainer.checkpoint_every must be a positive int or null, got {self.checkpoint_every!r}")
         _check(self.resume in RESUME_MODES, f"trainer.resume must be one of {RESUME_MODES}, got {self.resume!r}")

@@ -27,10 +27,11 @@ from automodel.data.batching import LoaderEnv
 from automodel.distributed import make_cp_batch_for_te
 from automodel.distributed.parallel import apply_fsdp, init_distributed
 from automodel.errors import ConfigError, DataError, ModelError, UserError
-from automodel.loss import count_label_tokens
+from automodel.loss import label_positions
 from automodel.models import CausalLMForTraining, build_model, export_model, setup_checks
 from automodel.training.checkpoint import Checkpointer, NonFiniteError
 from automodel.training.console import configure_console, on_terminal
+from automodel.training.host_syncs import record_host_syncs
 from automodel.training.metrics import MetricsLog, plot_loss_curve, read_metrics
 from automodel.training.model_card import write_adapter_card
 from automodel.training.run_dir import RECIPE, RunDirectory
@@ -38,7 +39,7 @@ from automodel.training.validation import evaluate
 
 logger = logging.getLogger("automodel")
 
-_DEVICE_KEYS = ("input_ids", "labels", "position_ids", "padding_mask", "cu_seqlens", "cu_seqlens_padded")
+_DEVICE_KEYS = ("input_ids", "labels", "position_ids", "label_positions")
 
 
 class FinetuneRecipe:
@@ -140,8 +141,7 @@ class FinetuneRecipe:
             disable=not (self.dims.is_main and self.trainer.progress_bar and on_terminal()),
         )
         while self.step < last_step:
-            record = self._train_step()
-            self.step += 1
+            record = self.train_step(list_host_syncs=self.step + 1 == self.trainer.sync_debug_step)
             progress.update(1)
             progress.set_postfix(loss=f"{record['loss']:.4f}")
             validated = self._validation_due()
@@ -167,27 +167,47 @@ class FinetuneRecipe:
             self._finish()
 
     def _train_step(self) -> dict[str, Any]:
+        """One optimizer step. The device is read once, after the backward (loss, label count and
+        grad norm in one transfer): token counts come from the host copies of the micro-batches and
+        the loss is normalized by a device tensor, so the host never waits inside the forward or
+        backward (``trainer.sync_debug_step`` lists any wait that remains)."""
         start = time.perf_counter()
         micro_batches = [self._shard(next(self.stream)) for _ in range(self.trainer.grad_accum_steps)]
-        label_tokens = self._all_reduce_sum([count_label_tokens(b["labels"]) for b in micro_batches])
-        if sum(label_tokens) == 0:
-            raise ValueError(f"step {self.step + 1} has no label token on any rank; check the loss masks of the data")
-        normalizer = float(sum(label_tokens))
+        # per-rank [label tokens, real tokens, slots] of the step, summed over all ranks in one collective
+        counts = self._all_reduce(
+            torch.tensor([[b["label_tokens"], b["real_tokens"], b["slots"]] for b in micro_batches]).sum(0),
+            torch.float64,
+        )
+        normalizer = counts[0].float()  # stays on the device: no wait before the backward
 
         loss_sum = torch.zeros((), device=self.dims.device)
         for i, batch in enumerate(micro_batches):
             self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # reduce once per step
             with self._autocast():
-                micro_loss = self.model(batch["input_ids"], batch["position_ids"], batch["labels"], batch["attn_meta"])
+                micro_loss = self.model(
+                    batch["input_ids"],
+                    batch["position_ids"],
+                    batch["labels"],
+                    batch["attn_meta"],
+                    batch["label_positions"],
+                )
             (micro_loss / normalizer).backward()
             loss_sum += micro_loss.detach()
-        grad_norm = self._clip_gradients()
-        real = sum(int((~b["padding_mask"]).sum()) for b in micro_batches)
-        slots = sum(b["padding_mask"].numel() for b in micro_batches)
-        loss_total, real, slots = self._all_reduce_sum([loss_sum, real, slots], dtype=torch.float64)
-        if not (math.isfinite(loss_total) and math.isfinite(grad_norm)):  # before the step writes NaN into weights
+        grad_norm = self._grad_norm_after_clipping()
+        loss_total = self._all_reduce(loss_sum, torch.float64)
+        # the step's one device read
+        loss_total, label_tokens, real, slots, grad_norm = torch.cat(
+            [loss_total[None], counts, grad_norm[None].double()]
+        ).tolist()
+        if label_tokens == 0:
+            raise ValueError(
+                f"step {self.step + 1} has no label token on any rank; check the loss masks of the data"
+            )
+        if not (
+            math.isfinite(loss_total) and math.isfinite(grad_norm)
+        ):  # before the step writes NaN into weights
             raise NonFiniteError(
-                f"step {self.step + 1}: loss {loss_total / normalizer} and grad norm {grad_norm} must be finite; "
+                f"step {self.step + 1}: loss {loss_total / label_tokens} and grad norm {grad_norm} must be finite; "
                 "stopped before the optimizer step (nothing of this step was saved). Lower optim.lr, set "
                 "optim.max_grad_norm, or check the data and the checkpoint it started from"
             )
@@ -196,18 +216,39 @@ class FinetuneRecipe:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - start
-        return {
+        record = {
             "step": self.step + 1,
             "epoch": self.stream.epoch,
-            "loss": loss_total / normalizer,
+            "loss": loss_total / label_tokens,
             "lr": lr,
             "grad_norm": grad_norm,
-            "label_tokens": int(normalizer),
+            "label_tokens": int(label_tokens),
             "real_tokens": int(real),
             "fill": real / slots,
             "tokens_per_s": real / seconds,
             "step_time_s": seconds,
         }
+        if self.dims.device.type == "cuda":
+            record["peak_memory_gb"] = torch.cuda.max_memory_allocated(self.dims.device) / 2**30
+        return record
+
+    def train_step(self, list_host_syncs: bool = False) -> dict[str, Any]:
+        """One optimizer step; returns its metrics record. With ``list_host_syncs`` (CUDA), every
+        place where the step made the host wait for the device is logged and counted in the
+        record's ``host_syncs``."""
+        if not list_host_syncs:
+            record = self._train_step()
+        elif self.dims.device.type != "cuda":
+            logger.info("step %d: host waits are only traced on CUDA", self.step + 1)
+            record = self._train_step()
+        else:
+            with record_host_syncs(self.dims.device) as syncs:
+                record = self._train_step()
+            record["host_syncs"] = len(syncs)
+            logger.info("step %d waited for the device %d times%s", self.step + 1, len(syncs),
+                        "".join(f"\n  {s}" for s in syncs))  # fmt: skip
+        self.step += 1
+        return record
 
     def _validation_due(self) -> bool:
         """Every ``trainer.eval_every`` steps and after the last step, when there is validation data."""
@@ -232,23 +273,31 @@ class FinetuneRecipe:
         return result.as_record()
 
     def _shard(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """This CP rank's share of a collated micro-batch, on the device, with its attention metadata."""
+        """This CP rank's share of a collated micro-batch. Its layout, label positions and token
+        counts are read from the host tensors; only what the model computes on is queued to the device."""
         thd = make_cp_batch_for_te(self.dims.cp_mesh if self.dims.cp_size > 1 else None, batch)
+        thd["attn_meta"] = ThdAttentionMetadata.from_batch(thd, cp_group=self.dims.cp_group).prefetch(
+            self.dims.device
+        )
+        thd["label_positions"] = label_positions(thd["labels"], self.hf_config.vocab_size)
+        thd["label_tokens"] = thd["label_positions"].numel()
+        thd["real_tokens"] = int((~thd["padding_mask"]).sum())
+        thd["slots"] = thd["padding_mask"].numel()
         for key in _DEVICE_KEYS:
             thd[key] = thd[key].to(self.dims.device, non_blocking=True)
-        thd["attn_meta"] = ThdAttentionMetadata.from_batch(thd, cp_group=self.dims.cp_group)
         return thd
 
-    def _clip_gradients(self) -> float:
+    def _grad_norm_after_clipping(self) -> torch.Tensor:
+        """The total gradient norm before clipping, a 0-dim tensor on the device (not read here)."""
         max_norm = self.optim_config.max_grad_norm
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm if max_norm else float("inf"))
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
-    def _all_reduce_sum(self, values: list, dtype: torch.dtype = torch.int64) -> list:
-        """Sum a few numbers (python or 0-dim tensors) over all ranks with one collective."""
-        packed = torch.stack([torch.as_tensor(v, dtype=dtype, device=self.dims.device) for v in values])
-        dist.all_reduce(packed)
-        return packed.tolist()
+    def _all_reduce(self, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``values`` summed over all ranks, on the collective's device (not read here)."""
+        values = values.to(self.dims.device, dtype)
+        dist.all_reduce(values)
+        return values
 
     def _autocast(self):
         if self.dims.device.type == "cuda" and self.trainer.bf16_autocast:

@@ -44,7 +44,8 @@ RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "hf", "adapter", "loss_curve.png"
 MUTABLE_KEYS = (
     "trainer.max_steps", "trainer.grad_accum_steps", "trainer.output_dir", "trainer.log_every", "trainer.eval_every",
     "trainer.checkpoint_every", "trainer.keep_last", "trainer.resume", "trainer.overwrite", "trainer.stop_at_step",
-    "trainer.export_hf", "trainer.progress_bar", "parallel.timeout_minutes", "parallel.cp_comm_type",
+    "trainer.export_hf", "trainer.progress_bar", "trainer.sync_debug_step", "parallel.timeout_minutes",
+    "parallel.cp_comm_type",
     "model.attention_backend", "data.num_proc", "packing.num_workers", "packing.cache_dir", "peft.export_merged",
 )  # the rest of peft.* (targets, rank, alpha, dropout) shapes the trained parameters: never mutable
 

@@ -252,13 +252,23 @@ def test_sequential_equals_nemo_pack_for_pack(case):
 
 @settings(max_examples=40, deadline=None)
 @given(lengths=st.lists(st.integers(1, 64), min_size=1, max_size=300), capacity=st.integers(64, 200))
-def test_bfd_plan_is_a_valid_partition_and_never_worse_than_next_fit(lengths, capacity):
+def test_bfd_plan_is_a_valid_partition_and_no_two_packs_could_merge(lengths, capacity):
     lengths = np.array(lengths)
     plan = plan_packs(lengths, capacity, "bfd")
     assert sorted(plan.sample_order.tolist()) == list(range(len(lengths)))
-    loads = np.add.reduceat(lengths[plan.sample_order], plan.pack_offsets[:-1])
+    loads = np.sort(np.add.reduceat(lengths[plan.sample_order], plan.pack_offsets[:-1]))
     assert loads.max() <= capacity
-    assert lower_bound_packs(lengths, capacity) <= plan.num_packs <= plan_packs(lengths, capacity, "sequential").num_packs
+    assert plan.num_packs >= lower_bound_packs(lengths, capacity)
+    # Best fit opens a pack only for a sample no open pack can hold, so any two packs overflow
+    # together. (It is not always at most next-fit's count: [18, 32, 38, 9, 9, 30, 33] in packs of
+    # 88 is 3 packs decreasing, 2 in this order.)
+    assert plan.num_packs == 1 or loads[0] + loads[1] > capacity
+
+
+def test_bfd_can_lose_to_next_fit_on_a_lucky_order():
+    lengths, capacity = np.array([18, 32, 38, 9, 9, 30, 33]), 88
+    assert plan_packs(lengths, capacity, "sequential").num_packs == 2  # 18+32+38 = 88, 9+9+30+33 = 81
+    assert plan_packs(lengths, capacity, "bfd").num_packs == 3  # 38+33+9, 32+30+18, 9
 
 
 def test_bfd_is_within_a_tenth_of_a_percent_of_the_lower_bound():

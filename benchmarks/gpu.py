@@ -1,0 +1,307 @@
+"""Every GPU figure in one command: ``automodel bench gpu``.
+
+Trains random-init models shaped like Llama 3.2 1B and Qwen3 1.7B (config only, no weights) with
+the real recipe path (``FinetuneRecipe``: data, packing, FSDP2 with bf16 compute on fp32 master
+weights, the registered THD attention, the chunked loss, AdamW), on a seeded length mix typical of
+chat SFT data, and prints one table row per case:
+
+- ``packed``: BFD packs of 8k and 16k tokens, for each attention backend available here (te,
+  varlen, portable);
+- ``padded``: the same samples in padded micro-batches with the same slot budget
+  (``pack_size // max_length`` rows of ``max_length``), the best backend;
+- ``ac``: activation checkpointing on, the best backend;
+- the loss alone: the chunked cross-entropy against full ``[T, V]`` logits (peak memory above
+  the inputs, :mod:`benchmarks.loss_memory`).
+
+Columns: real tokens/s (padding excluded; median over the measured steps), MFU (model FLOPs over
+the device's peak dense bf16 FLOP/s; model FLOPs = 6 x matmul parameters per real token, the
+output head per label token, and causal attention 6 x layers x heads x head_dim x sum(len^2)
+over the samples, taken per token from the data set), peak memory
+(``torch.cuda.max_memory_allocated``), and host syncs: the number of times the host waited for
+the device in one training step, from ``torch.cuda.set_sync_debug_mode`` (each one's source line
+goes to the log and the JSON).
+
+On a machine without CUDA the same command runs tiny shapes with the portable backend in float32
+(CI keeps it working; MFU and syncs are then not measured). ``--json PATH`` writes every figure.
+
+    automodel bench gpu                      # the full table (under 8 minutes on one H100)
+    automodel bench gpu --tiny --steps 2     # the CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf, open_dict
+
+from automodel.attention.te import te_import_failure
+from automodel.attention.varlen import varlen_unsupported
+from automodel.config import load_recipe
+from automodel.te_support import te_pytorch
+from automodel.training.finetune import FinetuneRecipe
+from benchmarks import loss_memory
+
+LLAMA3_2_1B = {
+    "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
+    "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+    "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+}  # fmt: skip
+QWEN3_1_7B = {
+    "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+    "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "rope_theta": 1000000.0,
+}  # fmt: skip
+TINY = {
+    "model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 4096,
+}  # fmt: skip
+SHAPES = {"llama3.2-1b": LLAMA3_2_1B, "qwen3-1.7b": QWEN3_1_7B, "tiny": TINY}
+
+# Peak dense bf16 tensor FLOP/s by device name (vendor data sheets, without sparsity).
+PEAK_BF16 = {"H100 SXM": 989e12, "H100 80GB HBM3": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12,
+             "H200": 989e12, "GH200": 989e12, "A100": 312e12, "L40S": 362e12, "B200": 2250e12}  # fmt: skip
+TOKENIZER_SIZE = 512  # the shipped tiny tokenizer: token ids of the synthetic samples stay below it
+
+
+@dataclass
+class Case:
+    shape: str
+    pack_size: int
+    backend: str
+    batching: str = "packed"  # or "padded"
+    activation_checkpointing: bool = False
+
+    @property
+    def name(self) -> str:
+        ac = " +ac" if self.activation_checkpointing else ""
+        return f"{self.shape} {tokens_label(self.pack_size)} {self.backend} {self.batching}{ac}"
+
+
+def tokens_label(tokens: int) -> str:
+    return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
+
+
+def length_mix(samples: int, max_length: int, seed: int = 0) -> np.ndarray:
+    """Seeded chat-SFT-like sample lengths: log-normal with median ``max_length / 8`` (512 tokens
+    for the default 4096), in [16, max_length]."""
+    rng = np.random.default_rng(seed)
+    return np.clip(rng.lognormal(np.log(max_length / 8), 0.9, samples), 16, max_length).astype(int)
+
+
+def write_samples(path: Path, lengths: np.ndarray, seed: int = 0) -> None:
+    """Token-format rows: random ids, the first 30% of each sample a prompt (not learned)."""
+    rng = np.random.default_rng(seed)
+    with path.open("w") as f:
+        for n in lengths:
+            ids = rng.integers(0, TOKENIZER_SIZE, n).tolist()
+            prompt = int(0.3 * n)
+            f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * prompt + [1] * (n - prompt)}) + "\n")
+
+
+def available_backends(device: torch.device) -> list[str]:
+    """Backends that run here, best first."""
+    if device.type != "cuda":
+        return ["portable"]
+    found = []
+    if te_pytorch() is not None:
+        found.append("te")
+    else:
+        logging.getLogger(__name__).warning("te skipped: %s", te_import_failure())
+    reason = varlen_unsupported(device=device, dtype=torch.bfloat16, softcap=None, sinks=False, cp_size=1)
+    if reason is None:
+        found.append("varlen")
+    else:
+        logging.getLogger(__name__).warning("varlen skipped: %s", reason)
+    return [*found, "portable"]
+
+
+def attention_flops_per_token(config: dict, lengths: np.ndarray) -> float:
+    """Causal attention's forward + backward FLOPs per token, averaged over samples of ``lengths``:
+    QK^T and PV are 2 x len^2 x heads x head_dim each for a full square, half of it causal, times 3
+    for the backward, per layer."""
+    per_layer = 6 * config["num_attention_heads"] * config["head_dim"]
+    return config["num_hidden_layers"] * per_layer * float((lengths.astype(np.float64) ** 2).sum() / lengths.sum())
+
+
+def flops_per_step(config: dict, matmul_params: int, record: dict, attention_per_token: float) -> float:
+    """Model FLOPs of one training step (forward + backward), as in the module docstring:
+    ``matmul_params`` excludes the input embedding and the output head, whose logits exist only
+    for label tokens (the chunked loss)."""
+    head = 6 * config["hidden_size"] * config["vocab_size"] * record["label_tokens"]
+    return record["real_tokens"] * (6 * matmul_params + attention_per_token) + head
+
+
+def run_case(case: Case, data: Path, max_length: int, args: argparse.Namespace, workdir: Path) -> dict:
+    """Set up the recipe for ``case`` and time ``args.warmup + args.steps`` optimizer steps."""
+    cuda = torch.cuda.is_available()
+    overrides = [
+        f"data.source={data}", "data.format=tokens", f"data.max_length={max_length}", "++data.num_proc=1",
+        f"model.attention_backend={case.backend}", f"model.activation_checkpointing={case.activation_checkpointing}",
+        f"model.dtype={'bfloat16' if cuda else 'float32'}", "optim.warmup_steps=0",
+        f"trainer.max_steps={args.warmup + args.steps}", "trainer.grad_accum_steps=1", "trainer.progress_bar=false",
+        "trainer.export_hf=false", "trainer.tracking.tensorboard=false", "trainer.resume=never",
+        "trainer.overwrite=true", f"trainer.output_dir={workdir / case.name.replace(' ', '_')}",
+    ]  # fmt: skip
+    if case.batching == "packed":
+        overrides += ["packing=bfd", f"packing.packed_sequence_size={case.pack_size}"]
+    else:
+        rows = max(1, case.pack_size // max_length)
+        overrides += ["packing=none", f"packing.micro_batch_size={rows}", f"packing.max_length={max_length}"]
+    cfg = load_recipe("tiny_llama_sft", overrides)
+    with open_dict(cfg):
+        cfg.model.config = OmegaConf.create(SHAPES[case.shape])
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    recipe = FinetuneRecipe(cfg)
+    try:
+        recipe.setup()
+        records = []
+        for step in range(args.warmup + args.steps):
+            records.append(recipe.train_step(list_host_syncs=step == args.warmup - 1))
+        parameters = sum(p.numel() for p in recipe.model.parameters())
+    finally:
+        recipe.cleanup()
+        del recipe
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    measured = records[args.warmup :]
+    return {
+        "records": records,
+        "parameters": parameters,
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in measured),
+        "step_time_s": statistics.median(r["step_time_s"] for r in measured),
+        "fill": statistics.mean(r["fill"] for r in measured),
+        "peak_memory_gb": max((r.get("peak_memory_gb", float("nan")) for r in records), default=float("nan")),
+        "host_syncs": records[args.warmup - 1].get("host_syncs"),
+    }
+
+
+def peak_flops(args: argparse.Namespace) -> float | None:
+    if args.peak_tflops:
+        return args.peak_tflops * 1e12
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((flops for key, flops in PEAK_BF16.items() if key in name), None)
+
+
+def cases_for(args: argparse.Namespace, backends: list[str]) -> list[Case]:
+    best = backends[0]
+    cases = [Case(s, p, b) for s in args.shapes for p in args.pack_sizes for b in backends]
+    cases += [Case(s, args.pack_sizes[0], best, batching="padded") for s in args.shapes]
+    cases += [Case(args.shapes[0], p, best, activation_checkpointing=True) for p in args.pack_sizes]
+    return cases
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="automodel bench gpu", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes and packs (the default without CUDA)")
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), help="default: llama3.2-1b qwen3-1.7b")
+    parser.add_argument("--pack-sizes", nargs="+", type=int, help="default: 8192 16384 (tiny: 256 512)")
+    parser.add_argument("--max-length", type=int, help="longest sample (default: 4096; tiny: 128)")
+    parser.add_argument("--steps", type=int, default=6, help="measured optimizer steps per case")
+    parser.add_argument("--warmup", type=int, default=2, help="steps before them (the last one traces host syncs)")
+    parser.add_argument("--peak-tflops", type=float, help="the device's peak dense bf16 TFLOP/s, for MFU")
+    parser.add_argument("--json", type=Path, help="write every figure here")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tiny = args.tiny or device.type != "cuda"
+    args.shapes = args.shapes or (["tiny"] if tiny else ["llama3.2-1b", "qwen3-1.7b"])
+    args.pack_sizes = args.pack_sizes or ([256, 512] if tiny else [8192, 16384])
+    max_length = args.max_length or (128 if tiny else 4096)
+    if args.warmup < 1 or args.steps < 1:
+        parser.error("--warmup and --steps must be at least 1")
+
+    backends = available_backends(device)
+    peak = peak_flops(args)
+    # enough samples for the longest case's steps, the same samples for every case
+    lengths = length_mix(max(200, 24 * (args.warmup + args.steps) * max(args.pack_sizes) // max_length), max_length)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "samples.jsonl"
+        write_samples(data, lengths)
+        for case in cases_for(args, backends):
+            start = time.perf_counter()
+            try:
+                figures = run_case(case, data, max_length, args, Path(tmp))
+            except Exception as error:  # one failing backend must not hide the other figures
+                logging.getLogger(__name__).exception("%s failed", case.name)
+                results.append({**asdict(case), "name": case.name, "error": f"{type(error).__name__}: {error}"})
+                continue
+            config = SHAPES[case.shape]
+            embed = config["vocab_size"] * config["hidden_size"]
+            # every parameter is a matmul weight but the input embedding (and the head, counted apart)
+            matmul = figures["parameters"] - embed * (1 if config.get("tie_word_embeddings") else 2)
+            attention = attention_flops_per_token(config, lengths)
+            flops = [flops_per_step(config, matmul, r, attention) for r in figures["records"]]
+            step_flops = statistics.median(f / r["step_time_s"] for f, r in zip(flops, figures["records"]))
+            figures["mfu"] = step_flops / peak if peak else None
+            figures["seconds"] = time.perf_counter() - start
+            results.append({**asdict(case), "name": case.name, **figures})
+        loss_rows = loss_comparison(args, device, max(args.pack_sizes))
+
+    print_table(results, loss_rows, device, peak)
+    if args.json:
+        report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                  "torch": torch.__version__, "peak_flops": peak, "cases": results, "loss": loss_rows}  # fmt: skip
+        args.json.write_text(json.dumps(report, indent=1, default=str))
+    return 1 if any("error" in r for r in results) else 0
+
+
+def loss_comparison(args: argparse.Namespace, device: torch.device, tokens: int) -> list[dict]:
+    """Chunked vs full-logits loss at the first shape's vocabulary and hidden size."""
+    config = SHAPES[args.shapes[0]]
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    return [
+        {"case": case, **loss_memory.measure(case, device.type, dtype, tokens, config["vocab_size"], config["hidden_size"])}
+        for case in ("chunked", "naive")
+    ]
+
+
+def print_table(results: list[dict], loss_rows: list[dict], device: torch.device, peak: float | None) -> None:
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"\nautomodel bench gpu: {name}, torch {torch.__version__}, peak bf16 "
+          f"{f'{peak / 1e12:.0f} TFLOP/s' if peak else 'unknown (MFU not computed)'}")  # fmt: skip
+    print(f"{'case':<36} {'real tok/s':>11} {'MFU':>6} {'peak mem':>9} {'fill':>6} {'syncs':>6} {'step':>8}")
+    for r in results:
+        if "error" in r:
+            print(f"{r['name']:<36} FAILED: {r['error'][:80]}")
+            continue
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
+        memory = f"{r['peak_memory_gb']:.1f} GB" if r["peak_memory_gb"] == r["peak_memory_gb"] else "-"
+        syncs = "-" if r["host_syncs"] is None else str(r["host_syncs"])
+        print(f"{r['name']:<36} {r['tokens_per_s']:>11,.0f} {mfu:>6} {memory:>9} {r['fill']:>6.1%} {syncs:>6} "
+              f"{r['step_time_s']:>7.3f}s")  # fmt: skip
+    best_packed = {}  # the best backend's packed row (cases run best backend first)
+    for r in results:
+        if r["batching"] == "packed" and not r["activation_checkpointing"] and "error" not in r:
+            best_packed.setdefault((r["shape"], r["pack_size"]), r)
+    for r in results:
+        if r["batching"] == "padded" and "error" not in r and (r["shape"], r["pack_size"]) in best_packed:
+            best = best_packed[(r["shape"], r["pack_size"])]
+            print(f"{r['shape']} {tokens_label(r['pack_size'])} {r['backend']}: packed {best['tokens_per_s'] / r['tokens_per_s']:.2f}x "
+                  "padded real tokens/s")  # fmt: skip
+    for row in loss_rows:
+        print(f"loss {row['case']:<8} T={row['tokens']} V={row['vocab']}: extra {row['extra_gb']:.3f} GB, "
+              f"{row['seconds']:.3f} s")  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())

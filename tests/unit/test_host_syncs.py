@@ -1,0 +1,125 @@
+"""No host waits inside the forward and backward, and the GPU benchmark at tiny sizes on CPU.
+
+The model runs on the meta device with the layout (metadata, label positions) on the host: a meta
+tensor has no data, so any read of a device tensor (``.item()``, ``.tolist()``, ``nonzero``, a
+boolean index) raises, which is exactly the set of operations that make a CUDA host wait.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from automodel.attention import ThdAttentionMetadata
+from automodel.attention.hf import THD_ATTENTION, attach_thd_attention, register_thd_attention
+from automodel.cli import main as cli_main
+from automodel.loss import label_positions
+from automodel.models.build import CausalLMForTraining
+from benchmarks.gpu import attention_flops_per_token, flops_per_step, length_mix
+
+META = torch.device("meta")
+SHAPE = dict(
+    vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8,
+)  # fmt: skip
+
+
+def meta_model(model_type: str, **extra) -> CausalLMForTraining:
+    register_thd_attention()
+    config = AutoConfig.for_model(model_type, **SHAPE, **extra)
+    with META:
+        hf = AutoModelForCausalLM.from_config(config, attn_implementation=THD_ATTENTION)
+    attach_thd_attention(hf, "portable")
+    return CausalLMForTraining(hf)
+
+
+def packed_inputs(lengths: list[int]) -> tuple[torch.Tensor, ...]:
+    """ids, positions, labels (first token of each sample unlabelled) on the host, and the layout."""
+    generator = torch.Generator().manual_seed(0)
+    total = sum(lengths)
+    ids = torch.randint(0, SHAPE["vocab_size"], (total,), generator=generator)
+    labels = torch.randint(0, SHAPE["vocab_size"], (total,), generator=generator)
+    starts = np.cumsum([0, *lengths[:-1]])
+    labels[starts] = -100
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    cu = torch.tensor(np.cumsum([0, *lengths]), dtype=torch.int32)
+    return ids, positions, labels, ThdAttentionMetadata(cu, cu.clone(), max(lengths))
+
+
+@pytest.mark.parametrize(
+    "model_type, extra",
+    [("llama", {}), ("mistral", {"sliding_window": 3}), ("gemma2", {"attn_logit_softcapping": 50.0})],
+)
+def test_forward_and_backward_never_read_the_device(model_type, extra):
+    model = meta_model(model_type, **extra)
+    ids, positions, labels, layout = packed_inputs([5, 7, 4])
+    loss = model(
+        ids.to(META), positions.to(META), labels.to(META), layout.prefetch(META),
+        label_positions(labels, SHAPE["vocab_size"]).to(META),
+    )  # fmt: skip
+    loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    assert loss.device == META and all(g is not None and g.device == META for g in grads)
+
+
+def test_the_check_catches_a_device_read():
+    # Without host-computed label positions the loss finds them itself: a read, which meta refuses.
+    model = meta_model("llama")
+    ids, positions, labels, layout = packed_inputs([5, 7, 4])
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        model(ids.to(META), positions.to(META), labels.to(META), layout)
+
+
+def test_label_positions_by_hand():
+    assert label_positions(torch.tensor([-100, 3, -100, 0, 9]), 10).tolist() == [1, 3, 4]
+    assert label_positions(torch.tensor([-100, -100]), 10).tolist() == []
+    with pytest.raises(ValueError, match=r"\[0, 10\).*got values in \[3, 10\]"):
+        label_positions(torch.tensor([3, 10]), 10)
+
+
+def test_layout_copied_to_a_device_once_and_shared_by_copies():
+    _, _, _, layout = packed_inputs([5, 7, 4])
+    first = layout.prefetch(META).on_device("cu_seqlens", META)
+    assert layout.on_device("cu_seqlens", META) is first
+    import dataclasses
+
+    assert dataclasses.replace(layout).on_device("cu_seqlens", META) is first  # FSDP2 copies forward inputs
+
+
+def test_flops_by_hand():
+    config = {"hidden_size": 4, "vocab_size": 10, "num_hidden_layers": 2, "num_attention_heads": 2, "head_dim": 2}
+    # per layer 6 * 2 heads * 2 dims = 24; 2 layers: 48; samples 2 and 3: sum len^2 / sum len = 13 / 5
+    attention = attention_flops_per_token(config, np.array([2, 3]))
+    assert attention == pytest.approx(48 * 13 / 5)
+    # 10 real tokens x (6 x 100 + attention) + 5 label tokens x 6 x 4 x 10
+    record = {"real_tokens": 10, "label_tokens": 5}
+    assert flops_per_step(config, 100, record, attention) == pytest.approx(10 * (600 + 124.8) + 1200)
+
+
+def test_length_mix_is_seeded_and_bounded():
+    lengths = length_mix(1000, 4096)
+    assert lengths.min() >= 16 and lengths.max() <= 4096
+    assert 400 < np.median(lengths) < 640  # median about 4096 / 8
+    assert np.array_equal(lengths, length_mix(1000, 4096))
+
+
+def test_bench_gpu_runs_tiny_on_cpu(tmp_path, capsys):
+    out = tmp_path / "gpu.json"
+    assert cli_main(["bench", "gpu", "--steps", "1", "--warmup", "1", "--pack-sizes", "256", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    cases = {c["name"]: c for c in report["cases"]}
+    assert set(cases) == {"tiny 256 portable packed", "tiny 256 portable padded", "tiny 256 portable packed +ac"}
+    for case in cases.values():
+        assert "error" not in case and len(case["records"]) == 2
+        assert all(0 < r["real_tokens"] <= 256 and r["label_tokens"] < r["real_tokens"] for r in case["records"])
+        assert case["mfu"] is None and case["host_syncs"] is None  # neither is measured without CUDA
+    # activation checkpointing recomputes, it does not change the numbers
+    plain, checkpointed = cases["tiny 256 portable packed"], cases["tiny 256 portable packed +ac"]
+    assert [r["loss"] for r in plain["records"]] == pytest.approx([r["loss"] for r in checkpointed["records"]], abs=1e-6)
+    assert [row["case"] for row in report["loss"]] == ["chunked", "naive"]
+    table = capsys.readouterr().out
+    assert "tiny 256 portable: packed" in table and "x padded real tokens/s" in table
