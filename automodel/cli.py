@@ -156,7 +156,7 @@ def _recipe_help() -> str:
     for group in sorted(p for p in CONFIGS_DIR.iterdir() if p.is_dir()):
         lines.append(f"  {group.name:<10} {', '.join(sorted(p.stem for p in group.glob('*.yaml')))}")
     lines.append("\ncommon keys (KEY=VALUE, e.g. trainer.max_steps=20):")
-    lines += [f"  {keys:<58} {what}" for keys, what in COMMON_KEYS]
+    lines += [f"  {keys:<63} {what}" for keys, what in COMMON_KEYS]
     lines += [
         "\nexamples:",
         "  automodel finetune tiny_llama_sft trainer.max_steps=20 packing=sequential",

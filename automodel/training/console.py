@@ -27,7 +27,8 @@ def silence_known_warnings() -> None:
 
 
 def configure_console(is_main: bool) -> None:
-    """INFO log lines on rank 0 (WARNING elsewhere); no ``datasets`` progress bars off a terminal."""
+    """INFO log lines on rank 0 (WARNING elsewhere); no progress bars of ``datasets`` (map) or
+    ``transformers`` (writing shards) off a terminal."""
     logging.basicConfig(
         level=logging.INFO if is_main else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", force=True,
@@ -35,5 +36,7 @@ def configure_console(is_main: bool) -> None:
     silence_known_warnings()
     if not on_terminal():
         import datasets
+        import transformers
 
         datasets.disable_progress_bars()
+        transformers.utils.logging.disable_progress_bar()
