@@ -21,9 +21,9 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CASES = {
-    "--version": ["--version"],
+    "version": ["--version"],
     "finetune --help": ["finetune", "--help"],
-    "--cfg job": ["finetune", "tiny_llama_sft", "--cfg", "job"],
+    "cfg job": ["finetune", "tiny_llama_sft", "--cfg", "job"],
     "unknown recipe": ["finetune", "tiny_llama_sftt"],
     "unknown key": ["finetune", "tiny_llama_sft", "trainer.max_stepz=3"],
     "bad value": ["finetune", "tiny_llama_sft", "optim.lr=-1", "trainer.output_dir=/nonexistent/never-written"],
