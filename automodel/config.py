@@ -28,8 +28,9 @@ from omegaconf.errors import OmegaConfBaseException
 from automodel.errors import ConfigError
 
 SECTIONS = ("model", "data", "packing", "parallel", "optim", "trainer")
-# Sections a recipe may leave out (or set to null): ``peft`` absent means full fine-tuning.
-OPTIONAL_SECTIONS = ("peft",)
+# Sections a recipe may leave out (or set to null): ``peft`` absent means full fine-tuning, ``dpo``
+# present means preference optimization (automodel.training.dpo) instead of SFT.
+OPTIONAL_SECTIONS = ("peft", "dpo")
 _HYDRA_KEYS = {"_target_", "_recursive_", "_convert_", "_partial_", "_args_"}
 # Components from outside the project a recipe may name: configuration classes, nothing that reads
 # files or runs code.

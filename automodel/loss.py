@@ -84,6 +84,38 @@ def chunked_cross_entropy_sum(
         The matmuls run in the autocast dtype when autocast is on, else in the inputs' dtype; the
         softmax and the loss in float32.
     """
+    label_positions_N, rows = _labelled_rows(
+        hidden_TD, weight_VD, labels_T, bias_V, logit_scale, final_logit_softcap, chunk_tokens, label_positions_N
+    )
+    return _ChunkedCrossEntropy.apply(*rows, True)
+
+
+def chunked_token_log_probs(
+    hidden_TD: torch.Tensor,
+    weight_VD: torch.Tensor,
+    labels_T: torch.Tensor,
+    *,
+    bias_V: torch.Tensor | None = None,
+    logit_scale: float = 1.0,
+    final_logit_softcap: float | None = None,
+    chunk_tokens: int = 1024,
+    label_positions_N: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """float32 ``[T]``: ``log p(labels_T[t])`` under the same head as :func:`chunked_cross_entropy_sum`
+    (same arguments, same chunks: never a float32 ``[T, V]``), 0 where the label is -100.
+    Differentiable like the sum; ``-chunked_token_log_probs(...).sum()`` equals it."""
+    label_positions_N, rows = _labelled_rows(
+        hidden_TD, weight_VD, labels_T, bias_V, logit_scale, final_logit_softcap, chunk_tokens, label_positions_N
+    )
+    ce_N = _ChunkedCrossEntropy.apply(*rows, False)
+    zeros_T = torch.zeros(labels_T.shape, dtype=torch.float32, device=hidden_TD.device)
+    return zeros_T.index_copy(0, label_positions_N, -ce_N)
+
+
+def _labelled_rows(
+    hidden_TD, weight_VD, labels_T, bias_V, logit_scale, final_logit_softcap, chunk_tokens, label_positions_N
+):
+    """The labelled positions ``[N]`` and the arguments of :class:`_ChunkedCrossEntropy` for them."""
     _check_loss_args(hidden_TD, weight_VD, labels_T, bias_V, logit_scale, final_logit_softcap, chunk_tokens)
     if label_positions_N is None:  # found from the labels: on an accelerator, a wait for the device
         label_positions_N = label_positions(labels_T, weight_VD.shape[0])
@@ -93,7 +125,7 @@ def chunked_cross_entropy_sum(
         compute_dtype = torch.get_autocast_dtype(device_type)
     else:
         compute_dtype = torch.promote_types(hidden_TD.dtype, weight_VD.dtype)
-    return _ChunkedCrossEntropySum.apply(
+    return label_positions_N, (
         hidden_TD[label_positions_N],
         weight_VD,
         bias_V,
@@ -154,13 +186,13 @@ def _capped_logits(
     return tanh_CV.mul_(softcap), None
 
 
-class _ChunkedCrossEntropySum(torch.autograd.Function):
+class _ChunkedCrossEntropy(torch.autograd.Function):
     """Forward over chunks of labelled rows, backward over blocks of the vocabulary; logits are
     recomputed, never stored. Each chunk's work is a function call, so its buffers are freed
-    before the next chunk's are allocated."""
+    before the next chunk's are allocated. Returns the sum (``reduce``) or each row's ``[N]``."""
 
     @staticmethod
-    def forward(ctx, h_ND, weight_VD, bias_V, targets_N, scale, softcap, chunk_tokens, compute_dtype):
+    def forward(ctx, h_ND, weight_VD, bias_V, targets_N, scale, softcap, chunk_tokens, compute_dtype, reduce):
         lse_N = torch.empty(h_ND.shape[0], dtype=torch.float32, device=h_ND.device)
         target_logit_N = torch.empty_like(lse_N)
         with _autocast_off(h_ND.device.type):
@@ -173,7 +205,8 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
                 )
         ctx.save_for_backward(h_ND, weight_VD, bias_V, targets_N, lse_N)
         ctx.args = (scale, softcap, chunk_tokens, compute_dtype)
-        return (lse_N - target_logit_N).sum()
+        ce_N = lse_N - target_logit_N
+        return ce_N.sum() if reduce else ce_N
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -202,7 +235,7 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
                     scale,
                     softcap,
                 )
-                g_NB.mul_(grad_loss)
+                g_NB.mul_(grad_loss if grad_loss.dim() == 0 else grad_loss[:, None])
                 if need_b:
                     grad_b_V[cols] = g_NB.sum(0)
                 g_NB = g_NB.to(compute_dtype)  # frees the float32 copy when they differ
@@ -211,7 +244,7 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
                 if need_h:
                     _accumulate_matmul(grad_h_ND, g_NB, w_VD[cols])
                 del g_NB  # before the next block allocates its own
-        return grad_h_ND.to(h_ND.dtype) if need_h else None, grad_w_VD, grad_b_V, *(None,) * 5
+        return grad_h_ND.to(h_ND.dtype) if need_h else None, grad_w_VD, grad_b_V, *(None,) * 6
 
 
 def _chunk_forward(h_CD, w_VD, b_V, targets_C, scale, softcap) -> tuple[torch.Tensor, torch.Tensor]:

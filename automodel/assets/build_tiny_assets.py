@@ -3,6 +3,7 @@
 ``python -m automodel.assets.build_tiny_assets`` rewrites these files byte for byte::
 
     tiny_sft.jsonl                          NUM_ROWS rows with columns prompt, completion, messages
+    tiny_preference.jsonl                   NUM_PAIRS rows with columns prompt, chosen, rejected
     tiny_tokenizer/tokenizer.json           byte-level BPE with VOCAB_SIZE ids, trained on the rows
     tiny_tokenizer/tokenizer_config.json    bos/eos/pad tokens and the chat template
 
@@ -35,6 +36,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 SEED = 20260
 NUM_ROWS = 3000
+NUM_PAIRS = 1000
+PREFERENCE_SEED = SEED + 1  # other task instances than the SFT rows
 VOCAB_SIZE = 512
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
@@ -158,6 +161,42 @@ def make_rows(seed: int = SEED, num_rows: int = NUM_ROWS) -> list[dict]:
     return rows
 
 
+def corrupt(answer: str, rng: random.Random) -> str:
+    """A plausible wrong answer: a number moved by 1..9, a list's words in another order, a word's
+    letters reversed or one dropped. Never equal to ``answer``.
+
+    Example: "42" -> "45"; "red blue green" -> "blue red green"; "tiger" -> "tger".
+    """
+    if answer.lstrip("-").isdigit():
+        return str(int(answer) + rng.choice([-1, 1]) * rng.randint(1, 9))
+    for separator in (", ", " "):
+        parts = answer.split(separator)
+        if len(parts) > 1 and len(set(parts)) > 1:
+            wrong = parts[:]
+            while wrong == parts:
+                rng.shuffle(wrong)
+            return separator.join(wrong)
+    if len(set(answer)) > 1 and rng.random() < 0.5:
+        return answer[::-1] if answer[::-1] != answer else answer[1:]
+    cut = rng.randrange(len(answer))
+    return (answer[:cut] + answer[cut + 1 :]) or answer + answer
+
+
+def make_preference_rows(seed: int = PREFERENCE_SEED, num_rows: int = NUM_PAIRS) -> list[dict]:
+    """Preference pairs over the same tasks: the correct answer is chosen, a corrupted one rejected.
+
+    Example row::
+
+        {"prompt": "What is 12 plus 30?\\nAnswer:", "chosen": " 42", "rejected": " 45"}
+    """
+    rng = random.Random(seed)
+    return [
+        {"prompt": row["prompt"], "chosen": row["completion"],
+         "rejected": " " + corrupt(row["completion"][1:], rng)}
+        for row in make_rows(seed, num_rows)
+    ]  # fmt: skip
+
+
 def train_tokenizer(texts: list[str], vocab_size: int = VOCAB_SIZE) -> Tokenizer:
     """A byte-level BPE over ``texts``; ``SPECIAL_TOKENS`` take ids 0..5 and bos is prepended on encode."""
     tokenizer = Tokenizer(models.BPE())
@@ -199,6 +238,9 @@ def build_tiny_assets(out_dir: Path, seed: int = SEED) -> list[Path]:
     tokenizer_dir.mkdir(parents=True, exist_ok=True)
     paths = {
         out_dir / "tiny_sft.jsonl": "".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows),
+        out_dir / "tiny_preference.jsonl": "".join(
+            json.dumps(row, separators=(",", ":")) + "\n" for row in make_preference_rows(seed + 1)
+        ),
         tokenizer_dir / "tokenizer.json": tokenizer.to_str(pretty=True) + "\n",
         tokenizer_dir / "tokenizer_config.json": json.dumps(tokenizer_config(), indent=2) + "\n",
     }

@@ -14,6 +14,7 @@ The layout rules, shared by every batching mode (and by :func:`pack_dataset`'s c
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from automodel.distributed.thd import SEQ_LENS_PADDING_VALUE
+from automodel.distributed.thd import SEQ_LENS_PADDING_VALUE, BatchKeyError
 
 CROSS_ENTROPY_IGNORE_INDEX = -100
 
@@ -29,14 +30,15 @@ _TOKEN_KEYS = ("input_ids", "labels", "position_ids")
 _LAYOUT_KEYS = ("seq_lens", "seq_lens_padded")
 
 
-def cp_multiple(cp_size: int) -> int:
-    """Every sample's padded length is a multiple of this: ``2 * cp_size`` under CP, else 1."""
-    return 2 * cp_size if cp_size > 1 else 1
+def cp_multiple(cp_size: int, pad_to_multiple_of: int = 1) -> int:
+    """Every sample's padded length is a multiple of this: ``2 * cp_size`` under CP (else 1), and of
+    ``pad_to_multiple_of``."""
+    return math.lcm(2 * cp_size if cp_size > 1 else 1, pad_to_multiple_of)
 
 
-def cp_padded(lengths: np.ndarray, cp_size: int) -> np.ndarray:
+def cp_padded(lengths: np.ndarray, cp_size: int, pad_to_multiple_of: int = 1) -> np.ndarray:
     """``[N]`` lengths rounded up to a multiple of :func:`cp_multiple` (each sample's CP-padded length)."""
-    multiple = cp_multiple(cp_size)
+    multiple = cp_multiple(cp_size, pad_to_multiple_of)
     return -(-lengths // multiple) * multiple
 
 
@@ -92,24 +94,48 @@ def build_row(
     }
 
 
+class RowLengthError(ValueError, RuntimeError):
+    """Rows of a batch that cannot be stacked. Also a ``RuntimeError``: NeMo AutoModel's collater
+    raises that (from ``torch.stack``) and its callers catch it."""
+
+
+PAD_TOKEN_IDS_KEY = "___PAD_TOKEN_IDS___"  # NeMo AutoModel's per-sample pad id metadata
+
+
 def packed_sequence_thd_collater(batch: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Stack rows (of :func:`pack_dataset` or :func:`build_row`) into a batch.
 
     Args:
         batch: rows, each with ``input_ids``, ``labels``, ``position_ids`` of S entries and
             ``seq_lens``, ``seq_lens_padded`` of one entry per sample (lists, numpy arrays or tensors).
+            Or unpacked samples (no ``seq_lens``): ``input_ids``, ``labels``, optional
+            ``attention_mask`` (1s then 0s: the 0s are padding) and ``loss_mask``, optional
+            ``___PAD_TOKEN_IDS___`` metadata (its ``input_ids`` entry is the pad id, else 0);
+            each becomes one sequence of a row as long as the longest sample (:func:`build_row`).
 
     Returns:
         ``input_ids``, ``labels``, ``position_ids``: int64 ``[B, S]``; ``seq_lens``,
         ``seq_lens_padded``: int64 ``[B, D]`` right-padded with -1000; ``qkv_format="thd"``.
         An empty batch gives ``{}``.
 
+    Raises:
+        RowLengthError: rows of different lengths (a ``ValueError`` and a ``RuntimeError``).
+
     Example::
 
         packs     seq_lens [3, 2] and [6]        ->  seq_lens [[3, 2], [6, -1000]]
+        samples   attention_mask [1 1 0] and [1] ->  seq_lens [[2], [1]]   seq_lens_padded [[3], [3]]
     """
     if len(batch) == 0:
         return {}
+    packed = ["seq_lens" in row for row in batch]
+    if not any(packed):
+        batch = _rows_of_samples(batch)
+    elif not all(packed):
+        raise ValueError(
+            f"row {packed.index(False)} lacks seq_lens but row {packed.index(True)} has them: a batch holds either "
+            "packed rows (pack_dataset) or unpacked samples, not both"
+        )
     for i, pack in enumerate(batch):
         missing = [k for k in (*_TOKEN_KEYS, *_LAYOUT_KEYS) if k not in pack]
         if missing:
@@ -118,9 +144,9 @@ def packed_sequence_thd_collater(batch: Sequence[dict[str, Any]]) -> dict[str, A
     for key in _TOKEN_KEYS:
         rows = [np.asarray(pack[key]) for pack in batch]
         if len({len(row) for row in rows}) > 1 or len(rows[0]) != len(batch[0]["input_ids"]):
-            raise ValueError(
+            raise RowLengthError(  # the torch.stack wording NeMo AutoModel's callers may match on
                 f"{key}: every row of a batch must have the same length (packed_sequence_size), got "
-                f"{[len(row) for row in rows]}"
+                f"{[len(row) for row in rows]}: stack expects each tensor to be equal size"
             )
         collated[key] = torch.from_numpy(np.stack(rows).astype(np.int64, copy=False))
     for key in _LAYOUT_KEYS:
@@ -128,6 +154,36 @@ def packed_sequence_thd_collater(batch: Sequence[dict[str, Any]]) -> dict[str, A
         collated[key] = pad_sequence(rows, batch_first=True, padding_value=SEQ_LENS_PADDING_VALUE)
     collated["qkv_format"] = "thd"
     return collated
+
+
+def _rows_of_samples(samples: Sequence[Mapping[str, Any]]) -> list[dict[str, np.ndarray]]:
+    """Unpacked samples -> one row each, as long as the longest; a sample's real tokens end where
+    its ``attention_mask`` turns 0."""
+    padding_idx = (samples[0].get(PAD_TOKEN_IDS_KEY) or {}).get("input_ids") or 0
+    width = max(len(sample.get("input_ids", ())) for sample in samples)
+    if width == 0:
+        raise ValueError(f"every one of the {len(samples)} samples is empty: nothing to collate")
+    rows = []
+    for i, sample in enumerate(samples):
+        missing = [k for k in ("input_ids", "labels") if k not in sample]
+        if missing:
+            raise BatchKeyError(f"sample {i} lacks {missing} (keys present: {sorted(sample)})")
+        length = len(sample["input_ids"])
+        lengths = {k: len(sample[k]) for k in ("labels", "loss_mask", "attention_mask") if sample.get(k) is not None}
+        if any(n != length for n in lengths.values()):
+            raise ValueError(f"sample {i}: input_ids has {length} entries but {lengths}")
+        real = length
+        if sample.get("attention_mask") is not None:
+            mask = np.asarray(sample["attention_mask"]) != 0
+            real = int(mask.sum())
+            if not mask[:real].all():
+                raise ValueError(
+                    f"sample {i}: attention_mask must be 1s followed by 0s (right padding), got "
+                    f"{mask.astype(int).tolist()}; left padding or gaps have no THD layout"
+                )
+        kept = {k: np.asarray(sample[k])[:real] for k in ("input_ids", "labels", "loss_mask") if sample.get(k) is not None}
+        rows.append(build_row([kept], padding_idx, length=width))
+    return rows
 
 
 def padded_sequence_thd_collater(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import datasets
@@ -72,12 +73,14 @@ def pack_dataset(
     *,
     algorithm="bfd",
     seed=0,
+    pad_to_multiple_of=1,
 ) -> datasets.Dataset:
     """Pack tokenized samples into rows of exactly ``packed_sequence_size`` tokens.
 
     Args:
         dataset: ``datasets.Dataset`` or ``DatasetDict`` with list columns ``input_ids``, ``labels``
-            (already aligned targets) and optionally ``loss_mask`` (0 turns the label into -100).
+            (already aligned targets) and optionally ``loss_mask`` (0 turns the label into -100); or
+            a list (or any map-style dataset) of such rows, a missing ``loss_mask`` masking nothing.
         split: the split to pack when ``dataset`` is a ``DatasetDict``.
         packed_sequence_size: S, tokens per pack.
         max_packs: keep only the first ``max_packs`` packs; samples left out are reported.
@@ -89,6 +92,7 @@ def pack_dataset(
         algorithm: ``"bfd"`` (best-fit decreasing, packs shuffled by ``seed``) or ``"sequential"``
             (next-fit in dataset order, pack for pack what NeMo AutoModel produces).
         seed: shuffles the packs of ``"bfd"``.
+        pad_to_multiple_of: also pad each sample to a multiple of this (S must be one too).
 
     Returns:
         A ``datasets.Dataset`` with one row per pack (int32 list columns):
@@ -107,12 +111,16 @@ def pack_dataset(
         seq_lens        [3 5]
         seq_lens_padded [4 12]
     """
-    _check_arguments(packed_sequence_size, max_packs, padding_idx, drop_long_samples, cp_size, algorithm, seed)
+    _check_arguments(
+        packed_sequence_size, max_packs, padding_idx, drop_long_samples, cp_size, algorithm, seed, pad_to_multiple_of
+    )
     dataset = _select_split(dataset, split)
     lengths, columns = _token_columns(dataset)
 
-    padded_lens = cp_padded(lengths, cp_size)
-    keep = keep_fitting("packed_sequence_size", padded_lens, packed_sequence_size, drop_long_samples, cp_size)
+    padded_lens = cp_padded(lengths, cp_size, pad_to_multiple_of)
+    keep = keep_fitting(
+        "packed_sequence_size", padded_lens, packed_sequence_size, drop_long_samples, cp_size, pad_to_multiple_of
+    )
     fitting = np.flatnonzero(keep)
     plan = plan_packs(padded_lens[fitting], packed_sequence_size, algorithm, seed)
     lower_bound = lower_bound_packs(padded_lens[fitting], packed_sequence_size)
@@ -121,7 +129,7 @@ def pack_dataset(
     if plan.num_packs == 0:
         raise ValueError(
             f"no sample fits packed_sequence_size={packed_sequence_size} (all {len(keep)} are longer "
-            f"after padding to a multiple of {cp_multiple(cp_size)}); increase packed_sequence_size"
+            f"after padding to a multiple of {cp_multiple(cp_size, pad_to_multiple_of)}); increase packed_sequence_size"
         )
     plan = PackPlan(fitting[plan.sample_order], plan.pack_offsets)  # index the input rows
 
@@ -142,14 +150,17 @@ def pack_dataset(
     logger.info("pack_dataset: %s", report)
     fingerprint = Hasher.hash(
         (getattr(dataset, "_fingerprint", None), packed_sequence_size, max_packs, padding_idx,
-         drop_long_samples, cp_size, algorithm, seed)
+         drop_long_samples, cp_size, algorithm, seed, pad_to_multiple_of)
     )
     return datasets.Dataset(InMemoryTable(table), fingerprint=fingerprint)
 
 
-def _check_arguments(packed_sequence_size, max_packs, padding_idx, drop_long_samples, cp_size, algorithm, seed):
+def _check_arguments(
+    packed_sequence_size, max_packs, padding_idx, drop_long_samples, cp_size, algorithm, seed, pad_to_multiple_of=1
+):
     check_positive_int("packed_sequence_size", packed_sequence_size)
     check_positive_int("cp_size", cp_size)
+    check_positive_int("pad_to_multiple_of", pad_to_multiple_of)
     if max_packs is not None:
         check_positive_int("max_packs", max_packs)
     if isinstance(padding_idx, bool) or not isinstance(padding_idx, (int, np.integer)) or not (
@@ -158,10 +169,12 @@ def _check_arguments(packed_sequence_size, max_packs, padding_idx, drop_long_sam
         raise ValueError(f"padding_idx must be an int32 token id, got {padding_idx!r}")
     if not isinstance(drop_long_samples, bool):
         raise ValueError(f"drop_long_samples must be True or False, got {drop_long_samples!r}")
-    if cp_size > 1 and packed_sequence_size % (2 * cp_size):
+    multiple = cp_multiple(cp_size, pad_to_multiple_of)
+    if packed_sequence_size % multiple:
         raise ValueError(
-            f"packed_sequence_size={packed_sequence_size} must be a multiple of 2*cp_size={2 * cp_size} so that "
-            "every padded sequence (the tail padding included) splits into 2*cp_size equal chunks"
+            f"packed_sequence_size={packed_sequence_size} must be a multiple of {multiple} (2*cp_size={2 * cp_size} "
+            f"under CP, and pad_to_multiple_of={pad_to_multiple_of}) so that every padded sequence, the tail "
+            "padding included, keeps that alignment"
         )
     if algorithm not in PACKING_ALGORITHMS:
         raise ValueError(f"algorithm must be one of {PACKING_ALGORITHMS}, got {algorithm!r}")
@@ -174,12 +187,32 @@ def _select_split(dataset, split) -> datasets.Dataset:
         if split not in dataset:
             raise ValueError(f"split {split!r} is not in the DatasetDict; available splits: {list(dataset)}")
         dataset = dataset[split]
+    elif hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__") and not isinstance(
+        dataset, (datasets.Dataset, str, Mapping)
+    ):  # a list of rows, or a map-style dataset of them (NeMo AutoModel's ChatDataset, a torch Dataset)
+        dataset = _dataset_of_rows([dataset[i] for i in range(len(dataset))])
     if not isinstance(dataset, datasets.Dataset):
         raise TypeError(
             f"dataset must be a map-style datasets.Dataset or DatasetDict (lengths are planned over the whole "
             f"dataset), got {type(dataset).__name__}; stream an IterableDataset with packing: streaming instead"
         )
     return dataset  # read_lengths refuses an empty one
+
+
+def _dataset_of_rows(rows: list) -> datasets.Dataset:
+    """The token columns of a list of row dicts as a ``datasets.Dataset``."""
+    if not rows:
+        raise ValueError("dataset is empty: nothing to pack or batch")
+    for i, row in enumerate(rows):
+        if not isinstance(row, Mapping):
+            raise ValueError(f"row {i} is a {type(row).__name__}: rows must be dicts of token lists (input_ids, labels)")
+    names = [c for c in ("input_ids", "labels", "loss_mask") if any(c in row for row in rows)]
+    # plain lists: Arrow refuses a column mixing tensors or arrays of different dtypes
+    columns = {name: [np.asarray(row.get(name)).tolist() for row in rows] for name in names}
+    for i, (ids, mask) in enumerate(zip(columns.get("input_ids", ()), columns.get("loss_mask", ()))):
+        if mask is None and ids is not None:  # a row without a loss_mask masks nothing
+            columns["loss_mask"][i] = [1] * len(ids)
+    return datasets.Dataset.from_dict(columns)
 
 
 def _token_columns(dataset: datasets.Dataset) -> tuple[np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]]]:
@@ -229,7 +262,9 @@ def read_lengths(dataset: datasets.Dataset) -> np.ndarray:
     return tokens
 
 
-def keep_fitting(limit: str, padded_lens: np.ndarray, cap: int, drop_long_samples: bool, cp_size: int) -> np.ndarray:
+def keep_fitting(
+    limit: str, padded_lens: np.ndarray, cap: int, drop_long_samples: bool, cp_size: int, pad_to_multiple_of: int = 1
+) -> np.ndarray:
     """``[N]`` bool, True for samples whose padded length fits ``cap`` (the setting named ``limit``):
     the one over-long report.
 
@@ -238,7 +273,9 @@ def keep_fitting(limit: str, padded_lens: np.ndarray, cap: int, drop_long_sample
     too_long = padded_lens > cap
     if too_long.any():
         i = int(np.argmax(too_long))
-        after = f" after padding to a multiple of 2*cp_size={2 * cp_size}" if cp_size > 1 else ""
+        multiple = cp_multiple(cp_size, pad_to_multiple_of)
+        rule = f"2*cp_size={multiple}" if pad_to_multiple_of == 1 else multiple
+        after = f" after padding to a multiple of {rule}" if multiple > 1 else ""
         if not drop_long_samples:
             raise ValueError(
                 f"drop_long_samples=False but sample {i} has {padded_lens[i]} tokens{after}, more than {limit}={cap}: "

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import datasets
 
-from automodel.assets import TINY_SFT_PATH
+from automodel.assets import TINY_PREFERENCE_PATH, TINY_SFT_PATH
 
 # Built-in names are reserved: they never resolve to a local path of the same name.
-BUILTIN_SOURCES = {"tiny_sft": TINY_SFT_PATH}
+BUILTIN_SOURCES = {"tiny_sft": TINY_SFT_PATH, "tiny_preference": TINY_PREFERENCE_PATH}
 _BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 SUPPORTED_EXTENSIONS = tuple(_BUILDERS)
 _GLOB_CHARS = re.compile(r"[*?\[]")

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from automodel.distributed.thd import SEQ_LENS_PADDING_VALUE, process_input_for_thd
 from automodel.distributed.thd_checks import check_cp_rank, check_cp_size, check_cu_seqlens_padded
@@ -70,10 +71,11 @@ def make_cp_batch_for_te(
     padding_token_id: int = 0,
     num_chunks: int = 1,
     seq_lens_padding_value: int = SEQ_LENS_PADDING_VALUE,
+    return_local_indices: bool = False,
     *,
     cp_size: int | None = None,
     cp_rank: int | None = None,
-) -> dict[str, Any]:
+) -> dict[str, Any] | tuple[dict[str, Any], torch.Tensor | None]:
     """Convert a collated batch to THD and keep this CP rank's tokens.
 
     Args:
@@ -81,38 +83,76 @@ def make_cp_batch_for_te(
         batch: output of :func:`packed_sequence_thd_collater` (``[B, S]`` tensors).
         qkv_format: only ``"thd"``.
         padding_token_id: passed to :func:`process_input_for_thd`.
-        num_chunks: must be 1 (pipeline chunks are not supported; kept for signature compatibility).
+        num_chunks: C; with C > 1 the B rows are split into C chunks of B/C rows, each converted
+            and sharded on its own, and the results stacked on a leading ``[C]`` axis.
         seq_lens_padding_value: sentinel in ``seq_lens``; also right-pads stacked ``cu_seqlens``.
+        return_local_indices: also return the global index of each token this rank holds
+            (``thd_get_partitioned_indices``, int32; ``arange(T)`` int64 without CP; None when C > 1).
         cp_size, cp_rank: given instead of ``cp_mesh`` to run without a process group.
 
     Returns:
         ``input_ids``, ``labels``, ``position_ids``, ``padding_mask`` ``[T / W]`` holding
         this rank's tokens (gathered with :func:`thd_get_partitioned_indices`), and the GLOBAL
-        ``cu_seqlens``, ``cu_seqlens_padded`` ``[N+1]`` and ``max_seqlen``, plus ``cp_size`` and
-        ``cp_rank``.
+        ``cu_seqlens``, ``cu_seqlens_padded`` ``[N+1]`` and ``max_seqlen``, plus ``qkv_format="thd"``,
+        ``cp_size`` and ``cp_rank``; with C > 1 each of them ``[C, ...]`` (``cu_seqlens*`` ``[C, max N+1]``).
+        A tuple ``(batch, local_indices)`` when ``return_local_indices``.
     """
     if qkv_format != "thd":
-        raise ValueError(f"make_cp_batch_for_te: qkv_format must be 'thd', got {qkv_format!r}")
+        raise ValueError(f"Currently only 'thd' format is supported, got: {qkv_format!r}; set qkv_format='thd'")
     cp_size, cp_rank = _resolve_cp(cp_mesh, cp_size, cp_rank)
-    if num_chunks != 1:  # kept in the signature for NeMo AutoModel compatibility; no pipeline chunks here
-        raise ValueError(f"num_chunks={num_chunks!r} is not supported: use num_chunks=1")
 
-    def shard(rows: dict[str, Any]) -> dict[str, Any]:
+    def shard(rows: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor]:
         thd = process_input_for_thd(rows, seq_lens_padding_value, padding_token_id)
+        total = int(thd["cu_seqlens_padded"][-1])
+        indices = torch.arange(total, device=thd["input_ids"].device)
         if cp_size > 1:
-            total = int(thd["cu_seqlens_padded"][-1])
             indices = thd_get_partitioned_indices(thd["cu_seqlens_padded"], total, cp_size, cp_rank)
-            for key in _SHARDED_KEYS:
-                thd[key] = thd[key].index_select(0, indices.to(thd[key].device))
-        thd.update(cp_size=cp_size, cp_rank=cp_rank)
-        return thd
+            for key in _SHARDED_KEYS:  # mRoPE position_ids [R, 1, T] carry tokens on their last axis
+                dim = -1 if key == "position_ids" else 0
+                thd[key] = thd[key].index_select(dim, indices.to(thd[key].device))
+        thd.update(qkv_format="thd", cp_size=cp_size, cp_rank=cp_rank)
+        return thd, indices
 
-    return shard(batch)
+    if num_chunks == 1:
+        thd, indices = shard(batch)
+        return (thd, indices) if return_local_indices else thd
+    chunks = [shard(rows)[0] for rows in _split_rows(batch, num_chunks)]
+    stacked = dict(chunks[0])
+    for key, value in chunks[0].items():
+        if torch.is_tensor(value):
+            values = [chunk[key] for chunk in chunks]
+            ragged = key in ("cu_seqlens", "cu_seqlens_padded")  # chunks may hold different numbers of sequences
+            stacked[key] = (
+                pad_sequence(values, batch_first=True, padding_value=seq_lens_padding_value)
+                if ragged
+                else torch.stack(values)
+            )
+    return (stacked, None) if return_local_indices else stacked
+
+
+def _split_rows(batch: dict[str, Any], num_chunks: int) -> list[dict[str, Any]]:
+    """``num_chunks`` batches of ``B / num_chunks`` consecutive rows of every tensor (other values shared)."""
+    if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
+        raise ValueError(f"num_chunks must be a positive int, got {num_chunks!r}")
+    rows = len(batch["input_ids"]) if "input_ids" in batch else 0
+    if rows % num_chunks:
+        raise ValueError(f"num_chunks={num_chunks} must divide the batch's {rows} rows")
+    size = rows // num_chunks
+
+    def take(key: str, value: Any, i: int) -> Any:
+        if not torch.is_tensor(value):
+            return value
+        if key == "position_ids" and value.dim() == 3:  # mRoPE [R, B, S]: rows on axis 1
+            return value[:, i * size : (i + 1) * size]
+        return value[i * size : (i + 1) * size]
+
+    return [{k: take(k, v, i) for k, v in batch.items()} for i in range(num_chunks)]
 
 
 def _resolve_cp(cp_mesh, cp_size: int | None, cp_rank: int | None) -> tuple[int, int]:
     if cp_mesh is not None:
-        mesh_size, mesh_rank = cp_mesh.size(), cp_mesh.get_local_rank()
+        mesh_size = cp_mesh.size()
+        mesh_rank = cp_mesh.get_local_rank() if mesh_size > 1 else 0
         if (cp_size is not None and cp_size != mesh_size) or (cp_rank is not None and cp_rank != mesh_rank):
             raise ValueError(
                 f"cp_size/cp_rank ({cp_size}, {cp_rank}) contradict cp_mesh ({mesh_size}, {mesh_rank}); pass one or the other"

@@ -37,7 +37,7 @@ from automodel.attention.hf import (
     register_thd_attention,
 )
 from automodel.data.sft import end_of_turn_token_id
-from automodel.loss import chunked_cross_entropy_sum
+from automodel.loss import chunked_cross_entropy_sum, chunked_token_log_probs
 from automodel.models.families import check_model_config
 from automodel.models.lora import LoraConfig, base_state_dict, export_adapter, merged_state_dict
 from automodel.models.spec import ModelSpec, check_checkpoint_tensors, check_finite
@@ -82,20 +82,39 @@ class CausalLMForTraining(nn.Module):
         labels_T: torch.Tensor,
         thd_layout: ThdAttentionMetadata,
         label_positions_N: torch.Tensor | None = None,
+        per_token: bool = False,
     ) -> torch.Tensor:
-        """Float32 sum of the next-token cross-entropy over this rank's label tokens.
+        """Float32 sum of the next-token cross-entropy over this rank's label tokens; with
+        ``per_token`` the log-probability of each label instead, float32 ``[T]`` (0 where -100).
+        Both go through the one output head (the family's logit transform included).
 
         ``label_positions_N``: the labelled positions (:func:`automodel.loss.label_positions` of
         the host labels), so that the step never waits for the device to find them."""
         hf = self.transformers_model
         hidden_TD = getattr(hf, hf.base_model_prefix)(
-            input_ids=input_ids_T[None], position_ids=position_ids_T[None], thd_layout=thd_layout, use_cache=False
+            input_ids=input_ids_T[None], position_ids=batched_position_ids(hf.config, position_ids_T),
+            thd_layout=thd_layout, use_cache=False,
         ).last_hidden_state[0]
         head = hf.get_output_embeddings()
-        return chunked_cross_entropy_sum(
+        output = chunked_token_log_probs if per_token else chunked_cross_entropy_sum
+        return output(
             hidden_TD, head.weight, labels_T, bias_V=head.bias, label_positions_N=label_positions_N,
             **logit_transform(hf.config),
         )
+
+
+def batched_position_ids(config: PretrainedConfig, position_ids: torch.Tensor) -> torch.Tensor:
+    """``[T]`` -> ``[1, T]``; mRoPE ``[R, 1, T]`` (from :func:`process_input_for_thd`) as it is, for a
+    model whose rotary config has an ``mrope_section``, and refused for any other."""
+    if position_ids.dim() == 1:
+        return position_ids[None]
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if position_ids.dim() == 3 and position_ids.shape[1] == 1 and "mrope_section" in rope:
+        return position_ids
+    raise ValueError(
+        f"position_ids of shape {tuple(position_ids.shape)} (mRoPE [R, 1, T]) reach {config.model_type}, whose "
+        "rotary embedding takes one position per token ([T]); give [B, S] position ids"
+    )
 
 
 def logit_transform(config: PretrainedConfig) -> dict[str, Any]:

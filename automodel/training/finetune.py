@@ -178,8 +178,54 @@ class FinetuneRecipe:
             torch.tensor([[b["label_tokens"], b["real_tokens"], b["slots"]] for b in micro_batches]).sum(0),
             torch.float64,
         )
-        normalizer = counts[0].float()  # stays on the device: no wait before the backward
+        objective = self._forward_backward(micro_batches, counts[0])
+        grad_norm = self._grad_norm_after_clipping()
+        # the step's one device read
+        *values, label_tokens, real, slots, grad_norm = torch.cat(
+            [torch.stack(list(objective.values())).double(), counts, grad_norm[None].double()]
+        ).tolist()
+        metrics = dict(zip(objective, values))
+        loss = metrics.pop("loss")
+        if label_tokens == 0:
+            raise ValueError(
+                f"step {self.step + 1} has no label token on any rank; check the loss masks of the data"
+            )
+        if not (
+            math.isfinite(loss) and math.isfinite(grad_norm)
+        ):  # before the step writes NaN into weights
+            raise NonFiniteError(
+                f"step {self.step + 1}: loss {loss} and grad norm {grad_norm} must be finite; "
+                "stopped before the optimizer step (nothing of this step was saved). Lower optim.lr, set "
+                "optim.max_grad_norm, or check the data and the checkpoint it started from"
+            )
+        lr = self.optimizer.param_groups[0]["lr"]  # the lr this step uses (the scheduler then moves on)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        seconds = time.perf_counter() - start
+        record = {
+            "step": self.step + 1,
+            "epoch": self.stream.epoch,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            **metrics,
+            "label_tokens": int(label_tokens),
+            "real_tokens": int(real),
+            "fill": real / slots,
+            "tokens_per_s": real / seconds,
+            "step_time_s": seconds,
+        }
+        if self.dims.device.type == "cuda":
+            record["peak_memory_gb"] = torch.cuda.max_memory_allocated(self.dims.device) / 2**30
+        return record
 
+    def _forward_backward(self, micro_batches: list[dict[str, Any]], label_tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The objective, the one part a :class:`automodel.training.dpo.DPORecipe` replaces: forward
+        and backward of the step's micro-batches. ``label_tokens``: the step's label tokens on all
+        ranks (a device tensor). Returns 0-dim device tensors, not read here: ``loss`` (the global
+        loss) first, then the objective's own metrics."""
+        normalizer = label_tokens.float()  # stays on the device: no wait before the backward
         loss_sum = torch.zeros((), device=self.dims.device)
         for i, batch in enumerate(micro_batches):
             self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # reduce once per step
@@ -193,44 +239,7 @@ class FinetuneRecipe:
                 )
             (micro_loss / normalizer).backward()
             loss_sum += micro_loss.detach()
-        grad_norm = self._grad_norm_after_clipping()
-        loss_total = self._all_reduce(loss_sum, torch.float64)
-        # the step's one device read
-        loss_total, label_tokens, real, slots, grad_norm = torch.cat(
-            [loss_total[None], counts, grad_norm[None].double()]
-        ).tolist()
-        if label_tokens == 0:
-            raise ValueError(
-                f"step {self.step + 1} has no label token on any rank; check the loss masks of the data"
-            )
-        if not (
-            math.isfinite(loss_total) and math.isfinite(grad_norm)
-        ):  # before the step writes NaN into weights
-            raise NonFiniteError(
-                f"step {self.step + 1}: loss {loss_total / label_tokens} and grad norm {grad_norm} must be finite; "
-                "stopped before the optimizer step (nothing of this step was saved). Lower optim.lr, set "
-                "optim.max_grad_norm, or check the data and the checkpoint it started from"
-            )
-        lr = self.optimizer.param_groups[0]["lr"]  # the lr this step uses (the scheduler then moves on)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        seconds = time.perf_counter() - start
-        record = {
-            "step": self.step + 1,
-            "epoch": self.stream.epoch,
-            "loss": loss_total / label_tokens,
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "label_tokens": int(label_tokens),
-            "real_tokens": int(real),
-            "fill": real / slots,
-            "tokens_per_s": real / seconds,
-            "step_time_s": seconds,
-        }
-        if self.dims.device.type == "cuda":
-            record["peak_memory_gb"] = torch.cuda.max_memory_allocated(self.dims.device) / 2**30
-        return record
+        return {"loss": self._all_reduce(loss_sum, torch.float64) / label_tokens}
 
     def train_step(self, list_host_syncs: bool = False) -> dict[str, Any]:
         """One optimizer step; returns its metrics record. With ``list_host_syncs`` (CUDA), every
@@ -350,8 +359,17 @@ def _as_user_error(kind: type[UserError]):
         raise kind(str(error)) from error
 
 
+def recipe_class(cfg: DictConfig) -> type[FinetuneRecipe]:
+    """:class:`FinetuneRecipe`, or with a ``dpo`` section the DPO objective on the same trainer."""
+    if cfg.get("dpo") is not None:
+        from automodel.training.dpo import DPORecipe  # imports this module
+
+        return DPORecipe
+    return FinetuneRecipe
+
+
 def run(cfg: DictConfig) -> FinetuneRecipe:
-    recipe = FinetuneRecipe(cfg)
+    recipe = recipe_class(cfg)(cfg)
     try:
         recipe.setup()
         with logging_redirect_tqdm(loggers=[logging.getLogger()]):  # log lines print above the progress bar

@@ -10,8 +10,10 @@ import torch
 from automodel.config import ConfigError, load_recipe
 from automodel.data import pack_dataset, packed_sequence_thd_collater
 from automodel.data import packing as packing_module
+from automodel.data.collate import RowLengthError
 from automodel.data.sft_data import SFTData
 from automodel.distributed import make_cp_batch_for_te, process_input_for_thd, thd_get_partitioned_indices
+from automodel.distributed.thd import BatchKeyError
 from automodel.training.finetune import run
 
 FAST = ["data.split='train[:64]'", "packing.packed_sequence_size=256", "trainer.progress_bar=false",
@@ -120,12 +122,12 @@ FUNCTION_CASES = [
     (lambda: pack_dataset(_rows(3, 4).remove_columns("labels").add_column("labels", [[1], [1, 2, 3, 4]]),
                           "train", 8), ValueError, "labels"),
     (lambda: pack_dataset(_rows(3, 20), "train", 8, drop_long_samples=False), ValueError, "packed_sequence_size=8"),
-    (lambda: packed_sequence_thd_collater([{k: v for k, v in _pack().items() if k != "seq_lens"}]),
+    (lambda: packed_sequence_thd_collater([_pack(), {k: v for k, v in _pack().items() if k != "seq_lens"}]),
      ValueError, "seq_lens"),
-    (lambda: packed_sequence_thd_collater([_pack(8), _pack(10, (10,))]), ValueError, "packed_sequence_size"),
-    (lambda: packed_sequence_thd_collater([{**_pack(), "labels": [0] * 7}]), ValueError, "labels"),
+    (lambda: packed_sequence_thd_collater([_pack(8), _pack(10, (10,))]), RowLengthError, "packed_sequence_size"),
+    (lambda: packed_sequence_thd_collater([{**_pack(), "labels": [0] * 7}]), RowLengthError, "labels"),
     (lambda: process_input_for_thd({k: v for k, v in _collated().items() if k != "seq_lens_padded"}),
-     ValueError, "seq_lens_padded"),
+     BatchKeyError, "seq_lens_padded"),
     (lambda: process_input_for_thd(_collated(labels=torch.zeros(2, 7, dtype=torch.long))), ValueError, "labels"),
     (lambda: process_input_for_thd(_collated(seq_lens_padded=torch.tensor([[3, 4], [3, 5]]))),
      ValueError, "seq_lens_padded"),

@@ -30,6 +30,7 @@ def test_regeneration_reproduces_the_shipped_files(tmp_path):
     # whole tokenizer.json) come out the same in every process; this also checks that claim.
     written = build_tiny_assets(tmp_path)
     assert sorted(p.relative_to(tmp_path).as_posix() for p in written) == [
+        "tiny_preference.jsonl",
         "tiny_sft.jsonl",
         "tiny_tokenizer/tokenizer.json",
         "tiny_tokenizer/tokenizer_config.json",

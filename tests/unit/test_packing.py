@@ -330,6 +330,6 @@ def test_missing_split_and_wrong_types():
     with pytest.raises(ValueError, match="dataset is empty"):
         pack_dataset(GOOD.select([]), "train", 8)
     with pytest.raises(TypeError, match="dataset"):
-        pack_dataset([{"input_ids": [1], "labels": [1]}], "train", 8)
+        pack_dataset("rows.jsonl", "train", 8)  # a list of rows packs (tests/unit/test_nemo_contracts.py)
     with pytest.raises(TypeError, match="IterableDataset"):
         pack_dataset(GOOD.to_iterable_dataset(), "train", 8)

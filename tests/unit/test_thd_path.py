@@ -119,7 +119,7 @@ def test_embeddings_input_keeps_hidden_dim():
         ({"seq_lens": torch.tensor([[-1000, 3], [6, -1000]]), "seq_lens_padded": torch.tensor([[-1000, 6], [6, -1000]])},
          "sentinel -1000 may only right-pad seq_lens"),
         ({"seq_lens": torch.tensor([[5, 2], [6, -1000]])}, r"sequence 0: need 0 <= seq_lens <= seq_lens_padded, got 5 and 4"),
-        ({"seq_lens_padded": torch.tensor([[4, 3], [6, -1000]])}, r"pack 0: seq_lens_padded \[4, 3\] sums to 7, but the pack holds S=6"),
+        ({"seq_lens_padded": torch.tensor([[4, 3], [6, -1000]])}, r"pack 0: seq_lens_padded \[4, 3\] sums to 7, more than the S=6 tokens"),
         ({"labels": torch.zeros(2, 5)}, r"labels must have shape \[B, S\]=\(2, 6\)"),
         ({"seq_lens": torch.tensor([3, 2])}, r"seq_lens and seq_lens_padded must both be \[B, D\]"),
     ],
@@ -266,13 +266,13 @@ def test_sharded_positions_are_index_in_padded_sequence(layout, seed):
 
 
 def test_make_cp_batch_bad_arguments():
-    with pytest.raises(ValueError, match="qkv_format must be 'thd', got 'bshd'"):
+    with pytest.raises(ValueError, match="Currently only 'thd' format is supported, got: 'bshd'"):
         make_cp_batch_for_te(None, cp_example_batch(), qkv_format="bshd")
     with pytest.raises(ValueError, match="given without cp_rank"):
         make_cp_batch_for_te(None, cp_example_batch(), cp_size=2)
     with pytest.raises(ValueError, match=r"cp_rank must be an int in \[0, 2\), got 5"):
         make_cp_batch_for_te(None, cp_example_batch(), cp_size=2, cp_rank=5)
-    with pytest.raises(ValueError, match="num_chunks"):
+    with pytest.raises(ValueError, match="num_chunks=3 must divide the batch's 1 rows"):
         make_cp_batch_for_te(None, cp_example_batch(), num_chunks=3)
     with pytest.raises(ValueError, match=r"sequence 0 has padded length 4, which is not a multiple of 2\*cp_size=8"):
         make_cp_batch_for_te(None, cp_example_batch(), cp_size=4, cp_rank=0)

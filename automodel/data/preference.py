@@ -1,0 +1,145 @@
+"""Preference pairs for DPO: rows -> tokenized (chosen, rejected) pairs -> micro-batches that keep
+both sides of a pair in one packed row.
+
+Formats (fields a recipe may map to other column names with ``columns``):
+
+=================== ================================================== ============================
+format              fields                                             learned (scored) tokens
+=================== ================================================== ============================
+prompt_completion   ``prompt``, ``chosen``, ``rejected`` (text)        each response + eos
+messages            ``chosen``, ``rejected``: whole conversations      assistant turns (the shared
+                    (``[{role, content}]``) that share the prompt      prompt turns cancel in DPO)
+=================== ================================================== ============================
+
+Each side is tokenized exactly like SFT data (:func:`automodel.data.sft.tokenize_sft_dataset`), so
+a pair is two SFT samples; the pair dataset has ``chosen_*`` and ``rejected_*`` columns
+(``input_ids``, ``labels``, ``loss_mask``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import datasets
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from automodel.data.batching import LoaderEnv, Prepared, _groups, _Mode
+from automodel.data.collate import build_row, packed_sequence_thd_collater
+from automodel.data.sft import load_tokenizer, tokenize_sft_dataset
+from automodel.data.sources import check_source, load_sft_source
+
+logger = logging.getLogger(__name__)
+
+PREFERENCE_FORMATS = {"prompt_completion": ("prompt", "chosen", "rejected"), "messages": ("chosen", "rejected")}
+SIDES = ("chosen", "rejected")
+_SAMPLE_COLUMNS = ("input_ids", "labels", "loss_mask")
+
+
+@dataclass
+class PreferenceData:
+    """The ``data`` section of a DPO recipe.
+
+    Attributes:
+        source: ``tiny_preference`` (shipped) or any source ``load_sft_source`` reads.
+        split: split to read. format: ``prompt_completion`` or ``messages`` (module docstring).
+        columns: field -> column name, e.g. ``{chosen: accepted, rejected: declined}``.
+        tokenizer: ``tiny`` or a local tokenizer directory.
+        max_length: cut each side to at most this many tokens.
+        validation: a validation source (``{source, split}``; format and columns as for training).
+        val_fraction: or hold out this fraction of the pairs (seeded).
+        seed: seeds the held-out split.
+    """
+
+    source: str = "tiny_preference"
+    split: str = "train"
+    format: str = "prompt_completion"
+    columns: dict[str, str] | None = None
+    tokenizer: str = "tiny"
+    max_length: int | None = None
+    validation: dict | None = None
+    val_fraction: float | None = None
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        if self.format not in PREFERENCE_FORMATS:
+            raise ValueError(f"data.format={self.format!r}: a preference format must be one of {tuple(PREFERENCE_FORMATS)}")
+        unknown = set(self.columns or {}) - set(PREFERENCE_FORMATS[self.format])
+        if unknown:
+            raise ValueError(
+                f"data.columns has {sorted(unknown)}, which format={self.format!r} does not use; its fields: "
+                f"{PREFERENCE_FORMATS[self.format]}"
+            )
+        check_source(self.source, "data.source")
+        if self.validation is not None and (not isinstance(self.validation, dict) or set(self.validation) - {"source", "split"}):
+            raise ValueError(f"data.validation must be a mapping with source and/or split, got {self.validation!r}")
+        if self.val_fraction is not None and not 0 < self.val_fraction < 1:
+            raise ValueError(f"data.val_fraction must be in (0, 1), got {self.val_fraction!r}")
+        if self.validation is not None and self.val_fraction is not None:
+            raise ValueError("give data.validation or data.val_fraction, not both")
+
+    def load_tokenizer(self) -> PreTrainedTokenizerBase:
+        return load_tokenizer(self.tokenizer)
+
+    def build(self, tokenizer: PreTrainedTokenizerBase) -> tuple[datasets.Dataset, datasets.Dataset | None]:
+        """``(train pairs, validation pairs or None)``."""
+        pairs = self._pairs(self.source, self.split, tokenizer)
+        validation = None
+        if self.val_fraction is not None:
+            split = pairs.train_test_split(test_size=self.val_fraction, shuffle=True, seed=self.seed)
+            pairs, validation = split["train"], split["test"]
+        elif self.validation is not None:
+            validation = self._pairs(self.validation.get("source", self.source), self.validation.get("split", self.split), tokenizer)
+        logger.info("data: %d preference pairs%s", len(pairs), f", {len(validation)} for validation" if validation else "")
+        return pairs, validation
+
+    def _pairs(self, source: str, split: str, tokenizer: PreTrainedTokenizerBase) -> datasets.Dataset:
+        rows, origin = load_sft_source(source, split)
+        columns = {field: (self.columns or {}).get(field, field) for field in PREFERENCE_FORMATS[self.format]}
+        sides = []
+        for side in SIDES:  # each side is one SFT sample of the pair
+            mapping = {"messages": columns[side]} if self.format == "messages" else {
+                "prompt": columns["prompt"], "completion": columns[side]}  # fmt: skip
+            tokenized = tokenize_sft_dataset(
+                rows, tokenizer, format=self.format, columns=mapping, max_length=self.max_length, origin=origin
+            )
+            if len(tokenized) != len(rows):
+                raise ValueError(
+                    f"{source}: {len(rows) - len(tokenized)} {side} response(s) have no token to learn (empty, or "
+                    f"cut by data.max_length={self.max_length}); both sides of every pair must keep a response"
+                )
+            sides.append(tokenized.rename_columns({c: f"{side}_{c}" for c in _SAMPLE_COLUMNS}))
+        return datasets.concatenate_datasets(sides, axis=1)
+
+
+def pair_samples(pair: dict[str, Any]) -> list[dict[str, Any]]:
+    """A pair row -> its two samples, chosen first."""
+    return [{c: pair[f"{side}_{c}"] for c in _SAMPLE_COLUMNS} for side in SIDES]
+
+
+def collate_pairs(pairs: list[dict[str, Any]], env: LoaderEnv) -> dict[str, Any]:
+    """Pairs -> one packed row ``[1, T]``: chosen_0, rejected_0, chosen_1, ... (collater contract)."""
+    samples = [sample for pair in pairs for sample in pair_samples(pair)]
+    return packed_sequence_thd_collater([build_row(samples, env.padding_idx, env.cp_size)])
+
+
+@dataclass
+class PreferenceBatching(_Mode):
+    """``packing: preference``: ``pairs_per_micro_batch`` pairs per micro-batch, both sides of every
+    pair in the same packed row (chosen then rejected), pairs reshuffled every epoch. On the epoch
+    engine: DP dealing, resume and validation as for SFT."""
+
+    pairs_per_micro_batch: int = 4
+    _positive = ("pairs_per_micro_batch",)
+
+    def prepare(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
+        missing = [f"{side}_{c}" for side in SIDES for c in _SAMPLE_COLUMNS if f"{side}_{c}" not in dataset.column_names]
+        if missing:
+            raise ValueError(f"packing: preference needs the pairs of data: PreferenceData (missing columns {missing})")
+        return Prepared(
+            dataset.with_format("numpy"), np.arange(len(dataset)),
+            functools.partial(_groups, size=self.pairs_per_micro_batch), functools.partial(collate_pairs, env=env), "",
+        )  # fmt: skip
