@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import functools
 import importlib
 import inspect
 import re
@@ -189,19 +190,15 @@ def _parameters(target: str, where: str) -> list[str] | None:
 def source_parameters(module_name: str, class_name: str) -> list[str] | None:
     """The keyword parameters of class ``class_name`` of the project module ``module_name``, read
     from the source without importing it: ``__init__``'s parameters, or a dataclass's init fields
-    (its own and those of dataclass bases in the same module). None when it takes ``**kwargs``;
-    LookupError when the source does not say (the caller then imports the module)."""
-    path = Path(__file__).resolve().parent.parent.joinpath(*module_name.split(".")).with_suffix(".py")
-    if not path.is_file():
-        raise LookupError(module_name)
-    classes = {node.name: node for node in ast.parse(path.read_text()).body if isinstance(node, ast.ClassDef)}
-    return _class_parameters(classes, class_name)
-
-
-def _class_parameters(classes: dict[str, ast.ClassDef], name: str) -> list[str] | None:
-    node = classes.get(name)
+    (its own and its dataclass bases', following ``from automodel... import`` to other modules).
+    None when it takes ``**kwargs``; LookupError when the source does not say (the caller then
+    imports the module)."""
+    classes, imported = _module_source(module_name)
+    node = classes.get(class_name)
     if node is None:
-        raise LookupError(name)
+        if class_name in imported:
+            return source_parameters(*imported[class_name])
+        raise LookupError(f"{module_name}.{class_name}")
     init = next((f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"), None)
     if init is not None:
         if init.args.kwarg is not None:
@@ -210,8 +207,8 @@ def _class_parameters(classes: dict[str, ast.ClassDef], name: str) -> list[str] 
     bases = []
     for base in node.bases:
         if not isinstance(base, ast.Name):
-            raise LookupError(name)
-        bases.append(_class_parameters(classes, base.id))
+            raise LookupError(f"{module_name}.{class_name}")
+        bases.append(source_parameters(module_name, base.id))
     if any(b is None for b in bases):
         return None
     inherited = [p for b in bases for p in b]
@@ -223,6 +220,22 @@ def _class_parameters(classes: dict[str, ast.ClassDef], name: str) -> list[str] 
         and "ClassVar" not in ast.unparse(item.annotation) and not _init_false(item.value)
     ]  # fmt: skip
     return inherited + [p for p in own if p not in inherited]
+
+
+@functools.cache
+def _module_source(module_name: str) -> tuple[dict[str, ast.ClassDef], dict[str, tuple[str, str]]]:
+    """A project module's classes, and the names it imports from other project modules."""
+    path = Path(__file__).resolve().parent.parent.joinpath(*module_name.split(".")).with_suffix(".py")
+    if not module_name.startswith("automodel.") or not path.is_file():
+        raise LookupError(module_name)
+    tree = ast.parse(path.read_text())
+    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+    imported = {
+        alias.asname or alias.name: (node.module, alias.name) for node in tree.body
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("automodel.")
+        for alias in node.names
+    }  # fmt: skip
+    return classes, imported
 
 
 def _decorator_name(decorator: ast.expr) -> str:
