@@ -13,7 +13,7 @@ import pytest
 from torchrun import REPO_ROOT
 
 from automodel.cli import main
-from automodel.config import ConfigError
+from automodel.config import CONFIGS_DIR, ConfigError
 
 SMALL = ["data.split='train[:120]'", "packing.packed_sequence_size=512", "trainer.export_hf=false"]
 
@@ -101,8 +101,11 @@ def test_usage_and_help_name_groups_keys_and_torchrun(capsys):
     assert exited.value.code == 0
     help_text = capsys.readouterr().out
     for text in (usage, help_text):
-        assert "packing    balanced, bfd, dyn_bsz, none, rmpad, sequential, streaming" in text
-        assert "trainer.max_steps" in text and "optim.lr" in text and "torchrun --nproc-per-node 2" in text
+        for group in ("model", "data", "packing", "peft"):  # each group with all its options
+            options = ", ".join(sorted(p.stem for p in (CONFIGS_DIR / group).glob("*.yaml")))
+            assert f"  {group:<10} {options}" in text
+        assert "sequential" in text and "trainer.max_steps" in text and "optim.lr" in text
+        assert "torchrun --nproc-per-node 2" in text
 
 
 def test_cfg_job_and_a_typo_answer_before_torch_is_imported():
