@@ -12,11 +12,14 @@ components (``automodel.*``) or in :data:`ALLOWED_TARGETS`.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import difflib
 import functools
 import importlib
 import inspect
 import re
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +43,27 @@ ALLOWED_TARGETS = frozenset({
 })
 
 
+def refuse_remote_code(directory: str | Path, field: str, trust_remote_code: bool) -> None:
+    """ConfigError when a local checkpoint or tokenizer directory asks transformers to import its own
+    Python files (``auto_map`` in config.json or tokenizer_config.json) and the recipe did not opt in
+    with ``model.trust_remote_code=true``. transformers gets the flag explicitly too, so it never asks."""
+    if trust_remote_code or not Path(directory).is_dir():
+        return
+    import json
+
+    for name in ("config.json", "tokenizer_config.json"):
+        file = Path(directory) / name
+        try:
+            auto_map = json.loads(file.read_text()).get("auto_map") if file.is_file() else None
+        except (OSError, ValueError, AttributeError):
+            continue  # unreadable: the loader names it
+        if auto_map:
+            raise ConfigError(
+                f"{field}={str(directory)!r}: {file} has auto_map {auto_map!r}, which runs Python code from that "
+                "directory; set model.trust_remote_code=true only if you trust it, or use a checkpoint without it"
+            )
+
+
 def _package_or_repo_dir(name: str) -> Path:
     """``configs``/``recipes`` ship inside the wheel as ``automodel/_<name>``; a source checkout has
     them at the repository root."""
@@ -55,6 +79,17 @@ RECIPES_DIR = _package_or_repo_dir("recipes")
 def resolve_recipe(recipe: str) -> Path:
     """A recipe given as a YAML path, or as a name found under ``recipes/`` (``tiny_llama_sft``)."""
     path = Path(recipe)
+    if path.is_dir():
+        found = sorted(p.name for p in path.glob("*.y*ml"))
+        raise ConfigError(
+            f"recipe {recipe!r} is a directory; pass one recipe file in it ({', '.join(found[:5]) or 'none found'}) "
+            "or a recipe name (automodel recipes lists them)"
+        )
+    if path.is_file() and path.suffix not in (".yaml", ".yml"):
+        raise ConfigError(
+            f"recipe {recipe!r} is not a YAML file (.yaml or .yml): a recipe is Hydra YAML and never Python; "
+            "pass a .yaml recipe or a recipe name (automodel recipes lists them)"
+        )
     if path.suffix in (".yaml", ".yml"):
         if not path.is_file():
             raise ConfigError(f"recipe file {recipe!r} does not exist")
@@ -126,10 +161,12 @@ def check_config(cfg: DictConfig) -> None:
             _check_node(cfg[section], section)
 
 
-def _check_node(node: Any, where: str) -> None:
+def _check_node(node: Any, where: str, types: bool = False) -> None:
+    """Keys against the components' parameters (read from source: no import); with ``types`` also
+    the values typed ``bool``, which needs the component imported (``build_section`` does it)."""
     if isinstance(node, ListConfig):
         for i, item in enumerate(node):
-            _check_node(item, f"{where}[{i}]")
+            _check_node(item, f"{where}[{i}]", types)
         return
     if not isinstance(node, DictConfig):
         return
@@ -141,9 +178,50 @@ def _check_node(node: Any, where: str) -> None:
                     close = difflib.get_close_matches(str(key), parameters, n=1)
                     hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {sorted(parameters)}"
                     raise ConfigError(f"unknown key '{where}.{key}' for {node['_target_']}{hint}")
+        if types:
+            _check_bools(node, _type_hints(_component(node["_target_"], where)), where)
     for key in node:
         if key not in _HYDRA_KEYS:
-            _check_node(node[key], f"{where}.{key}")
+            _check_node(node[key], f"{where}.{key}", types)
+
+
+def _check_bools(node: Any, hints: dict[str, Any], where: str) -> None:
+    """ConfigError for a value other than true/false (or null where allowed) under a parameter
+    annotated ``bool``; nested sections typed as dataclasses (``trainer.tracking``) are checked the
+    same way. ``maybe``, ``1`` or ``"false"`` would otherwise be taken as true by an ``if``."""
+    if not isinstance(node, DictConfig):
+        return
+    for key in node:
+        hint = hints.get(str(key))
+        if hint is None or key in _HYDRA_KEYS:
+            continue
+        value, options = node[key], _union_members(hint)
+        if bool in options and not isinstance(value, bool) and not (value is None and type(None) in options):
+            allowed = "true or false" + (" or null" if type(None) in options else "")
+            raise ConfigError(f"{where}.{key} must be {allowed}, got {value!r}")
+        for option in options:
+            if dataclasses.is_dataclass(option) and isinstance(value, DictConfig) and "_target_" not in value:
+                _check_bools(value, _type_hints(option), f"{where}.{key}")
+            elif typing.get_origin(option) is list and isinstance(value, ListConfig):
+                for member in _union_members(typing.get_args(option)[0] if typing.get_args(option) else Any):
+                    if dataclasses.is_dataclass(member):
+                        for i, item in enumerate(value):
+                            _check_bools(item, _type_hints(member), f"{where}.{key}[{i}]")
+
+
+def _union_members(hint: Any) -> tuple[Any, ...]:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return typing.get_args(hint)
+    return (hint,)
+
+
+def _type_hints(component: Any) -> dict[str, Any]:
+    """Resolved annotations of a dataclass's fields or a function's parameters ({} if unresolvable)."""
+    annotated = component.__init__ if inspect.isclass(component) and not dataclasses.is_dataclass(component) else component
+    try:
+        return typing.get_type_hints(annotated)
+    except Exception:  # noqa: BLE001 - a forward reference we cannot resolve: no type check, not an error
+        return {}
 
 
 def check_target(target: Any, where: str) -> None:
@@ -167,6 +245,15 @@ def _check_targets(node: Any, where: str) -> None:
                 _check_targets(node[key], f"{where}.{key}")
 
 
+def _component(target: str, where: str) -> Any:
+    check_target(target, where)
+    module_name, _, attribute = str(target).rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError, ValueError):
+        raise ConfigError(f"{where}._target_: cannot import {target!r}") from None
+
+
 def _parameters(target: str, where: str) -> list[str] | None:
     """Keyword parameters of ``target``, or None when it takes ``**kwargs``. A project component's
     are read from its source, so that checking a recipe imports no torch, transformers or datasets."""
@@ -177,11 +264,7 @@ def _parameters(target: str, where: str) -> list[str] | None:
             return source_parameters(module_name, attribute)
         except LookupError:  # not a plain class of that module (a re-export, a factory): import it
             pass
-    try:
-        component = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError, ValueError):
-        raise ConfigError(f"{where}._target_: cannot import {target!r}") from None
-    parameters = inspect.signature(component).parameters.values()
+    parameters = inspect.signature(_component(target, where)).parameters.values()
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         return None
     return [p.name for p in parameters if p.kind is not inspect.Parameter.VAR_POSITIONAL]
@@ -256,6 +339,7 @@ def build_section(cfg: DictConfig, section: str) -> Any:
     if section in OPTIONAL_SECTIONS and cfg.get(section) is None:
         return None
     _check_targets(cfg[section], section)
+    _check_node(cfg[section], section, types=True)
     try:
         return instantiate(cfg[section], _convert_="all")
     except Exception as error:  # Hydra wraps the component's own error; surface its message

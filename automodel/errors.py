@@ -26,7 +26,8 @@ class DataError(UserError):
     kind = "data"
 
 
-class ModelError(UserError):
-    """A model config or checkpoint that cannot be used (or that the attention backend cannot compute)."""
+class ModelError(ConfigError):
+    """A model config or checkpoint that cannot be used (or that the attention backend cannot compute);
+    a ConfigError too, as the model section of the recipe names it."""
 
     kind = "model"

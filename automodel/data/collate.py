@@ -23,6 +23,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from automodel.distributed.thd import SEQ_LENS_PADDING_VALUE, BatchKeyError
+from automodel.distributed.thd_checks import check_integers
 
 CROSS_ENTROPY_IGNORE_INDEX = -100
 
@@ -140,6 +141,8 @@ def packed_sequence_thd_collater(batch: Sequence[dict[str, Any]]) -> dict[str, A
         missing = [k for k in (*_TOKEN_KEYS, *_LAYOUT_KEYS) if k not in pack]
         if missing:
             raise ValueError(f"pack {i} lacks {missing}: give rows of pack_dataset (keys present: {sorted(pack)})")
+        for key in (*_TOKEN_KEYS, *_LAYOUT_KEYS):
+            check_integers(pack[key], f"pack {i}: {key}", ndim=1)
     collated: dict[str, Any] = {}
     for key in _TOKEN_KEYS:
         rows = [np.asarray(pack[key]) for pack in batch]

@@ -81,8 +81,8 @@ class PreferenceData:
         if self.validation is not None and self.val_fraction is not None:
             raise ValueError("give data.validation or data.val_fraction, not both")
 
-    def load_tokenizer(self) -> PreTrainedTokenizerBase:
-        return load_tokenizer(self.tokenizer)
+    def load_tokenizer(self, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+        return load_tokenizer(self.tokenizer, trust_remote_code=trust_remote_code)
 
     def build(self, tokenizer: PreTrainedTokenizerBase) -> tuple[datasets.Dataset, datasets.Dataset | None]:
         """``(train pairs, validation pairs or None)``."""

@@ -31,6 +31,7 @@ drops and truncations are logged with their count and share.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import re
@@ -44,7 +45,8 @@ import numpy as np
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from automodel.assets import TINY_TOKENIZER_DIR
-from automodel.data.sources import RowOrigin
+from automodel.config import refuse_remote_code
+from automodel.data.sources import RAW_ROW_COLUMN, RowOrigin
 from automodel.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -87,13 +89,15 @@ class BadRow(ValueError):
         self.field, self.reason = field, reason
 
 
-def load_tokenizer(path_or_name: str | os.PathLike) -> PreTrainedTokenizerBase:
+def load_tokenizer(path_or_name: str | os.PathLike, *, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """Load a Hugging Face tokenizer without network access.
 
     Args:
         path_or_name: ``"tiny"`` (the shipped 512-token BPE with a chat template), a local
             directory holding ``tokenizer.json``/``tokenizer_config.json``, or a Hub name that is
             already in the local Hugging Face cache.
+        trust_remote_code: allow a tokenizer with ``auto_map`` (its own Python code); refused otherwise
+            (``model.trust_remote_code`` in a recipe).
 
     Example::
 
@@ -106,13 +110,35 @@ def load_tokenizer(path_or_name: str | os.PathLike) -> PreTrainedTokenizerBase:
     path = BUILTIN_TOKENIZERS.get(name, Path(name).expanduser())
     if path.is_file():
         raise ValueError(f"tokenizer path {name!r} is a file; pass the directory that holds tokenizer.json")
+    refuse_remote_code(path, "data.tokenizer", trust_remote_code)
     try:
-        return AutoTokenizer.from_pretrained(str(path) if path.is_dir() else name, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(path) if path.is_dir() else name, local_files_only=True, trust_remote_code=trust_remote_code
+        )
     except OSError as error:
         raise ValueError(
             f"no tokenizer at {name!r} on this machine (nothing is downloaded): pass a local directory, "
             f"a Hub name already in the Hugging Face cache, or a built-in name ({', '.join(BUILTIN_TOKENIZERS)})"
         ) from error
+    check_chat_template(tokenizer, name)
+    return tokenizer
+
+
+def check_chat_template(tokenizer: PreTrainedTokenizerBase, name: str) -> None:
+    """ValueError naming the tokenizer and the template's line when its chat template does not render
+    a one-message conversation (a Jinja syntax error would otherwise surface mid-tokenization)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return
+    import jinja2
+
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False, add_generation_prompt=True)
+    except jinja2.TemplateError as error:
+        line = f" line {error.lineno}" if getattr(error, "lineno", None) else ""
+        raise ValueError(
+            f"data.tokenizer={name!r}: its chat template does not render ({type(error).__name__} at template{line}: "
+            f"{error.message}); fix chat_template in its tokenizer_config.json (or chat_template.jinja)"
+        ) from None
 
 
 def end_of_turn_token_id(tokenizer: PreTrainedTokenizerBase) -> int | None:
@@ -224,14 +250,15 @@ def tokenize_sft_dataset(
     fields = _resolve_columns(dataset, format, dict(columns or {}))
     _check_tokenizer(tokenizer, format)
 
+    raw = [RAW_ROW_COLUMN] if RAW_ROW_COLUMN in dataset.column_names else []
     tokenized = dataset.map(
         functools.partial(
             _encode_batch, fields=list(fields), format=format, tokenizer=tokenizer, columns=fields,
-            max_length=max_length, on_bad_row=on_bad_row, origin=origin,
+            max_length=max_length, on_bad_row=on_bad_row, origin=origin, has_raw=bool(raw),
         ),
         batched=True,
         with_indices=True,
-        input_columns=list(fields.values()),
+        input_columns=list(fields.values()) + raw,
         remove_columns=dataset.column_names,
         features=_OUTPUT_FEATURES,
         num_proc=num_proc,
@@ -243,6 +270,7 @@ def tokenize_sft_dataset(
 def _resolve_columns(dataset: datasets.Dataset, format: str, columns: dict[str, str]) -> dict[str, str]:
     """field -> column for the fields this dataset has (required ones must be there)."""
     required, optional = FORMATS[format]
+    present = set(dataset.column_names) - {RAW_ROW_COLUMN}
     unknown = set(columns) - set(required) - set(optional)
     if unknown:
         raise ValueError(
@@ -251,7 +279,7 @@ def _resolve_columns(dataset: datasets.Dataset, format: str, columns: dict[str, 
     fields = {}
     for field in required + optional:
         column = columns.get(field, field)
-        if column in dataset.column_names:
+        if column in present:
             fields[field] = column
         elif field in required:
             raise ValueError(
@@ -287,12 +315,22 @@ def _encode_batch(
     max_length: int | None,
     on_bad_row: str,
     origin: RowOrigin,
+    has_raw: bool = False,
 ) -> dict[str, list]:
     *values, indices = values
+    if not has_raw:
+        values.append([None] * len(indices))
     parsed, bad = [], []
-    for index, row in zip(indices, zip(*values, strict=True), strict=True):
+    for index, (*row, raw) in zip(indices, zip(*values, strict=True), strict=True):
         try:
-            parsed.append(_PARSERS[format](dict(zip(fields, row, strict=True)), tokenizer))
+            if raw is None:
+                named = dict(zip(fields, row, strict=True))
+            else:  # a row whose types differ from the other rows': parsed from its own JSON
+                whole = _json_object(raw)
+                if whole is None:
+                    raise BadRow(fields[0], f"the row is not a JSON object: {json.loads(raw)!r:.60}")
+                named = {field: whole.get(columns.get(field, field)) for field in fields}
+            parsed.append(_PARSERS[format](named, tokenizer))
             bad.append("")
         except BadRow as error:
             message = f"field {error.field!r} (column {columns.get(error.field, error.field)!r}): {error.reason}"
@@ -309,6 +347,11 @@ def _encode_batch(
         for name, value in zip(_OUTPUT_FEATURES, (input_ids, labels, loss_mask, sum(loss_mask), truncated, reason)):
             out[name].append(value)
     return out
+
+
+def _json_object(text: str) -> dict | None:
+    value = json.loads(text)
+    return value if isinstance(value, dict) else None
 
 
 def _drop_and_report(tokenized: datasets.Dataset, max_length: int | None, origin: RowOrigin) -> datasets.Dataset:

@@ -94,8 +94,8 @@ class SFTData:
         if self.on_bad_row not in BAD_ROW_MODES:
             raise ValueError(f"data.on_bad_row must be one of {BAD_ROW_MODES}, got {self.on_bad_row!r}")
 
-    def load_tokenizer(self) -> PreTrainedTokenizerBase:
-        return load_tokenizer(self.tokenizer)
+    def load_tokenizer(self, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+        return load_tokenizer(self.tokenizer, trust_remote_code=trust_remote_code)
 
     def build(self, tokenizer: PreTrainedTokenizerBase) -> tuple[datasets.Dataset, datasets.Dataset | None]:
         """``(train, validation or None)``, rows ``input_ids``, ``labels``, ``loss_mask`` ready for a

@@ -8,12 +8,17 @@ shipped ``"tiny_sft"`` dataset.
 from __future__ import annotations
 
 import bisect
+import codecs
+import collections
+import csv
 import glob
 import itertools
+import json
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import datasets
 
@@ -27,16 +32,26 @@ _GLOB_CHARS = re.compile(r"[*?\[]")
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 
+# A JSON row whose values differ in type from the other rows' (a number where they have text) is kept
+# whole as JSON text in this column, its typed columns null: Arrow holds one type per column, and
+# letting one row decide it would convert or lose the others. The SFT parser reads such rows from here.
+RAW_ROW_COLUMN = "_raw_json_row"
+
+
 @dataclass(frozen=True)
 class RowOrigin:
-    """Maps a row of a loaded source back to its file and its place there, 1-based: ``a.jsonl line 42``
-    (JSON Lines hold a row per line), ``a.csv row 41`` (data rows, the header not counted)."""
+    """Maps a row of a loaded source back to its file and its place there, 1-based: ``line N`` for
+    JSON files (the file line of the row), else ``row N`` (data rows, a CSV header not counted)."""
 
     files: tuple[str, ...]
     starts: tuple[int, ...]  # first dataset row of each file
     offset: int = 0  # rows of the first file skipped by a split slice such as "train[100:]"
+    lines: tuple[int, ...] | None = None  # JSON sources: the file line of every dataset row
 
     def __call__(self, row: int) -> str:
+        if self.lines is not None:
+            i = bisect.bisect_right(self.starts, row) - 1
+            return f"{self.files[i]} line {self.lines[row]}"
         row += self.offset
         i = bisect.bisect_right(self.starts, row) - 1
         unit = "line" if self.files[i].endswith(".jsonl") else "row"
@@ -64,7 +79,9 @@ def load_sft_source(
         split: files form one split named ``"train"``, which may be sliced the ``datasets`` way
             (``"train[:1000]"``, ``"train[:10%]"``); for a saved ``DatasetDict`` or a Hub id the
             name (and slice) of one of its splits; ignored for a saved ``Dataset``.
-        cache_dir: where ``datasets`` caches the Arrow conversion (default: its own).
+        cache_dir: where ``datasets`` caches the Arrow conversion (default: its own). JSON and JSONL
+            files are parsed row by row in memory instead, so that each row keeps its own types
+            (a row typed unlike the others is kept as JSON text in :data:`RAW_ROW_COLUMN`).
 
     Returns:
         ``(rows, origin)``: the rows unchanged, and ``origin(i)`` -> ``"data/a.jsonl line 4"`` for
@@ -122,8 +139,15 @@ def _load_files(files: list[str], split: str, cache_dir: str | None) -> tuple[da
             "to use several splits, save a DatasetDict with save_to_disk or pass one file per split"
         )
     builder = builders.pop()
-    # One load per file, so that a row can be traced back to its file.
-    parts = [datasets.load_dataset(builder, data_files=[f], split="train", cache_dir=cache_dir) for f in files]
+    if builder == "json":
+        return _load_json_files(files, split)
+    # One load per file, so that a row can be traced back to its file. CSV cells are text: read as
+    # strings, so that a column of numbers ("2", "1652") is not typed as floats for every row.
+    parts = [
+        datasets.load_dataset(builder, data_files=[f], split="train", cache_dir=cache_dir,
+                              **({"features": _csv_text_features(f)} if builder == "csv" else {}))
+        for f in files
+    ]  # fmt: skip
     try:
         rows = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     except ValueError as error:
@@ -133,6 +157,116 @@ def _load_files(files: list[str], split: str, cache_dir: str | None) -> tuple[da
     if (instruction.from_, instruction.to) != (0, len(rows)):
         rows = rows.select(range(instruction.from_, instruction.to))
     return rows, RowOrigin(tuple(files), tuple(starts), instruction.from_)
+
+
+def _csv_text_features(file: str) -> datasets.Features:
+    """Every column of the CSV file's header as a string column."""
+    with open(file, newline="", encoding="utf-8-sig") as f:
+        header = next(csv.reader(f), [])
+    return datasets.Features({name: datasets.Value("string") for name in header})
+
+
+def _load_json_files(files: list[str], split: str) -> tuple[datasets.Dataset, RowOrigin]:
+    """JSON Lines or JSON-array files parsed row by row (Python's json): each row keeps its own types.
+
+    Columns whose rows all agree in type (per nested field, ``messages[].content`` included) are
+    typed columns; a row that disagrees with the majority of rows is kept whole in
+    :data:`RAW_ROW_COLUMN` (the SFT parser names its bad field), so no other row is converted."""
+    entries = []  # (file index, line, value)
+    for index, file in enumerate(files):
+        entries += [(index, line, value) for line, value in _json_rows(file)]
+    (instruction,) = datasets.ReadInstruction.from_spec(split).to_absolute({"train": len(entries)})
+    entries = entries[instruction.from_ : instruction.to]
+    values = [value for *_, value in entries]
+    majority = _majority_types(values)
+    rows, raw = [], []
+    for value in values:
+        if isinstance(value, dict) and all(_types_of(v, k) <= majority for k, v in value.items()):
+            rows.append(value)
+            raw.append(None)
+        else:  # not an object, or a field typed unlike the other rows'
+            rows.append({})
+            raw.append(json.dumps(value))
+    names = list(dict.fromkeys(key for row in rows for key in row))  # every row's keys, first seen first
+    columns = {name: [row.get(name) for row in rows] for name in names}
+    if any(r is not None for r in raw):
+        columns[RAW_ROW_COLUMN] = raw
+    table = datasets.Dataset.from_dict(columns)
+    starts = [next((i for i, e in enumerate(entries) if e[0] >= f), len(entries)) for f in range(len(files))]
+    return table, RowOrigin(tuple(files), tuple(starts), lines=tuple(line for _, line, _ in entries))
+
+
+def _json_rows(file: str) -> list[tuple[int, Any]]:
+    """``(line, value)`` of every row of a JSON Lines file (blank lines skipped) or a JSON array;
+    a line that is not JSON becomes a string row (the parser names it). ValueError naming the file
+    when it is empty, not UTF-8, or an array that does not parse."""
+    text = _decode_utf8(Path(file).read_bytes(), file)
+    if not text.strip():
+        raise ValueError(f"data file {file} is empty (no rows); give a file with one JSON object per line")
+    if text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"data file {file} line {error.lineno}: not valid JSON ({error.msg})") from None
+        return [(i + 1, item) for i, item in enumerate(items)] if isinstance(items, list) else [(1, items)]
+    rows = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append((number, json.loads(line)))
+            except json.JSONDecodeError as error:
+                rows.append((number, f"<not valid JSON: {error.msg}>"))
+    return rows
+
+
+def _types_of(value: Any, path: str) -> set[tuple[str, str]]:
+    """``{(field path, type)}`` of a JSON value: ``messages[].content`` -> ``str`` and so on; nulls
+    carry no type (Arrow takes null in any column)."""
+    if value is None:
+        return set()
+    if isinstance(value, dict):
+        found = {(path, "object")}
+        for key, item in value.items():
+            found |= _types_of(item, f"{path}.{key}")
+        return found
+    if isinstance(value, list):
+        found = {(path, "list")}
+        for item in value:
+            found |= _types_of(item, f"{path}[]")
+        return found
+    return {(path, type(value).__name__)}
+
+
+def _majority_types(values: list[Any]) -> set[tuple[str, str]]:
+    """For each field path, the type most rows give it."""
+    counts: collections.Counter = collections.Counter()
+    for value in values:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                counts.update(_types_of(item, key))
+    best: dict[str, tuple[int, str]] = {}
+    for (path, kind), n in counts.items():
+        if n > best.get(path, (0, ""))[0]:
+            best[path] = (n, kind)
+    return {(path, kind) for path, (_, kind) in best.items()}
+
+
+def _decode_utf8(data: bytes, file: str, final: bool = True) -> str:
+    """The file's text (``final=False``: ``data`` is its head, maybe cut inside a character);
+    ValueError naming the file and the encoding fix when it is not UTF-8."""
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise ValueError(
+            f"data file {file} is UTF-16 (it starts with a UTF-16 byte-order mark); data files must be UTF-8: "
+            f"convert it, e.g. iconv -f UTF-16 -t UTF-8 {file} > out.jsonl"
+        )
+    try:
+        return codecs.getincrementaldecoder("utf-8-sig")().decode(data, final)
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise ValueError(
+            f"data file {file} is not UTF-8: byte 0x{data[error.start]:02x} at line {line} (Latin-1 or Windows-1252 "
+            f"text?); data files must be UTF-8: convert it, e.g. iconv -f LATIN1 -t UTF-8 {file} > out.jsonl"
+        ) from None
 
 
 def _load_saved(path: Path, split: str) -> tuple[datasets.Dataset, RowOrigin]:
@@ -166,6 +300,37 @@ def check_source(name: str, field: str = "source") -> None:
             f"{field}={name!r} does not exist: pass an existing file, directory or glob pattern, a "
             f"save_to_disk directory, a Hub dataset id (org/name), or a built-in name ({', '.join(BUILTIN_SOURCES)})"
         )
+    for file in _local_text_files(name):
+        try:
+            check_text_file(file)
+        except ValueError as error:
+            raise ValueError(f"{field}={name!r}: {error}") from None
+
+
+def _local_text_files(name: str) -> list[str]:
+    """The local json/jsonl/csv files a source names (none for built-in names, Hub ids, saved datasets)."""
+    path = Path(name).expanduser()
+    if name in BUILTIN_SOURCES:
+        return []
+    if path.is_file():
+        files = [str(path)]
+    elif path.is_dir() and not any((path / f).is_file() for f in ("dataset_dict.json", "state.json")):
+        files = [str(p) for p in path.rglob("*") if p.is_file()]
+    elif _GLOB_CHARS.search(name) and not path.exists():
+        files = [p for p in glob.glob(str(path), recursive=True) if Path(p).is_file()]
+    else:
+        return []
+    return [f for f in files if _extension(f) in (".json", ".jsonl", ".csv")]
+
+
+def check_text_file(file: str, head: int = 1 << 16) -> None:
+    """ValueError naming ``file`` when it is empty (or only whitespace) or its first ``head`` bytes are
+    not UTF-8: read at configuration time, before any data work."""
+    with open(file, "rb") as f:
+        data = f.read(head)
+    if not data.strip() and os.path.getsize(file) <= head:
+        raise ValueError(f"data file {file} is empty (no rows, or only whitespace); give a file with rows")
+    _decode_utf8(data, file, final=len(data) < head)
 
 
 def is_hub_id(name: str) -> bool:

@@ -113,7 +113,7 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, compute_dtype: torch.dt
     """FSDP2 over ``mesh``: each decoder layer (``model.decoder_layers``) is its own unit, the rest
     (embeddings, final norm, output head, and the loss) the root unit.
 
-    Parameters stay float32 (master weights, so AdamW's small updates are not rounded away); with
+    Trainable parameters stay float32 (master weights, so AdamW's small updates are not rounded away); with
     ``compute_dtype=torch.bfloat16`` FSDP2 casts them to bf16 for forward and backward and reduces
     gradients in float32 (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``); with
     gradient accumulation FSDP2 keeps the unsynchronized gradients in ``reduce_dtype`` (float32).
@@ -122,9 +122,13 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, compute_dtype: torch.dt
     number of label tokens, so the sum is the gradient of the global token-mean loss.
     """
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    # One rank: FSDP2 shards nothing, and its one-rank unshard (torch 2.13) copies only the first of a
+    # tensor subclass's all-gather inputs (NF4 has three), so frozen parameters (stored in the compute
+    # dtype already, never reduced) stay plain tensors outside it.
+    ignored = {p for p in model.parameters() if not p.requires_grad} if mesh.size() == 1 else None
     for layer in model.decoder_layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy, ignored_params=ignored)
+    fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=ignored)
     for module in model.modules():
         if isinstance(module, FSDPModule):  # both settings are per unit, not inherited
             module.set_gradient_divide_factor(1.0)

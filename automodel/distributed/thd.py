@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from automodel.distributed.thd_checks import check_integers
+
 SEQ_LENS_PADDING_VALUE = -1000
 _REQUIRED_KEYS = ("input_ids", "labels", "position_ids", "seq_lens", "seq_lens_padded")
 _LAYOUT_KEYS = ("seq_lens", "seq_lens_padded")
@@ -71,6 +73,9 @@ def process_input_for_thd(
             f"process_input_for_thd: batch lacks {missing}; pass the output of packed_sequence_thd_collater "
             f"(keys present: {sorted(batch)})"
         )
+    for key in _REQUIRED_KEYS:  # float ids or lengths would be cast silently; [B, S, H] input_ids are embeddings
+        if batch[key] is not None and not (key == "input_ids" and torch.is_tensor(batch[key]) and batch[key].dim() == 3):
+            check_integers(batch[key], key, tensor=key in ("input_ids", "labels", "position_ids"))
     input_ids = batch["input_ids"]
     if input_ids.dim() < 2:
         raise ValueError(f"input_ids must be [B, S] or [B, S, H], got shape {tuple(input_ids.shape)}")

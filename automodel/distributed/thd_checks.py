@@ -7,7 +7,25 @@ Transformer Engine. All checks run on CPU copies of small metadata tensors (``[N
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import torch
+
+
+def check_integers(value: Any, name: str, *, ndim: int | None = None, tensor: bool = False) -> None:
+    """ValueError naming ``name`` unless ``value`` holds integers (token ids, positions, lengths: a
+    float would be cast silently) with ``ndim`` dimensions; ``tensor`` requires a ``torch.Tensor``."""
+    if tensor and not torch.is_tensor(value):
+        raise ValueError(f"{name} must be a torch.Tensor (as packed_sequence_thd_collater returns), got {type(value).__name__}")
+    try:
+        array = value.detach().cpu().numpy() if torch.is_tensor(value) else np.asarray(value)
+    except ValueError:  # ragged nested lists
+        raise ValueError(f"{name} must be a {ndim or 'rectangular'}-D array of ints, got ragged nested lists") from None
+    if array.size and array.dtype.kind not in "iu":
+        raise ValueError(f"{name} must hold integers, got dtype {value.dtype if torch.is_tensor(value) else array.dtype}")
+    if ndim is not None and array.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(array.shape)}")
 
 
 def check_cp_size(cp_size: int, *, name: str = "cp_size") -> None:

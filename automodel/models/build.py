@@ -39,8 +39,15 @@ from automodel.attention.hf import (
 from automodel.data.sft import end_of_turn_token_id
 from automodel.loss import chunked_cross_entropy_sum, chunked_token_log_probs
 from automodel.models.families import check_model_config
+from automodel.models.frozen_base import dequantized, quantize_frozen_base, store_frozen_base
 from automodel.models.lora import LoraConfig, base_state_dict, export_adapter, merged_state_dict
-from automodel.models.spec import ModelSpec, check_checkpoint_tensors, check_finite
+from automodel.models.spec import (
+    ModelSpec,
+    check_backend_device,
+    check_checkpoint_tensors,
+    check_finite,
+    check_model_sanity,
+)
 
 _PREFIX = "hf."
 
@@ -134,13 +141,15 @@ def setup_checks(
     readable, model type verified, features vs backend, tokenizer vs vocabulary, cp_size, windows
     vs sample length, and the checkpoint's tensor names and shapes from its safetensors headers."""
     config = spec.hf_config()
+    check_model_sanity(config, max_sample_tokens=max_sample_tokens, exceed_max_positions=spec.exceed_max_positions)
     backend = resolve_attention_backend(spec.attention_backend)
+    check_backend_device(backend)
     check_model_config(
         config, backend, cp_size=cp_size, vocab_needed=vocab_needed, max_sample_tokens=max_sample_tokens
     )
     if spec.pretrained_path is not None:
         with torch.device("meta"):
-            meta = AutoModelForCausalLM.from_config(config)
+            meta = AutoModelForCausalLM.from_config(config, trust_remote_code=spec.trust_remote_code)
         check_checkpoint_tensors(
             spec.pretrained_path, {k: tuple(v.shape) for k, v in meta.state_dict().items()},
             tied=bool(getattr(config, "tie_word_embeddings", False)),
@@ -163,7 +172,9 @@ def build_model(
     ``shard(model)`` (FSDP2), materialize on ``device``, rank 0's weights broadcast to every rank."""
     register_thd_attention()
     with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(config, attn_implementation=THD_ATTENTION, dtype=torch.float32)
+        hf = AutoModelForCausalLM.from_config(
+            config, attn_implementation=THD_ATTENTION, dtype=torch.float32, trust_remote_code=spec.trust_remote_code
+        )
     model = CausalLMForTraining(hf).train()
     backend = resolve_attention_backend(spec.attention_backend)
     found = attach_thd_attention(hf, backend, cp_comm_type)
@@ -177,11 +188,16 @@ def build_model(
     if lora is not None:
         with torch.device("meta"):
             model.hf = lora.apply(hf)
+        store_frozen_base(model, spec.torch_dtype)
     shard(model)
     model.to_empty(device=device)
     if config.tie_word_embeddings:
         hf.tie_weights()  # to_empty gives each module its own new tensor, untying them
     load_weights(model, spec, config, seed=seed, is_main=is_main, lora=lora)
+    if lora is not None and lora.quantize_base == "nf4":
+        quantize_frozen_base(
+            model, model.decoder_layers, block_size=lora.nf4_block_size, scaler_block_size=lora.nf4_scaler_block_size
+        )
     return model
 
 
@@ -189,9 +205,10 @@ def source_model(spec: ModelSpec, config: PretrainedConfig, seed: int) -> PreTra
     """The full model on CPU in float32: the checkpoint, or transformers' init seeded with ``seed``."""
     if spec.pretrained_path is None:
         torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=spec.trust_remote_code)
     hf, info = AutoModelForCausalLM.from_pretrained(
-        spec.pretrained_path, config=config, dtype=torch.float32, output_loading_info=True
+        spec.pretrained_path, config=config, dtype=torch.float32, output_loading_info=True,
+        trust_remote_code=spec.trust_remote_code,
     )
     wrong = {key: names for key, names in info.items() if key in ("missing_keys", "unexpected_keys") and names}
     if wrong:
@@ -242,7 +259,7 @@ def export_model(
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not is_main:
         return
-    state = {k.removeprefix(_PREFIX): v for k, v in state.items()}
+    state = {k.removeprefix(_PREFIX): v for k, v in dequantized(state).items()}
     if lora is not None:
         if base is None:  # a seeded init that exists nowhere else: the adapter needs it on disk
             base = str((output_dir / "base").resolve())

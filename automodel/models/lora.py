@@ -40,6 +40,11 @@ class LoraConfig:
         alpha: scaling numerator: the update is ``alpha / rank * B @ A``.
         dropout: dropout on the adapter input during training.
         export_merged: also export the model with the adapter merged into the base weights.
+        quantize_base: ``nf4`` stores the frozen decoder Linear weights in 4-bit NF4 (QLoRA, torchao);
+            null keeps them in the compute dtype (``model.dtype``).
+        nf4_block_size: values per NF4 block (one absmax scale each).
+        nf4_scaler_block_size: blocks per group of 8-bit quantized scales; a weight is quantized when
+            its size divides into whole groups on every FSDP shard (else it stays in the compute dtype).
     """
 
     target_modules: list[str] | str = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
@@ -47,6 +52,9 @@ class LoraConfig:
     alpha: float = 16.0
     dropout: float = 0.0
     export_merged: bool = False
+    quantize_base: str | None = None
+    nf4_block_size: int = 64
+    nf4_scaler_block_size: int = 256
 
     def __post_init__(self) -> None:
         if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
@@ -59,6 +67,30 @@ class LoraConfig:
             raise ValueError(f"peft.alpha must be positive, got {self.alpha!r}")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"peft.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.quantize_base not in (None, "nf4"):
+            raise ValueError(f"peft.quantize_base must be null or nf4, got {self.quantize_base!r}")
+        for name in ("nf4_block_size", "nf4_scaler_block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 2 or value % 2:
+                raise ValueError(f"peft.{name} must be a positive even int, got {value!r}")
+        if self.quantize_base == "nf4":
+            try:
+                import torchao.quantization  # noqa: F401
+            except ImportError as error:
+                raise ValueError(
+                    f"peft.quantize_base=nf4 needs torchao ({error}); pip install 'automodel[qlora]'"
+                ) from None
+
+    def check_model(self, config) -> None:
+        """ValueError before any data work when an adapter would sit on the output head that the
+        model ties to its input embeddings (one tensor under two names: the adapter cannot follow)."""
+        targets = [] if self.target_modules == "all-linear" else self.target_modules  # all-linear skips the head
+        if getattr(config, "tie_word_embeddings", False) and any(t.split(".")[-1] == "lm_head" for t in targets):
+            raise ValueError(
+                f"peft.target_modules={self.target_modules!r} includes lm_head, which this model ties to its input "
+                "embeddings (tie_word_embeddings=true); drop lm_head from the targets, or use a model whose head "
+                "is not tied"
+            )
 
     def peft_config(self) -> peft.LoraConfig:
         return peft.LoraConfig(

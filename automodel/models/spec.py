@@ -4,6 +4,7 @@ from scratch. Either way the model is a transformers class."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from automodel.attention import ATTENTION_BACKENDS
+from automodel.config import refuse_remote_code
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -28,8 +30,14 @@ class ModelSpec:
         attention_backend: ``auto`` (TE on CUDA when importable, else torch varlen on CUDA, else
             portable), ``te``, ``varlen`` or ``portable``.
         dtype: compute dtype. ``bfloat16`` keeps float32 master weights and optimizer state and
-            computes in bf16 through FSDP2's MixedPrecisionPolicy (gradients reduced in float32).
+            computes in bf16 through FSDP2's MixedPrecisionPolicy (gradients reduced in float32);
+            under LoRA the frozen base is stored in this dtype (models/frozen_base.py).
         activation_checkpointing: recompute each decoder layer in the backward pass.
+        exceed_max_positions: let samples (``data.max_length``, else the pack size) be longer than
+            the config's ``max_position_embeddings`` (refused by default: positions past it were
+            never trained, and absolute embeddings have no row for them).
+        trust_remote_code: let transformers import Python files shipped with the checkpoint or the
+            tokenizer (``auto_map``); refused by default, and passed to every transformers load.
     """
 
     pretrained_path: str | None = None
@@ -37,6 +45,8 @@ class ModelSpec:
     attention_backend: str = "auto"
     dtype: str = "float32"
     activation_checkpointing: bool = False
+    trust_remote_code: bool = False
+    exceed_max_positions: bool = False
 
     def __post_init__(self) -> None:
         if (self.pretrained_path is None) == (self.config is None):
@@ -64,8 +74,9 @@ class ModelSpec:
         path = Path(self.pretrained_path)
         if path.is_dir() and not (path / "config.json").is_file():
             raise ValueError(f"model.pretrained_path={self.pretrained_path!r} holds no config.json")
+        refuse_remote_code(path, "model.pretrained_path", self.trust_remote_code)
         try:
-            return AutoConfig.from_pretrained(self.pretrained_path)
+            return AutoConfig.from_pretrained(self.pretrained_path, trust_remote_code=self.trust_remote_code)
         except (OSError, ValueError, json.JSONDecodeError) as error:
             raise ValueError(
                 f"model.pretrained_path={self.pretrained_path!r}: cannot read its config ({error}); point it at a "
@@ -73,28 +84,70 @@ class ModelSpec:
             ) from None
 
 
+def check_model_sanity(
+    config: PretrainedConfig, *, max_sample_tokens: int | None, exceed_max_positions: bool = False
+) -> None:
+    """ValueError naming the field for a config no run should train: no layer, a NaN or inf in any
+    float (``rms_norm_eps``, ``rope_parameters.rope_theta``...), or samples longer than
+    ``max_position_embeddings`` unless ``model.exceed_max_positions``. Runs at setup, before any data."""
+    layers = getattr(config, "num_hidden_layers", None)
+    if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
+        raise ValueError(
+            f"num_hidden_layers={layers!r} in the model config (model.config, or config.json of "
+            "model.pretrained_path): a model needs at least 1 layer"
+        )
+    for name, value in _floats(config.to_dict()):
+        if not math.isfinite(value):
+            raise ValueError(
+                f"{name}={value} in the model config: must be a finite number; fix it in model.config (or "
+                "config.json of model.pretrained_path)"
+            )
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and max_sample_tokens is not None and max_sample_tokens > limit and not exceed_max_positions:
+        raise ValueError(
+            f"samples may have {max_sample_tokens} tokens (data.max_length, else the pack size) but the model's "
+            f"max_position_embeddings is {limit}; set data.max_length <= {limit}, or model.exceed_max_positions=true "
+            "to train past it anyway"
+        )
+
+
+def check_backend_device(backend: str) -> None:
+    """ValueError at setup for ``varlen`` (torch's CUDA-only ``varlen_attn``) on a machine without CUDA,
+    which would otherwise fail at the first forward."""
+    if backend == "varlen" and not torch.cuda.is_available():
+        raise ValueError(
+            "model.attention_backend='varlen' runs torch's varlen_attn, which needs a CUDA GPU, and this machine "
+            "has none; use model.attention_backend=auto or portable"
+        )
+
+
+def _floats(node: Any, prefix: str = ""):
+    """``(dotted name, value)`` for every float in a config dict, nested dicts included."""
+    if isinstance(node, float):
+        yield prefix, node
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            yield from _floats(value, f"{prefix}.{key}" if prefix else str(key))
+
+
 def check_checkpoint_tensors(path: str, expected: dict[str, tuple[int, ...]], tied: bool) -> None:
     """Compare the safetensors headers of a local checkpoint with the model's state-dict names and
     shapes, reading no tensor data: every name both have must agree in shape, and every model
     tensor must be in the checkpoint, except a tied ``lm_head.weight`` and MoE expert tensors, which
     transformers fuses at load (``from_pretrained`` reports those)."""
-    from safetensors import safe_open
-
     files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
     if not files:
         return  # a hub id or another format: from_pretrained checks it at load
     found = set()
     for file in files:
-        with safe_open(file, framework="pt") as handle:
-            for name in handle.keys():
-                found.add(name)
-                shape = tuple(handle.get_slice(name).get_shape())
-                if name in expected and expected[name] != shape:
-                    raise ValueError(
-                        f"model.pretrained_path={path!r}: tensor {name!r} in {file.name} has shape {shape}, "
-                        f"the model built from its config.json expects {expected[name]}; the weights do not "
-                        "match config.json"
-                    )
+        for name, shape in _header_shapes(file, path):
+            found.add(name)
+            if name in expected and expected[name] != shape:
+                raise ValueError(
+                    f"model.pretrained_path={path!r}: tensor {name!r} in {file.name} has shape {shape}, "
+                    f"the model built from its config.json expects {expected[name]}; the weights do not "
+                    "match config.json"
+                )
     missing = [
         name for name in expected
         if name not in found and ".experts." not in name and not (tied and name == "lm_head.weight")
@@ -104,6 +157,21 @@ def check_checkpoint_tensors(path: str, expected: dict[str, tuple[int, ...]], ti
             f"model.pretrained_path={path!r}: its safetensors files lack {len(missing)} tensors the model "
             f"needs, first {missing[:3]}; the checkpoint is incomplete or for another architecture"
         )
+
+
+def _header_shapes(file: Path, path: str) -> list[tuple[str, tuple[int, ...]]]:
+    """``(name, shape)`` of every tensor in a safetensors header; ValueError naming a file that is not one
+    (garbage, or cut short: the header promises more bytes than the file has)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(file, framework="pt") as handle:
+            return [(name, tuple(handle.get_slice(name).get_shape())) for name in handle.keys()]
+    except Exception as error:  # noqa: BLE001 - safetensors raises its own SafetensorError (not exported)
+        raise ValueError(
+            f"model.pretrained_path={path!r}: {file} is not a readable safetensors file ({error}); it is truncated "
+            "or corrupt: copy the checkpoint again"
+        ) from None
 
 
 def check_finite(state_dict: dict[str, torch.Tensor], source: str) -> None:

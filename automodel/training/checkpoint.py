@@ -16,8 +16,10 @@ them) is skipped with a warning and the previous checkpoint is used. Multi-node 
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import pickle
 import random
 import re
 import shutil
@@ -29,8 +31,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from automodel.config import ConfigError
+from automodel.models.frozen_base import is_quantized
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +50,130 @@ DATA = "data.json"
 
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written (full disk, quota, file size limit)."""
+
+
+class UnsafeCheckpointError(ConfigError):
+    """A checkpoint file holds something other than DCP's metadata, tensors and plain values: it is
+    refused before anything in it runs."""
+
+
+# What DCP's ``.metadata`` pickle may name (torch 2.13): its metadata dataclasses, torch.Size, the
+# dtypes, layouts by name, and the checkpoint's path. Anything else (a function, a class with side
+# effects) is refused before it is called.
+_METADATA_GLOBALS = frozenset({
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING",
+    )),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+})
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) not in _METADATA_GLOBALS and not is_dtype:
+            raise pickle.UnpicklingError(f"it names {module}.{name}, which is not a DCP metadata type")
+        return super().find_class(module, name)
+
+
+def read_dcp_metadata(path: Path) -> Metadata:
+    """``path``'s DCP metadata through an unpickler that admits only DCP's metadata types;
+    UnsafeCheckpointError naming the file otherwise."""
+    file = Path(path) / ".metadata"
+    try:
+        with file.open("rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except Exception as error:  # noqa: BLE001 - any failure of a foreign pickle is a refusal
+        raise UnsafeCheckpointError(
+            f"{file} is refused ({type(error).__name__}: {error}): it is not the DCP metadata this project writes; "
+            "delete that checkpoint directory to resume from the previous one, or start a new trainer.output_dir"
+        ) from None
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpointError(f"{file} holds a {type(metadata).__name__}, not DCP metadata; delete that checkpoint")
+    return metadata
+
+
+def verify_checkpoint(path: Path) -> None:
+    """Unpickle nothing unverified: the metadata through :func:`read_dcp_metadata`, every non-tensor
+    value of the shards with ``weights_only=True`` (tensors are read that way by DCP itself), the RNG
+    files with ``weights_only=True``. UnsafeCheckpointError naming the first file refused."""
+    metadata = read_dcp_metadata(path)
+    storage_of = {index.fqn: storage for index, storage in metadata.storage_data.items()}
+    for index, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, BytesStorageMetadata):
+            continue
+        storage = storage_of.get(index)
+        if storage is None or storage.transform_descriptors:  # compressed values: the load's planner checks them
+            continue
+        with (Path(path) / storage.relative_path).open("rb") as f:
+            f.seek(storage.offset)
+            _load_weights_only(io.BytesIO(f.read(storage.length)), Path(path) / storage.relative_path, index)
+    for rng in sorted(Path(path).glob("rng_rank_*.pt")):
+        _load_weights_only(rng, rng, "RNG state")
+    _check_data_position(Path(path) / DATA)
+
+
+def _check_data_position(file: Path) -> None:
+    """``data.json`` must be the ``{epoch, consumed, fingerprint}`` every batching mode writes."""
+    try:
+        position = json.loads(file.read_text())
+    except (OSError, ValueError) as error:
+        position, problem = None, f"unreadable ({error})"
+    else:
+        problem = None
+    valid = (
+        isinstance(position, dict) and set(position) == {"epoch", "consumed", "fingerprint"}
+        and all(isinstance(position[k], int) and not isinstance(position[k], bool) and position[k] >= 0
+                for k in ("epoch", "consumed"))
+        and isinstance(position["fingerprint"], str)
+    )  # fmt: skip
+    if not valid:
+        raise UnsafeCheckpointError(
+            f"{file} is not a data position ({problem or f'got {position!r:.120}'}): it must be "
+            '{"epoch": int >= 0, "consumed": int >= 0, "fingerprint": str} as the run wrote it; delete that '
+            "checkpoint directory to resume from the previous one, or start a new trainer.output_dir"
+        )
+
+
+def _load_weights_only(source, file: Path, what: str) -> Any:
+    try:
+        return torch.load(source, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - weights_only refuses anything but tensors and plain values
+        raise UnsafeCheckpointError(
+            f"{file} is refused: its {what} is not tensors and plain values ({type(error).__name__}: "
+            f"{str(error).splitlines()[0]}); delete that checkpoint directory, or start a new trainer.output_dir"
+        ) from None
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's file reader with the metadata read by :func:`read_dcp_metadata`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = read_dcp_metadata(Path(self.path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _WeightsOnlyPlanner(DefaultLoadPlanner):
+    """DCP's load planner with non-tensor values read by ``torch.load(weights_only=True)``."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.path = Path(path)
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        storage = self.metadata.storage_data[read_item.storage_index]
+        loaded = _load_weights_only(value, self.path / storage.relative_path, read_item.dest_index.fqn)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
 
 
 def rng_state() -> dict[str, Any]:
@@ -108,9 +241,11 @@ class NonFiniteError(RuntimeError):
 
 def check_finite_parameters(model: torch.nn.Module, where: str) -> None:
     """NonFiniteError on every rank naming the parameters holding NaN or inf on any rank's shard."""
-    names = list(dict(model.named_parameters()))
+    # NF4 weights are quantized from a base checked finite at load, and isfinite does not take them
+    checked = {name: p for name, p in model.named_parameters() if not is_quantized(p)}
+    names = list(checked)
     bad = torch.tensor(
-        [not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all() for p in model.parameters()],
+        [not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all() for p in checked.values()],
         dtype=torch.float32,
     )
     if dist.is_initialized():
@@ -213,13 +348,18 @@ class Checkpointer:
         """Restore everything saved at ``info.path`` (resharded to this world size); returns its step."""
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=info.path)
+        try:
+            dcp.load(state, storage_reader=_SafeReader(info.path), planner=_WeightsOnlyPlanner(info.path))
+        except CheckpointException as error:
+            cause = _first_failure(error)
+            raise (cause if isinstance(cause, UnsafeCheckpointError) else error) from None
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         check_finite_parameters(model, f"checkpoint {info.path}")
         scheduler.load_state_dict(info.scheduler)
         stream.load_state_dict(json.loads((info.path / DATA).read_text()))
         if info.world_size == self.world_size:  # another world size cannot continue each rank's RNG streams
-            set_rng_state(torch.load(info.path / f"rng_rank_{self.rank:05d}.pt", weights_only=True))
+            rng = info.path / f"rng_rank_{self.rank:05d}.pt"
+            set_rng_state(_load_weights_only(rng, rng, "RNG state"))
         return info.step
 
 

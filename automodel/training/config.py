@@ -122,7 +122,10 @@ class TrainerConfig:
         for name in ("max_steps", "grad_accum_steps", "log_every", "keep_last"):
             value = getattr(self, name)
             _check(_is_int(value) and value >= 1, f"trainer.{name} must be a positive int, got {value!r}")
-        _check(_is_int(self.seed), f"trainer.seed must be an int, got {self.seed!r}")
+        _check(_is_int(self.seed) and 0 <= self.seed < 2**32,
+               f"trainer.seed must be an int in [0, 2**32) (numpy's seed range), got {self.seed!r}")
+        _check(isinstance(self.output_dir, str) and self.output_dir.strip() != "",
+               f"trainer.output_dir must be a directory path such as runs/my_run, got {self.output_dir!r}")
         _check(self.eval_every is None or (_is_int(self.eval_every) and self.eval_every >= 1),
                f"trainer.eval_every must be a positive int or null, got {self.eval_every!r}")
         _check(self.sync_debug_step is None or (_is_int(self.sync_debug_step) and self.sync_debug_step >= 1),

@@ -11,6 +11,7 @@ import contextlib
 import functools
 import logging
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from automodel.models import CausalLMForTraining, build_model, export_model, set
 from automodel.training.checkpoint import Checkpointer, NonFiniteError
 from automodel.training.console import configure_console, on_terminal
 from automodel.training.host_syncs import record_host_syncs
-from automodel.training.metrics import MetricsLog, plot_loss_curve, read_metrics
+from automodel.training.metrics import open_metrics_log, plot_loss_curve, read_metrics
 from automodel.training.model_card import write_adapter_card
 from automodel.training.run_dir import RECIPE, RunDirectory
 from automodel.training.validation import evaluate
@@ -77,15 +78,20 @@ class FinetuneRecipe:
             self.dims.device, self.output_dir / RECIPE,
         )
         torch.manual_seed(self.trainer.seed)
+        self.metrics = open_metrics_log(  # trackers start (or fail) before any data work
+            self.output_dir, run_id, resume_from.step if resume_from else 0, self.trainer.tracking, self.cfg,
+            self.dims.is_main,
+        )
 
         with _as_user_error(DataError):
-            self.tokenizer = self.data.load_tokenizer()
-        # every model check that needs no weights runs now, before tokenizing and packing
-        with _as_user_error(ModelError):
+            self.tokenizer = self.data.load_tokenizer(trust_remote_code=self.model_spec.trust_remote_code)
+        with _as_user_error(ModelError):  # every model check that needs no weights, before tokenizing and packing
             self.hf_config = setup_checks(
                 self.model_spec, cp_size=self.dims.cp_size, vocab_needed=len(self.tokenizer),
-                max_sample_tokens=getattr(self.data, "max_length", None),
+                max_sample_tokens=self._longest_sample(),
             )
+            if self.lora is not None:
+                self.lora.check_model(self.hf_config)
         # rank 0 fills the datasets cache, the others read it; a bad row raised in a worker process
         # of datasets.map arrives here as the worker's ValueError
         with _main_rank_first(self.dims.is_main), _as_user_error(DataError):
@@ -114,9 +120,12 @@ class FinetuneRecipe:
         if resume_from is not None:
             self.step = self.checkpointer.load(resume_from, self.model, self.optimizer, self.scheduler, self.stream)
             logger.info("resumed from %s at step %d", resume_from.path, self.step)
-        self.metrics = (
-            MetricsLog(self.output_dir / "metrics.jsonl", self.step, self.trainer.tracking) if self.dims.is_main else None
-        )
+
+    def _longest_sample(self) -> int | None:
+        """The most tokens a sample can have: ``data.max_length``, else the pack size (longer samples
+        are dropped or refused by packing), else unknown."""
+        max_length = getattr(self.data, "max_length", None)
+        return max_length or getattr(self.batching, "packed_sequence_size", getattr(self.batching, "max_seq_len", None))
 
     def _build_model(self) -> CausalLMForTraining:
         shard = functools.partial(
@@ -332,6 +341,8 @@ class FinetuneRecipe:
         )
 
     def cleanup(self) -> None:
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.close(failed=sys.exc_info()[0] is not None)  # called from run()'s finally
         if hasattr(self, "run_dir"):
             self.run_dir.release()
         if self._owns_process_group and dist.is_initialized():

@@ -28,7 +28,7 @@ from filelock import FileLock, Timeout
 from omegaconf import DictConfig, OmegaConf
 
 from automodel.config import ConfigError
-from automodel.training.checkpoint import META, Checkpointer, CheckpointInfo, read_info
+from automodel.training.checkpoint import META, Checkpointer, CheckpointInfo, read_info, verify_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,8 @@ LOCK = ".lock"
 HOLDER = ".lock.holder.json"
 # Outputs of a run that trainer.overwrite=true deletes.
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "hf", "adapter", "loss_curve.png", RUN)
+# A directory holding any of these is a run directory (a run that died early has its lock at least).
+RUN_MARKERS = (RUN, RECIPE, LOCK, "checkpoints", "metrics.jsonl")
 
 # Keys (and sections under them) that may change between a checkpoint and its resume. The global
 # batch is checked separately (trainer.grad_accum_steps may change with the world size).
@@ -46,7 +48,9 @@ MUTABLE_KEYS = (
     "trainer.checkpoint_every", "trainer.keep_last", "trainer.resume", "trainer.overwrite", "trainer.stop_at_step",
     "trainer.export_hf", "trainer.progress_bar", "trainer.sync_debug_step", "parallel.timeout_minutes",
     "parallel.cp_comm_type",
-    "model.attention_backend", "data.num_proc", "packing.num_workers", "packing.cache_dir", "peft.export_merged",
+    "model.attention_backend", "model.trust_remote_code", "model.exceed_max_positions", "data.num_proc",
+    "packing.num_workers", "packing.cache_dir", "peft.export_merged",
+    "trainer.tracking",  # where the numbers go, not what is trained
 )  # the rest of peft.* (targets, rank, alpha, dropout) shapes the trained parameters: never mutable
 
 
@@ -84,6 +88,21 @@ class RunDirectory:
         self.rank = rank
         self._lock: FileLock | None = None
 
+    def check_is_run_directory(self, overwrite: bool) -> None:
+        """ConfigError unless ``output_dir`` is new, empty or a run directory (or ``overwrite``): a run
+        never spreads its checkpoints, lock and ``hf/`` over a directory of other files, such as the
+        current directory given as ``.``."""
+        where = f"trainer.output_dir={str(self.path)!r} ({self.path.resolve()})"
+        if self.path.exists() and not self.path.is_dir():
+            raise ConfigError(f"{where} is a file; give a directory path, e.g. runs/my_run")
+        entries = sorted(p.name for p in self.path.iterdir()) if self.path.is_dir() else []
+        if entries and not set(entries) & set(RUN_MARKERS) and not overwrite:
+            listed = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+            raise ConfigError(
+                f"{where} is a directory of other files ({listed}), not a run directory; point it at a new or "
+                "empty directory (e.g. runs/my_run), or set trainer.overwrite=true to write the run there"
+            )
+
     def acquire(self) -> None:
         """Exclusive lock on the directory (released by the kernel if this process dies); ConfigError
         naming the holder when another run has it."""
@@ -112,19 +131,20 @@ class RunDirectory:
         """Lock the directory, decide fresh start or resume, save the recipe: ``(run_id, checkpoint)``.
 
         Collective: rank 0 decides and every rank gets its decision (or its error)."""
-        decision: list[Any] = [None, None, None]  # run_id, checkpoint path, error message
+        decision: list[Any] = [None, None, None]  # run_id, checkpoint path, error (a ConfigError)
         if self.rank == 0:
             try:
+                self.check_is_run_directory(trainer.overwrite)
                 self.acquire()
                 run_id, checkpoint = self._decide(cfg, trainer, world_size, dp_size)
                 decision = [run_id, str(checkpoint.path) if checkpoint else None, None]
             except ConfigError as error:
-                decision = [None, None, str(error)]
+                decision = [None, None, error]
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(decision, src=0)
         run_id, checkpoint, error = decision
         if error is not None:
-            raise ConfigError(error)
+            raise error from None
         return run_id, read_info(Path(checkpoint)) if checkpoint else None
 
     def _decide(self, cfg: DictConfig, trainer, world_size: int, dp_size: int) -> tuple[str, CheckpointInfo | None]:
@@ -134,6 +154,7 @@ class RunDirectory:
         if trainer.resume == "auto" and run_id is not None:
             latest = Checkpointer(self.path, trainer.keep_last, 0, world_size, run_id).latest()
         if latest is not None:
+            verify_checkpoint(latest.path)  # nothing in it is unpickled unchecked, and a bad file stops here
             self._check_resume(cfg, trainer, latest, world_size, dp_size)
         else:
             # Checkpoints with a meta.json belong to a run; a fresh run must not mix its own with them.

@@ -3,10 +3,16 @@ functions: each raises its error class naming the field, before any data work (t
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import datasets
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
+from automodel.assets import TINY_TOKENIZER_DIR
 from automodel.config import ConfigError, load_recipe
 from automodel.data import pack_dataset, packed_sequence_thd_collater
 from automodel.data import packing as packing_module
@@ -15,6 +21,7 @@ from automodel.data.sft_data import SFTData
 from automodel.distributed import make_cp_batch_for_te, process_input_for_thd, thd_get_partitioned_indices
 from automodel.distributed.thd import BatchKeyError
 from automodel.training.finetune import run
+from automodel.training.run_dir import RunDirectory
 
 FAST = ["data.split='train[:64]'", "packing.packed_sequence_size=256", "trainer.progress_bar=false",
         "trainer.export_hf=false", "trainer.max_steps=2"]
@@ -80,6 +87,17 @@ RECIPE_CASES = [
     (["parallel.timeout_minutes=-1"], "parallel.timeout_minutes"),
     (["data.source=/nonexistent/train.jsonl"], "data.source"),
     (["data.format=alpacca"], "data.format"),
+    (["trainer.seed=-1"], "trainer.seed"),
+    (["trainer.output_dir=null"], "trainer.output_dir"),
+    (["trainer.output_dir=''"], "trainer.output_dir"),
+    (["trainer.tracking.tensorboard=maybe"], "trainer.tracking.tensorboard"),
+    (["+peft=lora", "peft.export_merged=maybe"], "peft.export_merged"),
+    (["+peft=lora", "peft.target_modules=[lm_head]"], "peft.target_modules"),  # tied to the embeddings
+    (["model.config.num_hidden_layers=0"], "num_hidden_layers=0"),
+    (["model.config.rms_norm_eps=nan"], "rms_norm_eps=nan"),
+    (["model.config.rope_theta=nan"], "rope_theta=nan"),
+    (["model.config.max_position_embeddings=16"], "max_position_embeddings is 16"),  # data.max_length=512
+    *([] if torch.cuda.is_available() else [(["model.attention_backend=varlen"], "model.attention_backend='varlen'")]),
 ]
 
 
@@ -89,6 +107,92 @@ def test_a_bad_recipe_value_fails_naming_the_field_before_any_data_work(tmp_path
         run(load_recipe("tiny_llama_sft", [*FAST, f"trainer.output_dir={tmp_path}", *overrides]))
     assert field in str(error.value), str(error.value)
     assert data_work == []
+
+
+def _tokenizer_dir(tmp_path: Path, **config) -> Path:
+    """A copy of the shipped tokenizer with ``config`` merged into its tokenizer_config.json."""
+    directory = tmp_path / "tokenizer"
+    shutil.copytree(TINY_TOKENIZER_DIR, directory)
+    file = directory / "tokenizer_config.json"
+    file.write_text(json.dumps({**json.loads(file.read_text()), **config}))
+    return directory
+
+
+def _checkpoint_dir(tmp_path: Path, weights: str, **config) -> Path:
+    """The recipe's tiny Llama as a checkpoint; ``weights``: ``good``, ``truncated`` or ``garbage``."""
+    directory = tmp_path / "checkpoint"
+    fields = dict(load_recipe("tiny_llama_sft").model.config)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields))
+    model.save_pretrained(directory)
+    weights_file = directory / "model.safetensors"
+    if weights == "truncated":
+        weights_file.write_bytes(weights_file.read_bytes()[: weights_file.stat().st_size // 2])
+    elif weights == "garbage":
+        weights_file.write_bytes(b"not a safetensors file")
+    if config:
+        file = directory / "config.json"
+        file.write_text(json.dumps({**json.loads(file.read_text()), **config}))
+    return directory
+
+
+def _source(tmp_path: Path, content: bytes) -> list[str]:
+    (tmp_path / "data.jsonl").write_bytes(content)
+    return [f"data.source={tmp_path / 'data.jsonl'}"]
+
+
+def _checkpoint(tmp_path: Path, weights: str, **config) -> list[str]:
+    return ["model=hf_checkpoint", "model.dtype=float32",
+            f"model.pretrained_path={_checkpoint_dir(tmp_path, weights, **config)}"]  # fmt: skip
+
+
+ROW = {"prompt": "caf\u00e9 ?", "completion": " ok"}
+FILE_CASES = {
+    # name: (writes the inputs under a directory -> overrides, text the message must hold)
+    "empty data file": (lambda t: _source(t, b""), "data.jsonl is empty"),
+    "whitespace-only data file": (lambda t: _source(t, b"  \n\n "), "data.jsonl is empty"),
+    "UTF-16 data file": (lambda t: _source(t, json.dumps(ROW, ensure_ascii=False).encode("utf-16")),
+                         "data.jsonl is UTF-16"),
+    "Latin-1 data file": (lambda t: _source(t, json.dumps(ROW, ensure_ascii=False).encode("latin-1")),
+                          "data.jsonl is not UTF-8: byte 0xe9 at line 1"),
+    "broken chat template": (lambda t: [f"data.tokenizer={_tokenizer_dir(t, chat_template='{% if %}')}"],
+                             "chat template does not render"),
+    "tokenizer with auto_map": (lambda t: [f"data.tokenizer={_tokenizer_dir(t, auto_map={'AutoTokenizer': ['x.T', None]})}"],
+                                "model.trust_remote_code"),
+    "checkpoint with auto_map": (lambda t: _checkpoint(t, "good", auto_map={"AutoModel": "x.M"}), "model.trust_remote_code"),
+    "truncated safetensors": (lambda t: _checkpoint(t, "truncated"), "model.safetensors"),
+    "garbage safetensors": (lambda t: _checkpoint(t, "garbage"), "model.safetensors"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", FILE_CASES)
+def test_a_bad_file_fails_naming_it_before_any_data_work(tmp_path, data_work, case):
+    make_overrides, named = FILE_CASES[case]
+    (tmp_path / "inputs").mkdir()
+    overrides = make_overrides(tmp_path / "inputs")
+    with pytest.raises(ConfigError) as error:
+        run(load_recipe("tiny_llama_sft", [*FAST, f"trainer.output_dir={tmp_path / 'run'}", *overrides]))
+    assert named in str(error.value), str(error.value)
+    assert data_work == []
+
+
+def test_a_recipe_path_must_be_a_yaml_file(tmp_path):
+    (tmp_path / "recipe.py").write_text("import os\n")
+    for path, named in ((tmp_path, "is a directory"), (tmp_path / "recipe.py", "is not a YAML file")):
+        with pytest.raises(ConfigError, match=named) as error:
+            load_recipe(str(path))
+        assert str(path) in str(error.value)
+
+
+def test_output_dir_must_be_new_empty_or_a_run_directory(tmp_path, monkeypatch, data_work):
+    """``.`` (the current directory) full of other files is refused unless trainer.overwrite=true."""
+    (tmp_path / "notes.txt").write_text("mine")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as error:
+        run(load_recipe("tiny_llama_sft", [*FAST, "trainer.output_dir=."]))
+    assert "trainer.output_dir='.'" in str(error.value) and "notes.txt" in str(error.value)
+    assert "trainer.overwrite=true" in str(error.value) and data_work == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]  # no lock, no run.json written
+    RunDirectory(".", 0).check_is_run_directory(overwrite=True)  # the way out
 
 
 def _rows(*lengths: int) -> datasets.Dataset:
@@ -141,6 +245,18 @@ FUNCTION_CASES = [
     (lambda: thd_get_partitioned_indices(CU, 8, 2, 3), ValueError, "rank"),
     (lambda: thd_get_partitioned_indices(torch.tensor([0, 3, 8], dtype=torch.int32), 8, 2, 0),
      ValueError, "cu_seqlens_padded"),
+    (lambda: packed_sequence_thd_collater([{**_pack(), "input_ids": [float(i) for i in range(8)]}]),
+     ValueError, "input_ids must hold integers"),
+    (lambda: packed_sequence_thd_collater([{**_pack(), "seq_lens": [3.0, 5.0]}]), ValueError, "seq_lens must hold integers"),
+    (lambda: packed_sequence_thd_collater([{**_pack(), "input_ids": [[i] for i in range(8)]}]),
+     ValueError, "input_ids must be 1-D"),
+    (lambda: process_input_for_thd(_collated(input_ids=torch.zeros(2, 8))), ValueError, "input_ids must hold integers"),
+    (lambda: process_input_for_thd(_collated(seq_lens=torch.tensor([[3.0, 5.0], [3.0, 5.0]]))),
+     ValueError, "seq_lens must hold integers"),
+    (lambda: process_input_for_thd(_collated(input_ids=[[0] * 8, [0] * 8])), ValueError, "input_ids must be a torch.Tensor"),
+    (lambda: make_cp_batch_for_te(None, _collated(labels=torch.zeros(2, 8))), ValueError, "labels must hold integers"),
+    (lambda: make_cp_batch_for_te(None, _collated(seq_lens_padded=torch.tensor([[3.5, 5.0], [3.0, 5.0]]))),
+     ValueError, "seq_lens_padded must hold integers"),
 ]
 
 

@@ -6,7 +6,10 @@ DP/CP layout, 4 steps of a global batch of 2 micro-batches):
 
 - ``one``: 1 process, validation every step, adapter + merged export;
 - ``split``: 1 process without validation, stopped after step 2, then resumed to step 4;
-- ``dp2``: 2 data-parallel ranks; ``cp2``: 2 context-parallel ranks (both with validation, one launch).
+- ``dp2``: 2 data-parallel ranks; ``cp2``: 2 context-parallel ranks (both with validation, one launch);
+- QLoRA (``peft.quantize_base=nf4``): ``qlora`` in 1 process with the merged export, ``qsplit``
+  stopped and resumed, ``qdp2`` and ``qcp2`` in the same 2-rank launch; ``bf16dp2``: LoRA on a bf16
+  base (``model.dtype=bfloat16``) there too.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ COMMON = [
     "data.split='train[:800]'", "data.val_fraction=null", "packing=rmpad", "trainer.max_steps=4",
     "trainer.checkpoint_every=2", "trainer.progress_bar=false", "optim.warmup_steps=0",
 ]
+# The tiny model's k/v projections have 128 NF4 blocks: scaler groups of 32 give whole groups on 2 shards.
+QLORA = ["peft.quantize_base=nf4", "peft.nf4_scaler_block_size=32"]
 
 
 def lora_run(output_dir: Path, *overrides: str) -> list[dict]:
@@ -58,6 +63,16 @@ def base_model_and_lora():
     cfg = load_recipe("tiny_llama_lora")
     spec, lora = build_section(cfg, "model"), build_section(cfg, "peft")
     return (lambda: source_model(spec, spec.hf_config(), cfg.trainer.seed).eval()), lora
+
+
+def nf4_dequantized(model: torch.nn.Module, **block_sizes: int) -> torch.nn.Module:
+    """``model`` with every decoder Linear weight replaced by its NF4 round trip (torchao)."""
+    from torchao.quantization import to_nf4
+
+    for module in model.model.layers.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.weight.data = to_nf4(module.weight.data.contiguous(), **block_sizes).get_original_weight()
+    return model
 
 
 def logits(model: torch.nn.Module) -> torch.Tensor:
@@ -138,18 +153,42 @@ def test_lora_recipe_with_validation(tmp_path, monkeypatch):
     for name in adapter_one:
         assert torch.equal(adapter_one[name], adapter_resumed[name]), name
 
-    # -- DP 2 and CP 2 equal one process: training loss, adapter, val_loss
+    # -- QLoRA trains, resumes bitwise, and its adapter on the NF4-dequantized base gives the merged export
+    qlora = lora_run(tmp_path / "qlora", *split, *QLORA, "peft.export_merged=true")
+    assert qlora[-1]["loss"] < qlora[0]["loss"], qlora
+    lora_run(tmp_path / "qsplit", *split, *QLORA, "trainer.stop_at_step=2")
+    qresumed = lora_run(tmp_path / "qsplit", *split, *QLORA)
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in qresumed] == [r[key] for r in qlora], key
+    def dequantized_base():
+        return nf4_dequantized(base(), block_size=64, scaler_block_size=32)
+
+    qadapted = peft.PeftModel.from_pretrained(dequantized_base(), tmp_path / "qlora" / "adapter")
+    qmerged = AutoModelForCausalLM.from_pretrained(tmp_path / "qlora" / "hf", dtype=torch.float32).eval()
+    torch.testing.assert_close(logits(qadapted), logits(qmerged), rtol=0, atol=1e-5)
+    assert (logits(qadapted) - logits(reloaded)).abs().max() > 1e-3  # the base did change: NF4, not float32
+
+    # -- DP 2 and CP 2 equal one process: training loss, adapter, val_loss; QLoRA's loss and adapter
     two_ranks = {
-        "dp2": ["trainer.grad_accum_steps=1"],
-        "cp2": ["trainer.grad_accum_steps=2", "parallel.cp_size=2"],
+        "dp2": ["trainer.grad_accum_steps=1", VALIDATION, "trainer.eval_every=1"],
+        "cp2": ["trainer.grad_accum_steps=2", "parallel.cp_size=2", VALIDATION, "trainer.eval_every=1"],
+        "qdp2": ["trainer.grad_accum_steps=1", *QLORA],
+        "qcp2": ["trainer.grad_accum_steps=2", "parallel.cp_size=2", *QLORA],
+        "bf16dp2": ["trainer.grad_accum_steps=1", "model.dtype=bfloat16"],  # bf16 base, fp32 adapters, one unit
     }
     run_recipes(
-        {name: recipe_run("tiny_llama_lora", f"trainer.output_dir={tmp_path / name}", *COMMON, *overrides,
-                          VALIDATION, "trainer.eval_every=1")
+        {name: recipe_run("tiny_llama_lora", f"trainer.output_dir={tmp_path / name}", *COMMON, *overrides)
          for name, overrides in two_ranks.items()},
         nproc=2, workdir=tmp_path,
     )  # fmt: skip
-    for name in two_ranks:
+    bf16 = read_metrics(tmp_path / "bf16dp2")
+    assert bf16[-1]["loss"] < bf16[0]["loss"], bf16
+    assert_per_step(bf16[:1], one[:1], "loss", 2e-2)  # step 1: the same weights, computed in bf16
+    for name in ("qdp2", "qcp2"):
+        assert_per_step(read_metrics(tmp_path / name), qlora, "loss", 1e-5)
+        adapted = peft.PeftModel.from_pretrained(dequantized_base(), tmp_path / name / "adapter")
+        torch.testing.assert_close(logits(adapted), logits(qadapted), rtol=0, atol=1e-5, msg=name)
+    for name in ("dp2", "cp2"):
         records = read_metrics(tmp_path / name)
         assert [r["val_label_tokens"] for r in records] == [r["val_label_tokens"] for r in one]
         assert_per_step(records, one, "loss", 1e-5)

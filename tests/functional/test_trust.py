@@ -31,6 +31,7 @@ from automodel.training.checkpoint import (
     Checkpointer,
     CheckpointWriteError,
     NonFiniteError,
+    UnsafeCheckpointError,
 )
 from automodel.training.finetune import run
 from automodel.training.metrics import read_metrics
@@ -158,30 +159,103 @@ def test_a_non_finite_weight_in_a_checkpoint_is_refused_at_resume(used_dir, tmp_
     assert name in str(error.value)
 
 
-def test_nothing_executes_from_checkpoint_files_or_recipes(used_dir, tmp_path):
-    marker = tmp_path / "executed"
+class Payload:
+    """Unpickling it runs a shell command that creates ``marker``."""
 
-    class Payload:
-        def __reduce__(self):
-            return (os.system, (f"touch {marker}",))
+    def __init__(self, marker: Path):
+        self.marker = marker
 
-    checkpoint = used_dir / "checkpoints" / "step_00000004"
-    rng = checkpoint / "rng_rank_00000.pt"
-    rng.write_bytes(pickle.dumps(Payload()))
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _plant(checkpoint: Path, where: str, payload: Payload) -> Path:
+    """Write ``payload`` into one file of ``checkpoint`` and make meta.json's sizes match again."""
+    if where == ".metadata":
+        planted = checkpoint / ".metadata"
+        planted.write_bytes(pickle.dumps(payload))
+    elif where == "rng":
+        planted = checkpoint / "rng_rank_00000.pt"
+        planted.write_bytes(pickle.dumps(payload))
+    else:  # a non-tensor value of the optimizer state in the DCP shard, written by DCP itself
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        whole = checkpoint.parent / "whole.pt"
+        dcp_to_torch_save(checkpoint, whole)
+        state = torch.load(whole, weights_only=True)
+        whole.unlink()
+        state["optim"]["param_groups"][0]["lr"] = payload
+        for shard in [*checkpoint.glob("*.distcp"), checkpoint / ".metadata"]:
+            shard.unlink()
+        torch.distributed.checkpoint.save(state, checkpoint_id=checkpoint, no_dist=True)
+        planted = checkpoint / "__0_0.distcp"
     meta = json.loads((checkpoint / META).read_text())
-    meta["files"][rng.name] = rng.stat().st_size
+    meta["files"] = {p.name: p.stat().st_size for p in checkpoint.iterdir() if p.name != META}
     (checkpoint / META).write_text(json.dumps(meta))
-    with pytest.raises(pickle.UnpicklingError):
+    return planted
+
+
+@pytest.mark.parametrize("where", [".metadata", "shard", "rng"])
+def test_a_pickle_planted_in_any_checkpoint_file_runs_nothing_and_is_named(used_dir, tmp_path, data_work, where):
+    marker = tmp_path / "executed"
+    planted = _plant(used_dir / "checkpoints" / "step_00000004", where, Payload(marker))
+    with pytest.raises(UnsafeCheckpointError) as error:
         run(recipe(used_dir))
+    assert str(planted) in str(error.value), str(error.value)
+    assert not marker.exists()
+    assert data_work == []  # refused before tokenizing
+
+
+def test_the_load_itself_reads_no_unverified_pickle(used_dir, tmp_path, one_process_group):
+    """Past the check at setup (a file swapped after it), DCP's own load refuses the planted value."""
+    from automodel.training.checkpoint import read_info
+
+    marker = tmp_path / "executed"
+    checkpoint = used_dir / "checkpoints" / "step_00000004"
+    planted = _plant(checkpoint, "shard", Payload(marker))
+    finished = run(recipe(tmp_path / "fresh", "trainer.max_steps=1"))
+    checkpointer = Checkpointer(tmp_path, keep_last=1, rank=0, world_size=1, run_id="x")
+    with pytest.raises(UnsafeCheckpointError, match=str(planted)):
+        checkpointer.load(read_info(checkpoint), finished.model, finished.optimizer, finished.scheduler, finished.stream)
     assert not marker.exists()
 
-    bad = tmp_path / "bad.yaml"  # a recipe value built by torch.load of that same file
+
+@pytest.mark.parametrize("position", ['{"epoch": 0, "consumed": 8}', '{"epoch": "x", "consumed": 8, "fingerprint": "f"}', "[]"])
+def test_a_data_position_that_is_not_one_is_refused_naming_data_json(used_dir, data_work, position):
+    checkpoint = used_dir / "checkpoints" / "step_00000004"
+    (checkpoint / "data.json").write_text(position)
+    meta = json.loads((checkpoint / META).read_text())
+    meta["files"]["data.json"] = len(position)
+    (checkpoint / META).write_text(json.dumps(meta))
+    with pytest.raises(UnsafeCheckpointError) as error:
+        run(recipe(used_dir))
+    assert str(checkpoint / "data.json") in str(error.value) and "fingerprint" in str(error.value)
+    assert data_work == []
+
+
+def test_a_rerun_after_a_death_before_the_first_checkpoint_keeps_the_old_metrics(tmp_path, caplog):
+    """The attempt wrote 8 records and no checkpoint: a fresh start moves them aside and says so."""
+    from automodel.training.metrics import MetricsLog
+    from automodel.training.tracking import TrackingConfig
+
+    path = tmp_path / "metrics.jsonl"
+    old = [{"step": step, "loss": 5.0 - step / 10} for step in range(1, 9)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in old))
+    with caplog.at_level("WARNING", logger="automodel.training.metrics"):
+        log = MetricsLog(path, 0, TrackingConfig(tensorboard=False))
+    log.write({"step": 1, "loss": 4.0})
+    assert read_metrics(tmp_path / "metrics.jsonl.1") == old
+    assert read_metrics(path) == [{"step": 1, "loss": 4.0}]
+    assert "8 records (steps 1-8)" in caplog.text and "metrics.jsonl.1" in caplog.text
+
+
+def test_a_recipe_cannot_name_a_loader(tmp_path):
+    bad = tmp_path / "bad.yaml"  # a recipe value built by torch.load of a file
     bad.write_text((REPO_ROOT / "recipes/llm/tiny_llama_sft.yaml").read_text().replace(
-        "optim:\n", f"optim:\n  _target_: torch.load\n  f: {rng}\n  weights_only: false\n"
+        "optim:\n", f"optim:\n  _target_: torch.load\n  f: {tmp_path / 'x.pt'}\n  weights_only: false\n"
     ))
     with pytest.raises(ConfigError, match=r"optim\._target_='torch.load' is not allowed"):
         load_recipe(str(bad), [f"trainer.output_dir={tmp_path / 'x'}"])
-    assert not marker.exists()
 
 
 def test_a_second_run_into_a_locked_directory_fails_at_once_naming_the_holder(tmp_path, data_work):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import datasets
 import numpy as np
@@ -147,6 +148,42 @@ def test_skip_mode_drops_counts_and_reports(tiny, tmp_path, caplog):
         out = tokenize_sft_dataset(rows, tiny, format="messages", origin=origin, on_bad_row="skip")
     assert len(out) == 2
     assert "skipped 2 of 4 rows (50.00%)" in caplog.text and "data.jsonl line 2" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "bad_field, bad_value, reason",
+    [
+        ("content", 1652, "message 1 (assistant): 'content' must be text, got int"),
+        ("content", ["1652"], "message 1 (assistant): 'content' must be text, got list"),
+        ("role", 7, "role 7 is not one of"),
+    ],
+)
+def test_one_bad_row_among_120_costs_that_row_only(tiny, tmp_path, caplog, bad_field, bad_value, reason):
+    """A number where the other rows have text used to retype the column: valid rows such as "1652"
+    read back as ints and were dropped with it. Each row keeps its own types now."""
+    chats = [[{"role": "user", "content": f"{i} + 1?"}, {"role": "assistant", "content": str(1600 + i)}]
+             for i in range(120)]  # fmt: skip
+    chats[41][1][bad_field] = bad_value
+    rows, origin = load_sft_source(write(tmp_path / "data.jsonl", [{"messages": m} for m in chats]))
+    with caplog.at_level(logging.WARNING, logger="automodel.data.sft"):
+        out = tokenize_sft_dataset(rows, tiny, format="messages", origin=origin, on_bad_row="skip")
+    assert len(out) == 119
+    assert "skipped 1 of 120 rows" in caplog.text and "data.jsonl line 42: field 'messages'" in caplog.text
+    assert reason in caplog.text
+    expected = tokenize_sft_dataset(rows.select([i for i in range(120) if i != 41]), tiny, format="messages")
+    assert out.to_list() == expected.to_list()  # the 119 valid rows are tokenized exactly as without the bad one
+    with pytest.raises(ValueError, match=rf"data\.jsonl line 42: field 'messages'.*{re.escape(reason)}"):
+        tokenize_sft_dataset(rows, tiny, format="messages", origin=origin)
+
+
+def test_a_float_among_token_ids_costs_its_row_only(tiny, tmp_path):
+    rows, origin = load_sft_source(write(tmp_path / "ids.jsonl", [{"input_ids": [1, 2, 3]}, {"input_ids": [1, 2.5, 3]},
+                                                                   {"input_ids": [4, 5, 6]}]))  # fmt: skip
+    assert rows.features["input_ids"].feature.dtype in ("int32", "int64")  # not float: the float row did not decide
+    with pytest.raises(ValueError, match=r"ids\.jsonl line 2: field 'input_ids'.*list of ints"):
+        tokenize_sft_dataset(rows, tiny, format="tokens", origin=origin)
+    out = tokenize_sft_dataset(rows, tiny, format="tokens", origin=origin, on_bad_row="skip")
+    assert out["input_ids"] == [[1, 2], [4, 5]]
 
 
 def test_weight_rows_copies_then_samples_with_a_seed():

@@ -75,7 +75,8 @@ def test_only_adapters_train_and_exports_reload(tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [({"target_modules": ""}, "target_modules is empty"), ({"rank": 0}, "rank"), ({"alpha": 0}, "alpha"),
-     ({"dropout": 1.0}, "dropout")],
+     ({"dropout": 1.0}, "dropout"), ({"quantize_base": "int4"}, "quantize_base must be null or nf4"),
+     ({"nf4_block_size": 63}, "nf4_block_size"), ({"nf4_scaler_block_size": 0}, "nf4_scaler_block_size")],
 )  # fmt: skip
 def test_bad_lora_config(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -54,6 +54,15 @@ def test_csv(tmp_path):
     ]
 
 
+def test_csv_cells_are_text_even_when_a_column_holds_only_numbers(tmp_path):
+    """pandas would read the completions as floats (2.0, NaN, 1652.0) and every row would be refused."""
+    (tmp_path / "rows.csv").write_text("prompt,completion\n1+1,2\nhi,\n800+852,1652\n")
+    assert load(tmp_path / "rows.csv", cache_dir=tmp_path / "cache").to_list() == [
+        {"prompt": "1+1", "completion": "2"}, {"prompt": "hi", "completion": None},
+        {"prompt": "800+852", "completion": "1652"},
+    ]  # fmt: skip
+
+
 def test_row_origin_names_file_and_row(tmp_path):
     write_jsonl(tmp_path / "data" / "a.jsonl", ROWS[:2])
     write_jsonl(tmp_path / "data" / "b.jsonl", ROWS)

@@ -120,7 +120,7 @@ def test_embeddings_input_keeps_hidden_dim():
          "sentinel -1000 may only right-pad seq_lens"),
         ({"seq_lens": torch.tensor([[5, 2], [6, -1000]])}, r"sequence 0: need 0 <= seq_lens <= seq_lens_padded, got 5 and 4"),
         ({"seq_lens_padded": torch.tensor([[4, 3], [6, -1000]])}, r"pack 0: seq_lens_padded \[4, 3\] sums to 7, more than the S=6 tokens"),
-        ({"labels": torch.zeros(2, 5)}, r"labels must have shape \[B, S\]=\(2, 6\)"),
+        ({"labels": torch.zeros(2, 5, dtype=torch.long)}, r"labels must have shape \[B, S\]=\(2, 6\)"),
         ({"seq_lens": torch.tensor([3, 2])}, r"seq_lens and seq_lens_padded must both be \[B, D\]"),
     ],
 )

@@ -1,25 +1,28 @@
-"""MetricsLog fans out to TensorBoard: the event file holds the JSONL's numbers exactly."""
+"""MetricsLog fans out to TensorBoard: what TensorBoard's own loader reads back is the JSONL's numbers
+(as float32 scalars), under ``train/`` and ``val/``."""
 
 from __future__ import annotations
 
+import sys
+
+import numpy as np
 import pytest
-from tensorboard.backend.event_processing.plugin_event_accumulator import (
-    EventAccumulator,  # what the UI reads
-)
-from tensorboard.util import tensor_util
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from automodel.training.config import TrainerConfig
 from automodel.training.metrics import MetricsLog, plot_loss_curve, read_metrics
-from automodel.training.tracking import TrackingConfig
+from automodel.training.tracking import TrackingConfig, metric_name
 
 
-def read_events(log_dir) -> dict[str, list[tuple[int, float]]]:
-    events = EventAccumulator(str(log_dir), size_guidance={"tensors": 0})
+def read_scalars(log_dir) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar series as TensorBoard's scalar dashboard loads it."""
+    events = EventAccumulator(str(log_dir))
     events.Reload()
-    return {
-        tag: [(e.step, float(tensor_util.make_ndarray(e.tensor_proto))) for e in events.Tensors(tag)]
-        for tag in events.Tags()["tensors"]
-    }
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def as_float32(records: list[dict], key: str) -> list[tuple[int, float]]:
+    return [(r["step"], float(np.float32(r[key]))) for r in records if key in r]
 
 
 def record(step: int, **extra) -> dict:
@@ -27,30 +30,43 @@ def record(step: int, **extra) -> dict:
             "label_tokens": 100 + step, **extra}  # fmt: skip
 
 
-def test_tensorboard_holds_the_jsonl_numbers(tmp_path):
+def test_metric_names():
+    assert [metric_name(k) for k in ("loss", "tokens_per_s", "val_loss", "val_perplexity")] == [
+        "train/loss", "train/tokens_per_s", "val/loss", "val/perplexity",
+    ]  # fmt: skip
+
+
+def test_tensorboard_shows_the_jsonl_numbers(tmp_path):
     log = MetricsLog(tmp_path / "metrics.jsonl")
     for step in (1, 2, 3):
-        log.write(record(step, **({"val_loss": 2.0 / 7} if step == 2 else {})))
+        log.write(record(step, **({"val_loss": 2.0 / 7, "val_perplexity": 1.3} if step == 2 else {})))
     log.close()
     jsonl = read_metrics(tmp_path / "metrics.jsonl")
-    events = read_events(tmp_path / "tensorboard")
-    assert {"loss", "lr", "grad_norm", "val_loss", "epoch", "label_tokens"} == set(events)
-    for tag in ("loss", "lr", "grad_norm", "val_loss"):
-        assert events[tag] == [(r["step"], r[tag]) for r in jsonl if tag in r], tag  # exact: stored as doubles
+    scalars = read_scalars(tmp_path / "tensorboard")
+    keys = ("epoch", "loss", "lr", "grad_norm", "label_tokens", "val_loss", "val_perplexity")
+    assert set(scalars) == {metric_name(k) for k in keys}
+    for key in keys:
+        assert scalars[metric_name(key)] == as_float32(jsonl, key), key
+    assert scalars["train/loss"][0] == (1, float(np.float32(5.0 / 1.3)))  # worked by hand: 3.8461538...
 
     log = MetricsLog(tmp_path / "metrics.jsonl", resumed_step=2)  # the run resumes from step 2's checkpoint
     log.write(record(3, loss=0.5))
     log.close()
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
-    assert read_events(tmp_path / "tensorboard")["loss"][-1] == (3, 0.5)
+    assert read_scalars(tmp_path / "tensorboard")["train/loss"] == [*as_float32(jsonl, "loss")[:2], (3, 0.5)]
 
     plot_loss_curve(tmp_path / "metrics.jsonl", tmp_path / "curve.png")
     assert (tmp_path / "curve.png").stat().st_size > 0
 
 
-def test_tracking_config():
-    assert not list((TrackingConfig(tensorboard=False)).build(None, 0))
-    with pytest.raises(ValueError, match=r"tracking.wandb is set but the wandb package is not installed"):
-        TrackingConfig(wandb={"mode": "offline"})
+def test_tracking_config(tmp_path, monkeypatch):
+    assert not TrackingConfig(tensorboard=False).build(tmp_path, "run", 0, {})
     with pytest.raises(ValueError, match=r"trainer.tracking: .*'tensorbord'"):
         TrainerConfig(tracking={"tensorbord": True})
+    with pytest.raises(ValueError, match=r"tracking.wandb may not set \['id'\]"):
+        TrackingConfig(wandb={"project": "p", "id": "abc"})
+    with pytest.raises(ValueError, match=r"tracking.mlflow has unknown keys \['experiment'\]"):
+        TrackingConfig(mlflow={"experiment": "x"})
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
+    with pytest.raises(ValueError, match=r"tracking.wandb is set but the wandb package is not installed"):
+        TrackingConfig(wandb={"mode": "offline"})
