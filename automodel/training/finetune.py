@@ -83,7 +83,7 @@ class FinetuneRecipe:
             self.dims.is_main,
         )
 
-        with _as_user_error(DataError):
+        with _as_user_error(ConfigError):  # data.tokenizer: a path or name the recipe gives
             self.tokenizer = self.data.load_tokenizer(trust_remote_code=self.model_spec.trust_remote_code)
         with _as_user_error(ModelError):  # every model check that needs no weights, before tokenizing and packing
             self.hf_config = setup_checks(
