@@ -1,4 +1,4 @@
-"""``automodel``: finetune | data | recipes | bench | check-gpu."""
+"""``automodel``: finetune | data | recipes | bench | check-gpu | families."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ USAGE = """automodel <command> [...]    (automodel --version; --debug: traceback
   bench gpu [...]                  every GPU figure: tokens/s, MFU, memory, host syncs per backend (tiny on CPU)
   bench cli_latency [...]          how fast the CLI answers --cfg job, typos and bad values
   check-gpu [...]                  Transformer Engine against the portable attention on this machine's GPUs
+  families [--verify [TYPE ...]]   the supported model types; --verify re-runs the differential check
 """
 
 
@@ -62,6 +63,10 @@ def _dispatch(command: str, rest: list[str], argv: list[str]) -> int:
     if command == "bench" and rest and rest[0] in BENCHMARKS:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ lives beside the package
         return importlib.import_module(f"benchmarks.{rest[0]}").main(rest[1:])
+    if command == "families":
+        from automodel.models.verify import main as families
+
+        return families(rest)
     if command == "check-gpu":
         from automodel.attention.check_gpu import main as check_gpu
 

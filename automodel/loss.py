@@ -170,6 +170,18 @@ def _check_loss_args(hidden_TD, weight_VD, labels_T, bias_V, logit_scale, softca
         raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
 
 
+def transform_logits(
+    logits: torch.Tensor, *, logit_scale: float = 1.0, final_logit_softcap: float | None = None
+) -> torch.Tensor:
+    """``softcap(logit_scale * logits)``: what a family's head does after ``lm_head`` (the keyword
+    arguments come from :func:`automodel.models.build.logit_transform`), for any head computation
+    that needs the logits themselves."""
+    logits = logits * logit_scale if logit_scale != 1.0 else logits
+    if final_logit_softcap is None:
+        return logits
+    return torch.tanh(logits / final_logit_softcap) * final_logit_softcap
+
+
 def _capped_logits(
     h_CD, w_VD, b_V, scale: float, softcap: float | None, keep_tanh: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:

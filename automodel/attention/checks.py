@@ -49,8 +49,9 @@ def check_qkv(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    head_dim_v: int | None = None,
 ) -> None:
-    """Check q ``[t, h, d]``, k/v ``[t, h_kv, d]`` against the module's head configuration and the
+    """Check q ``[t, h, d]``, k ``[t, h_kv, d]``, v ``[t, h_kv, d_v]`` (``d_v`` = ``head_dim_v``, else d) against the module's head configuration and the
     THD layout in ``meta``; under context parallelism also check the process group."""
     if not isinstance(meta, ThdAttentionMetadata):
         raise ValueError(f"meta must be a ThdAttentionMetadata, got {type(meta).__name__}")
@@ -62,7 +63,7 @@ def check_qkv(
     expected = {
         "q": (t, num_heads, head_dim),
         "k": (t, num_kv_heads, head_dim),
-        "v": (t, num_kv_heads, head_dim),
+        "v": (t, num_kv_heads, head_dim if head_dim_v is None else head_dim_v),
     }
     for name, x in (("q", q), ("k", k), ("v", v)):
         if tuple(x.shape) != expected[name]:

@@ -20,18 +20,22 @@ Shape legend: t = this rank's tokens, h = query heads, h_kv = key/value heads, d
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
+import sys
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 from torch import nn
 from transformers import AttentionInterface
 
 from automodel.attention.metadata import ThdAttentionMetadata
+from automodel.attention.portable import PortableAttention
 
 THD_ATTENTION = "automodel_thd"
 _CORE = "_automodel_thd_core"
+_BACKEND = "_automodel_thd_backend"
 
 
 @dataclass(frozen=True)
@@ -52,29 +56,104 @@ FEATURES = {
 
 
 class _Core(nn.Module):
-    """Holds one attention module's backend; ``__call__`` maps THD q/k/v to ``[t, h*d]``."""
+    """Holds one attention module's backend; ``__call__`` maps THD q/k/v to ``[t, h*d_v]``.
 
-    def __init__(self, backend: str, inner: nn.Module | None, num_heads: int, num_kv_heads: int, scale: float):
+    Built at the module's first call from the shapes it passes (query/key head dim ``d`` and value
+    head dim ``d_v`` differ under MLA), so no module attribute (``head_dim``, ``num_heads``) is read."""
+
+    def __init__(self, backend: str, inner: nn.Module | None, scale: float):
         super().__init__()
-        self.backend, self.inner = backend, inner
-        self.num_heads, self.num_kv_heads, self.scale = num_heads, num_kv_heads, scale
+        self.backend, self.inner, self.scale = backend, inner, scale
 
-    def forward(self, q, k, v, meta: ThdAttentionMetadata, window, softcap, sinks) -> torch.Tensor:
+    def forward(self, q, k, v, meta: ThdAttentionMetadata, extras: LayerExtras) -> torch.Tensor:
         if self.backend == "portable":
-            return self.inner(q, k, v, meta, window=window, softcap=softcap, sinks=sinks)
-        if window is not None and meta.max_seqlen > window:
-            raise ValueError(
-                f"attention backend {self.backend!r} cannot apply sliding_window={window} and this batch has a "
-                f"sequence of up to {meta.max_seqlen} tokens; use model.attention_backend=portable or keep "
-                f"samples within {window} tokens (data.max_length)"
+            return self.inner(
+                q,
+                k,
+                v,
+                meta,
+                window=extras.window,
+                softcap=extras.softcap,
+                sinks=extras.sinks,
+                chunk=extras.chunk,
             )
+        lacking = [name for name in ("softcap", "sinks") if getattr(extras, name) is not None]
+        if v.shape[-1] != q.shape[-1]:
+            lacking.append(f"a value head dim ({v.shape[-1]}) != query/key head dim ({q.shape[-1]}) (MLA)")
+        if lacking:
+            raise ValueError(
+                f"attention backend {self.backend!r} cannot compute {', '.join(lacking)}; use "
+                "model.attention_backend=portable"
+            )
+        for name, size in (("sliding_window", extras.window), ("attention_chunk_size", extras.chunk)):
+            if (
+                size is not None
+                and meta.max_seqlen > size
+                and (self.backend == "te" or name != "sliding_window")
+            ):
+                raise ValueError(
+                    f"attention backend {self.backend!r} cannot apply {name}={size} and this batch has a sequence of "
+                    f"up to {meta.max_seqlen} tokens; use model.attention_backend=portable or keep samples within "
+                    f"{size} tokens (data.max_length)"
+                )
         if self.backend == "te":
             return self.inner(q.contiguous(), k.contiguous(), v.contiguous(), meta)
         varlen = importlib.import_module("automodel.attention.varlen")
         out = varlen.varlen_attention(
-            q, k, v, meta.on_device("cu_seqlens_padded", q.device), meta.max_seqlen, scale=self.scale, window=window
+            q,
+            k,
+            v,
+            meta.on_device("cu_seqlens_padded", q.device),
+            meta.max_seqlen,
+            scale=self.scale,
+            window=extras.window,
         )
         return out.reshape(q.shape[0], -1)
+
+
+@dataclass(frozen=True)
+class LayerExtras:
+    """What one layer's attention adds to plain causal attention within a sequence."""
+
+    window: int | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+    chunk: int | None = None
+
+
+def mask_restrictions(module: nn.Module, sliding_window: int | None) -> tuple[int | None, int | None]:
+    """``(window, chunk)`` of ``module``'s layer: the ``sliding_window`` it passes, else what
+    transformers' mask builder would apply, read from the config: ``layer_types[layer_idx]``
+    (``sliding_attention`` -> ``sliding_window``, ``chunked_attention`` -> ``attention_chunk_size``),
+    or without ``layer_types`` a ``sliding_window`` for every layer of a family whose mask builder
+    applies one (PhiMoE's window lives only in the mask)."""
+    config, layer = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    layer_types = getattr(config, "layer_types", None)
+    kind = (
+        layer_types[layer]
+        if layer_types is not None and isinstance(layer, int) and layer < len(layer_types)
+        else None
+    )
+    chunk = getattr(config, "attention_chunk_size", None) if kind == "chunked_attention" else None
+    if sliding_window is None and config is not None:
+        if kind == "sliding_attention" or (
+            layer_types is None
+            and getattr(config, "use_sliding_window", True)
+            and _masks_a_window(type(module).__module__)
+        ):
+            sliding_window = getattr(config, "sliding_window", None)
+    return sliding_window, chunk
+
+
+@functools.cache
+def _masks_a_window(module_name: str) -> bool:
+    """Whether a modeling file builds transformers' sliding-window mask (then a config's
+    ``sliding_window`` restricts its layers even when they pass none: PhiMoE); other files may
+    carry a ``sliding_window`` field they never apply."""
+    try:
+        return "create_sliding_window_causal_mask" in inspect.getsource(sys.modules[module_name])
+    except (KeyError, OSError, TypeError):
+        return False
 
 
 def register_thd_attention() -> None:
@@ -82,46 +161,70 @@ def register_thd_attention() -> None:
     AttentionInterface.register(THD_ATTENTION, thd_attention_forward)
 
 
-def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The modules that call the attention interface: those with HF's ``scaling`` and
-    ``num_key_value_groups`` attributes (every family on the allow-list)."""
-    return [m for m in model.modules() if hasattr(m, "scaling") and hasattr(m, "num_key_value_groups")]
+def attach_thd_attention(model: nn.Module, backend: str, cp_comm_type: str = "p2p") -> None:
+    """Let every module of ``model`` (a transformers model) that calls the attention interface get
+    its core for ``backend`` (``portable``, ``te`` or ``varlen``, already resolved) at its first call:
+    which modules call it is learned from the calls, not from module attributes (GPT-NeoX, GPT-2
+    and OPT name theirs differently)."""
+    from automodel.attention.checks import check_cp_comm_type
+
+    check_cp_comm_type(cp_comm_type)
+    for module in model.modules():
+        module.__dict__[_BACKEND] = (backend, cp_comm_type)
 
 
-def attach_thd_attention(model: nn.Module, backend: str, cp_comm_type: str = "p2p") -> int:
-    """Give each attention module of ``model`` (a transformers model) its core for ``backend``
-    (``portable``, ``te`` or ``varlen``, already resolved). Returns the number of modules."""
+def thd_cores(model: nn.Module) -> list[_Core]:
+    """The cores built so far, one per module that has called the attention interface."""
+    return [m.__dict__[_CORE] for m in model.modules() if _CORE in m.__dict__]
+
+
+def _core_for(module: nn.Module, query, key, value, scaling: float | None) -> _Core:
     from automodel.attention import build_attention
 
-    modules = attention_modules(model)
-    for module in modules:
-        config = module.config
-        num_heads = config.num_attention_heads
-        num_kv_heads = num_heads // module.num_key_value_groups
-        head_dim = module.head_dim
-        inner = None
-        if backend != "varlen":
-            inner = build_attention(backend, num_heads, num_kv_heads, head_dim, module.scaling, cp_comm_type)
-        # object.__setattr__: not a submodule, so not in state_dict() nor sharded by FSDP
-        object.__setattr__(module, _CORE, _Core(backend, inner, num_heads, num_kv_heads, module.scaling))
-    return len(modules)
+    core = module.__dict__.get(_CORE)
+    if core is not None:
+        return core
+    if _BACKEND not in module.__dict__:
+        raise ValueError(
+            f"{type(module).__name__} has no THD attention backend; build the model with "
+            "automodel.models.build_model (or call attach_thd_attention)"
+        )
+    backend, cp_comm_type = module.__dict__[_BACKEND]
+    num_heads, num_kv_heads, head_dim, head_dim_v = (
+        query.shape[1],
+        key.shape[1],
+        query.shape[-1],
+        value.shape[-1],
+    )
+    scale = head_dim**-0.5 if scaling is None else float(scaling)
+    inner = None
+    if backend == "portable":
+        inner = PortableAttention(num_heads, num_kv_heads, head_dim, scale, head_dim_v=head_dim_v)
+    elif backend == "te" and head_dim_v == head_dim:
+        inner = build_attention(backend, num_heads, num_kv_heads, head_dim, scale, cp_comm_type)
+    core = _Core(backend, inner, scale)
+    module.__dict__[_CORE] = core  # not a submodule: not in state_dict() nor sharded by FSDP
+    return core
 
 
 class AttentionProbe(nn.Module):
-    """An attention layer reduced to what the registered function reads (the attributes every
-    transformers attention module has), to run the registered path on bare q/k/v: check-gpu."""
+    """An attention layer reduced to what the registered function reads, to run the registered
+    path on bare q/k/v: check-gpu."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__()
-        self.config = SimpleNamespace(num_attention_heads=num_heads)
-        self.num_key_value_groups = num_heads // num_kv_heads
-        self.head_dim = head_dim
         self.scaling = head_dim**-0.5
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: ThdAttentionMetadata, **kwargs):
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: ThdAttentionMetadata, **kwargs
+    ):
         """q ``[t, h, d]``, k/v ``[t, h_kv, d]`` -> ``[t, h*d]`` through :func:`thd_attention_forward`."""
         out, _ = thd_attention_forward(
-            self, *(x.transpose(0, 1)[None] for x in (q, k, v)), None, scaling=self.scaling, thd_layout=meta,
+            self,
+            *(x.transpose(0, 1)[None] for x in (q, k, v)),
+            None,
+            scaling=self.scaling,
+            thd_layout=meta,
             **kwargs,
         )
         return out.reshape(q.shape[0], -1)
@@ -148,6 +251,11 @@ def thd_attention_forward(
             "the THD attention path got an attention_mask; packed rows carry their layout in thd_layout "
             "(cu_seqlens), so call the model without attention_mask"
         )
+    if getattr(module, "is_causal", True) is False:
+        raise ValueError(
+            f"{type(module).__name__} is bidirectional (is_causal=False); the THD path computes causal attention "
+            "within each sample only"
+        )
     if thd_layout is None:
         raise ValueError(
             f"{type(module).__name__} was called without thd_layout; pass the batch's ThdAttentionMetadata "
@@ -156,15 +264,15 @@ def thd_attention_forward(
     if query.shape[0] != 1:
         raise ValueError(f"the THD path takes one packed row (batch 1), got query batch {query.shape[0]}")
     if dropout:
-        raise ValueError(f"attention dropout {dropout} is not supported on the THD path; set attention_dropout=0")
-    core = module.__dict__.get(_CORE)
-    if core is None:
         raise ValueError(
-            f"{type(module).__name__} has no THD attention backend; build the model with "
-            "automodel.models.build_model (or call attach_thd_attention)"
+            f"attention dropout {dropout} is not supported on the THD path; set attention_dropout=0"
         )
+    core = _core_for(module, query, key, value, scaling)
     if scaling is not None and scaling != core.scale:
-        raise ValueError(f"{type(module).__name__} passed scaling={scaling}, its backend was built for {core.scale}")
+        raise ValueError(
+            f"{type(module).__name__} passed scaling={scaling}, its backend was built for {core.scale}"
+        )
+    window, chunk = mask_restrictions(module, sliding_window)
     q_thd, k_thd, v_thd = (x[0].transpose(0, 1) for x in (query, key, value))
-    out = core(q_thd, k_thd, v_thd, thd_layout, sliding_window, softcap, s_aux)
+    out = core(q_thd, k_thd, v_thd, thd_layout, LayerExtras(window, softcap, s_aux, chunk))
     return out.view(1, q_thd.shape[0], q_thd.shape[1], -1), None

@@ -56,12 +56,17 @@ class PortableAttention(nn.Module):
         num_heads: h. num_kv_heads: h_kv, dividing h (query head j uses key/value head
             ``j // (h // h_kv)``, as in Transformer Engine). head_dim: d.
         softmax_scale: scale of ``q . k``; None means ``1 / sqrt(d)``.
+        head_dim_v: the value head dim ``d_v`` when it differs from d (MLA); None means d.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, softmax_scale: float | None = None):
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, softmax_scale: float | None = None,
+        *, head_dim_v: int | None = None,
+    ):
         super().__init__()
         check_head_config(num_heads, num_kv_heads, head_dim, softmax_scale)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.head_dim_v = head_dim if head_dim_v is None else head_dim_v
         self.softmax_scale = softmax_scale
 
     def forward(
@@ -74,26 +79,28 @@ class PortableAttention(nn.Module):
         window: int | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        chunk: int | None = None,
     ) -> torch.Tensor:
-        """q ``[t, h, d]``, k/v ``[t, h_kv, d]`` (this rank's tokens) -> ``[t, h*d]``.
+        """q ``[t, h, d]``, k ``[t, h_kv, d]``, v ``[t, h_kv, d_v]`` (this rank's tokens) -> ``[t, h*d_v]``.
 
         ``window``: sliding-window length or None; ``softcap``: logit soft-cap or None; ``sinks``:
-        ``[h]`` sink logits or None.
+        ``[h]`` sink logits or None; ``chunk``: attend only within the same ``chunk`` positions of a
+        sequence (Llama 4's chunked attention) or None.
         """
-        check_qkv(q, k, v, meta, self.num_heads, self.num_kv_heads, self.head_dim)
-        extras = _Extras(window, softcap, sinks)
+        check_qkv(q, k, v, meta, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim_v)
+        extras = _Extras(window, softcap, sinks, chunk)
         if meta.cp_size == 1:
             out = self._segments(q, k, v, meta, extras)
         else:
             kv_local = torch.cat([k, v], dim=-1)  # one collective for both
             order = inverse_permutation(meta.partition_indices.flatten()).to(q.device, non_blocking=True)
             kv = gather_tokens(kv_local, meta.cp_group)[order]
-            k_global, v_global = kv.split(self.head_dim, dim=-1)
+            k_global, v_global = kv.split([self.head_dim, self.head_dim_v], dim=-1)
             positions = meta.partition_indices[meta.cp_rank]
             out = local_query_attention(
                 q, k_global, v_global, positions, meta, meta.cp_size, self.softmax_scale, extras
             )
-        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim_v)
 
     def _segments(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: ThdAttentionMetadata, extras: _Extras
@@ -101,9 +108,9 @@ class PortableAttention(nn.Module):
         pieces = []
         for start, end in causal_segments(meta):
             mask = None
-            if extras.window is not None and end - start > extras.window:
+            if any(size is not None and end - start > size for size in (extras.window, extras.chunk)):
                 i = torch.arange(end - start, device=q.device)
-                mask = _causal_window_mask(i[:, None], i[None, :], extras.window)
+                mask = _causal_window_mask(i[:, None], i[None, :], extras.window, extras.chunk)
             pieces.append(_attend(q[start:end], k[start:end], v[start:end], mask, self.softmax_scale, extras))
         return torch.cat(pieces)
 
@@ -112,15 +119,21 @@ class _Extras(NamedTuple):
     window: int | None = None
     softcap: float | None = None
     sinks: torch.Tensor | None = None
+    chunk: int | None = None
 
 
 _NO_EXTRAS = _Extras()
 
 
-def _causal_window_mask(i: torch.Tensor, j: torch.Tensor, window: int | None) -> torch.Tensor:
-    """Bool mask, True where query index ``i`` may attend key index ``j`` (broadcast shapes)."""
+def _causal_window_mask(
+    i: torch.Tensor, j: torch.Tensor, window: int | None, chunk: int | None = None
+) -> torch.Tensor:
+    """Bool mask, True where query index ``i`` may attend key index ``j`` (indices within one
+    sequence, broadcast shapes): causal, within ``window``, within the same ``chunk``."""
     mask = j <= i
-    return mask if window is None else mask & (j > i - window)
+    if window is not None:
+        mask = mask & (j > i - window)
+    return mask if chunk is None else mask & (i // chunk == j // chunk)
 
 
 def local_query_attention(
@@ -160,7 +173,7 @@ def local_query_attention(
         n_keys = int(positions[rows].max()) - seq_start + 1  # causal: no query sees past its own slot
         j = torch.arange(n_keys, device=q.device)[None, :]
         # [n_local, n_keys]; real and padding never mix
-        mask = _causal_window_mask(i, j, extras.window) & ((i < n_real) == (j < n_real))
+        mask = _causal_window_mask(i, j, extras.window, extras.chunk) & ((i < n_real) == (j < n_real))
         keys = slice(seq_start, seq_start + n_keys)
         pieces.append(_attend(q[rows], k_global[keys], v_global[keys], mask, softmax_scale, extras))
     return torch.cat(pieces)

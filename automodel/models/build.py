@@ -78,9 +78,19 @@ class CausalLMForTraining(nn.Module):
         return self.transformers_model.config
 
     @property
-    def decoder_layers(self) -> nn.ModuleList:
+    def decoder(self) -> nn.Module:
+        """The base model that maps ids to final hidden states: ``get_decoder()``, else the child
+        that is itself a transformers model (Llama 4 text's is not at ``base_model_prefix``)."""
         hf = self.transformers_model
-        return getattr(hf, hf.base_model_prefix).layers
+        decoder = hf.get_decoder()
+        if decoder is hf:
+            decoder = next(m for m in hf.children() if isinstance(m, PreTrainedModel))
+        return decoder
+
+    @property
+    def decoder_layers(self) -> nn.ModuleList:
+        """The longest ``ModuleList`` of the decoder: ``layers``, GPT-2's ``h``, OPT's ``decoder.layers``."""
+        return max((m for m in self.decoder.modules() if isinstance(m, nn.ModuleList)), key=len)
 
     def forward(
         self,
@@ -97,17 +107,22 @@ class CausalLMForTraining(nn.Module):
 
         ``label_positions_N``: the labelled positions (:func:`automodel.loss.label_positions` of
         the host labels), so that the step never waits for the device to find them."""
-        hf = self.transformers_model
-        hidden_TD = getattr(hf, hf.base_model_prefix)(
-            input_ids=input_ids_T[None], position_ids=batched_position_ids(hf.config, position_ids_T),
-            thd_layout=thd_layout, use_cache=False,
-        ).last_hidden_state[0]
-        head = hf.get_output_embeddings()
+        hidden_TD = self.hidden_states(input_ids_T, position_ids_T, thd_layout)
+        head = self.transformers_model.get_output_embeddings()
         output = chunked_token_log_probs if per_token else chunked_cross_entropy_sum
         return output(
             hidden_TD, head.weight, labels_T, bias_V=head.bias, label_positions_N=label_positions_N,
-            **logit_transform(hf.config),
+            **logit_transform(self.config),
         )
+
+    def hidden_states(
+        self, input_ids_T: torch.Tensor, position_ids_T: torch.Tensor, thd_layout: ThdAttentionMetadata
+    ) -> torch.Tensor:
+        """``[T, D]`` final hidden states (after the last norm) of one packed row."""
+        return self.decoder(
+            input_ids=input_ids_T[None], position_ids=batched_position_ids(self.config, position_ids_T),
+            thd_layout=thd_layout, use_cache=False,
+        ).last_hidden_state[0]
 
 
 def batched_position_ids(config: PretrainedConfig, position_ids: torch.Tensor) -> torch.Tensor:
@@ -125,11 +140,14 @@ def batched_position_ids(config: PretrainedConfig, position_ids: torch.Tensor) -
 
 
 def logit_transform(config: PretrainedConfig) -> dict[str, Any]:
-    """What the family's ``forward`` does to ``lm_head`` output: Granite divides by
-    ``logits_scaling``, Gemma 2/3 soft-cap with ``final_logit_softcapping``."""
-    scaling = getattr(config, "logits_scaling", None)
+    """What the family's ``forward`` does to ``lm_head`` output, as the keyword arguments of
+    :func:`automodel.loss.chunked_cross_entropy_sum` / :func:`automodel.loss.transform_logits`:
+    Cohere multiplies by ``logit_scale``, Granite divides by ``logits_scaling``, Gemma 2/3
+    soft-cap with ``final_logit_softcapping``."""
+    scale = getattr(config, "logit_scale", None) or 1.0
+    divisor = getattr(config, "logits_scaling", None)
     return {
-        "logit_scale": 1.0 / scaling if scaling else 1.0,
+        "logit_scale": scale / divisor if divisor else scale,
         "final_logit_softcap": getattr(config, "final_logit_softcapping", None),
     }
 
@@ -177,12 +195,7 @@ def build_model(
         )
     model = CausalLMForTraining(hf).train()
     backend = resolve_attention_backend(spec.attention_backend)
-    found = attach_thd_attention(hf, backend, cp_comm_type)
-    if found != config.num_hidden_layers:
-        raise ValueError(
-            f"{config.model_type}: found {found} attention modules for {config.num_hidden_layers} layers; "
-            "this model type does not route attention through transformers' AttentionInterface"
-        )
+    attach_thd_attention(hf, backend, cp_comm_type)
     if spec.activation_checkpointing:
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora is not None:

@@ -1,61 +1,85 @@
 """Which transformers model types train exactly on the THD path, and the checks run at setup.
 
-A model type is on the allow-list only when a test shows a packed row equals each sample run alone
-(tests/unit/test_hf_families.py). Others are refused: some never call the attention interface
-(bloom, mpt, falcon), some ignore ``position_ids`` (BART-family decoders), hybrids carry state
-across samples in their recurrent layers (Qwen3-Next, LFM2), and ``dynamic`` / ``longrope`` RoPE
-depend on the whole row's length.
+Support is decided by a differential check, not by hand: ``automodel families --verify``
+(:mod:`automodel.models.verify`) runs every type of transformers' causal-LM table through the
+project's packed step against each sample alone in eager, and writes ``supported.json`` beside
+this module. Setup reads it: a type listed as verified runs (on the backends that compute its
+features); any other type is refused with the reason the check recorded. Config-level rules come
+on top: ``dynamic`` / ``longrope`` RoPE depend on the whole row's length, and a window or chunk
+that a backend cannot apply is refused unless every sample fits in it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 from transformers import PretrainedConfig
 
 from automodel.attention.hf import FEATURES
+from automodel.config import ConfigError
+from automodel.models.verify import BACKEND_LACKS, read_table
 
-# model_type -> how it was verified (the README table is generated from the same facts)
-VERIFIED_MODEL_TYPES = {
-    "llama": "Llama 3 (tied embeddings, llama3 RoPE)",
-    "qwen2": "Qwen2 / Qwen2.5",
-    "qwen3": "Qwen3",
-    "mistral": "Mistral (sliding window)",
-    "gemma2": "Gemma 2 (softcap, alternating windows)",
-    "gemma3_text": "Gemma 3 text (per-layer windows)",
-    "phi3": "Phi-3 (sliding window)",
-    "olmo2": "OLMo 2",
-    "qwen3_moe": "Qwen3-MoE",
-    "gpt_oss": "GPT-OSS (attention sinks, windows)",
-    "granite": "Granite (own scaling, logits_scaling)",
-    "smollm3": "SmolLM3",
-}
 REFUSED_ROPE_TYPES = ("dynamic", "longrope")
+
+
+@cache
+def supported_table() -> dict[str, dict]:
+    """``model_type`` -> its entry in ``supported.json`` (status, reason or features and backends)."""
+    return read_table()["types"]
+
+
+def verified_types() -> dict[str, dict]:
+    return {name: entry for name, entry in supported_table().items() if entry["status"] == "verified"}
 
 
 @dataclass(frozen=True)
 class AttentionNeeds:
-    """What a model's attention layers pass to the attention function."""
+    """What a model's attention layers restrict beyond causal-within-a-sample, read from the config."""
 
     window: int | None
-    softcap: float | None
-    sinks: bool
+    chunk: int | None
 
 
 def attention_needs(config: PretrainedConfig) -> AttentionNeeds:
-    """Read from the config what the layers will pass (a ``sliding_window`` field alone is no proof:
-    Qwen2 keeps one with ``use_sliding_window: false``; ``layer_types`` says which layers slide)."""
+    """The window and chunk the layers apply (a ``sliding_window`` field alone is no proof: Qwen2
+    keeps one with ``use_sliding_window: false``; ``layer_types`` says which layers slide or chunk)."""
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None and "sliding_attention" not in layer_types:
         window = None
-    return AttentionNeeds(window, getattr(config, "attn_logit_softcapping", None), config.model_type == "gpt_oss")
+    if layer_types is None and getattr(config, "use_sliding_window", True) is False:
+        window = None
+    chunk = getattr(config, "attention_chunk_size", None)
+    if layer_types is None or "chunked_attention" not in layer_types:
+        chunk = None
+    return AttentionNeeds(window, chunk)
 
 
 def rope_types(config: PretrainedConfig) -> set[str]:
     params = getattr(config, "rope_parameters", None) or {}
     per_layer = params.values() if all(isinstance(v, dict) for v in params.values()) and params else [params]
     return {p.get("rope_type", "default") for p in per_layer}
+
+
+def check_supported_type(config: PretrainedConfig, backend: str) -> dict:
+    """The type's entry in the supported table; a :class:`ConfigError` with the recorded reason
+    unless the differential check verified it, or naming the feature that ``backend`` (resolved)
+    cannot compute."""
+    entry = supported_table().get(config.model_type)
+    if entry is None or entry["status"] != "verified":
+        why = "it is not in transformers' causal-LM table" if entry is None else entry["reason"]
+        raise ConfigError(
+            f"model_type {config.model_type!r} (model.pretrained_path / model.config) is refused on the THD path: "
+            f"{why}; `automodel families` lists the supported types"
+        )
+    lacking = sorted(BACKEND_LACKS[backend] & set(entry.get("features", [])))
+    if lacking:
+        raise ConfigError(
+            f"{config.model_type} uses attention {', '.join(lacking)}, which model.attention_backend={backend!r} "
+            "cannot compute; set model.attention_backend=portable"
+        )
+    return entry
 
 
 def check_model_config(
@@ -66,47 +90,55 @@ def check_model_config(
     vocab_needed: int | None = None,
     max_sample_tokens: int | None = None,
 ) -> None:
-    """Refuse at setup what would fail mid-run or train wrongly; each error names the field and the fix.
+    """Refuse at setup what would fail mid-run or train wrongly, as a :class:`ConfigError` naming the
+    field and the fix.
 
     Args:
         backend: the resolved attention backend (``portable``, ``te`` or ``varlen``).
         cp_size: ``parallel.cp_size``.
-        vocab_needed: the tokenizer's size (``len(tokenizer)``).
+        vocab_needed: the tokenizer's size (``len(tokenizer)``); None skips that check.
         max_sample_tokens: the longest sample the data can produce (``data.max_length``), if known.
     """
     model_type = config.model_type
-    if model_type not in VERIFIED_MODEL_TYPES:
-        raise ValueError(
-            f"model_type {model_type!r} (model.pretrained_path / model.config) is not verified on the THD path; "
-            f"supported: {sorted(VERIFIED_MODEL_TYPES)}"
-        )
+    entry = check_supported_type(config, backend)
     bad_rope = rope_types(config) & set(REFUSED_ROPE_TYPES)
     if bad_rope:
-        raise ValueError(
+        raise ConfigError(
             f"{model_type}: rope_type {sorted(bad_rope)} depends on the whole packed row's length, so packing "
             "would change it; use a checkpoint with default, linear, yarn or llama3 RoPE"
         )
     if vocab_needed is not None and vocab_needed > config.vocab_size:
-        raise ValueError(
+        raise ConfigError(
             f"the tokenizer (data.tokenizer) has {vocab_needed} tokens but {model_type}'s vocab_size is "
             f"{config.vocab_size}; use the checkpoint's own tokenizer"
         )
-    features, needs = FEATURES[backend], attention_needs(config)
-    for need, present in (("softcap", needs.softcap is not None), ("sinks", needs.sinks)):
-        if present and not getattr(features, need):
-            raise ValueError(
-                f"{model_type} uses attention {need}, which model.attention_backend={backend!r} cannot compute; "
-                "set model.attention_backend=portable"
-            )
-    if needs.window is not None and not features.window:
-        if max_sample_tokens is None or max_sample_tokens > needs.window:
-            raise ValueError(
-                f"{model_type} has sliding_window={needs.window}, which model.attention_backend={backend!r} cannot "
-                f"apply, and samples may have {max_sample_tokens or 'any number of'} tokens; set data.max_length "
-                f"<= {needs.window} or model.attention_backend=portable"
-            )
-    if cp_size > 1 and not features.context_parallel:
-        raise ValueError(
+    # A window or chunk applies only where the backend computes it and the check verified it for the type.
+    needs, verified = attention_needs(config), set(entry.get("features", []))
+    if "sliding_window" in entry.get("ignores", []):  # the check ran with one set: no layer applies it
+        needs = AttentionNeeds(None, needs.chunk)
+    restrictions = (
+        ("sliding_window", needs.window, FEATURES[backend].window, "window" in verified),
+        ("attention_chunk_size", needs.chunk, backend == "portable", "chunk" in verified),
+    )
+    for name, size, computed, checked in restrictions:
+        if (
+            size is None
+            or (computed and checked)
+            or (max_sample_tokens is not None and max_sample_tokens <= size)
+        ):
+            continue
+        why = (
+            f"which model.attention_backend={backend!r} cannot apply"
+            if checked
+            else "which the differential check did not verify for this type"
+        )
+        fix = "or model.attention_backend=portable" if checked else "(then it never applies)"
+        raise ConfigError(
+            f"{model_type} has {name}={size}, {why}, and samples may have {max_sample_tokens or 'any number of'} "
+            f"tokens; set data.max_length <= {size} {fix}"
+        )
+    if cp_size > 1 and not FEATURES[backend].context_parallel:
+        raise ConfigError(
             f"parallel.cp_size={cp_size} but model.attention_backend={backend!r} cannot shard a sequence; use "
             "te or portable, or parallel.cp_size=1"
         )

@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from automodel.attention import ThdAttentionMetadata
+from automodel.attention import ThdAttentionMetadata, resolve_attention_backend
 from automodel.config import build_section
 from automodel.data.batching import LoaderEnv
 from automodel.distributed import make_cp_batch_for_te
@@ -30,6 +30,7 @@ from automodel.distributed.parallel import apply_fsdp, init_distributed
 from automodel.errors import ConfigError, DataError, ModelError, UserError
 from automodel.loss import label_positions
 from automodel.models import CausalLMForTraining, build_model, export_model, setup_checks
+from automodel.models.families import check_supported_type
 from automodel.training.checkpoint import Checkpointer, NonFiniteError
 from automodel.training.console import configure_console, on_terminal
 from automodel.training.host_syncs import record_host_syncs
@@ -69,6 +70,11 @@ class FinetuneRecipe:
         except ValueError as error:
             raise ConfigError(str(error)) from None
         configure_console(self.dims.is_main)
+        # The model type and its features against the supported table, before anything is written.
+        with _as_user_error(ModelError):
+            check_supported_type(
+                self.model_spec.hf_config(), resolve_attention_backend(self.model_spec.attention_backend)
+            )
         # Lock, resume checks and the saved recipe: all before any data or model work.
         self.run_dir = RunDirectory(self.output_dir, self.dims.rank)
         run_id, resume_from = self.run_dir.prepare(self.cfg, self.trainer, self.dims.world_size, self.dims.dp_size)

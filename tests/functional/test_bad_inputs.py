@@ -98,6 +98,10 @@ RECIPE_CASES = [
     (["model.config.rope_theta=nan"], "rope_theta=nan"),
     (["model.config.max_position_embeddings=16"], "max_position_embeddings is 16"),  # data.max_length=512
     *([] if torch.cuda.is_available() else [(["model.attention_backend=varlen"], "model.attention_backend='varlen'")]),
+    # model types the differential check refused, and a feature the backend lacks (supported.json)
+    (["model.config.model_type=stablelm"], "model_type 'stablelm' (model.pretrained_path / model.config) is refused"),
+    (["model.config.model_type=bloom"], "AttentionInterface"),
+    (["model.config.model_type=gemma2", "model.attention_backend=te"], "softcap"),
 ]
 
 
@@ -107,6 +111,17 @@ def test_a_bad_recipe_value_fails_naming_the_field_before_any_data_work(tmp_path
         run(load_recipe("tiny_llama_sft", [*FAST, f"trainer.output_dir={tmp_path}", *overrides]))
     assert field in str(error.value), str(error.value)
     assert data_work == []
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.config.model_type=falcon_mamba"], "falcon_mamba.*refused"),
+    (["model.config.model_type=gpt_oss", "model.attention_backend=te"], "gpt_oss uses attention sinks"),
+])
+def test_a_refused_model_type_or_feature_writes_no_run_directory(tmp_path, data_work, overrides, message):
+    output = tmp_path / "run"
+    with pytest.raises(ConfigError, match=message):
+        run(load_recipe("tiny_llama_sft", [*FAST, f"trainer.output_dir={output}", *overrides]))
+    assert not output.exists() and data_work == []
 
 
 def _tokenizer_dir(tmp_path: Path, **config) -> Path:

@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
 from automodel.attention import ThdAttentionMetadata
-from automodel.attention.hf import AttentionProbe, attach_thd_attention, attention_modules
+from automodel.attention.hf import AttentionProbe, attach_thd_attention, thd_cores
 from automodel.models import ModelSpec, build_model, check_model_config, setup_checks
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -27,9 +27,9 @@ def probe_inputs(t: int, seed: int = 0):
     return torch.randn(t, 4, 8, generator=g), torch.randn(t, 2, 8, generator=g), torch.randn(t, 2, 8, generator=g)
 
 
-def dense_reference(q, k, v, lens, window=None, softcap=None, sinks=None):
-    """Each sequence alone, written out: scores, cap, causal+window mask, sink column, softmax."""
-    outs, start = [], 0
+def dense_reference(q, k, v, lens, window=None, softcap=None, sinks=None, chunk=None):
+    """Each sequence alone, written out: scores, cap, causal+window+chunk mask, sink column, softmax."""
+    outs, start, d_v = [], 0, v.shape[-1]
     for n in lens:
         qs, ks, vs = (x[start:start + n].transpose(0, 1) for x in (q, k, v))
         ks, vs = ks.repeat_interleave(2, 0), vs.repeat_interleave(2, 0)
@@ -37,11 +37,11 @@ def dense_reference(q, k, v, lens, window=None, softcap=None, sinks=None):
         if softcap is not None:
             s = torch.tanh(s / softcap) * softcap
         i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
-        allowed = (j <= i) & ((j > i - window) if window else True)
+        allowed = (j <= i) & ((j > i - window) if window else True) & ((i // chunk == j // chunk) if chunk else True)
         s = s.masked_fill(~allowed, float("-inf"))
         if sinks is not None:
             s = torch.cat([s, sinks[:, None, None].expand(4, n, 1)], -1)
-        outs.append((s.softmax(-1)[..., :n] @ vs).transpose(0, 1).reshape(n, 32))
+        outs.append((s.softmax(-1)[..., :n] @ vs).transpose(0, 1).reshape(n, 4 * d_v))
         start += n
     return torch.cat(outs)
 
@@ -58,6 +58,43 @@ def test_registered_function_matches_each_sequence_written_out(extras):
     got = probe(q, k, v, layout(lens, lens), **extras)
     want = dense_reference(q, k, v, lens, extras.get("sliding_window"), extras.get("softcap"), extras.get("s_aux"))
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+class ChunkedLayer(AttentionProbe):
+    """A probe whose config says its layer is Llama 4's chunked kind: the chunk comes from the config."""
+
+    def __init__(self, chunk: int):
+        super().__init__(4, 2, 8)
+        self.layer_idx = 1
+        self.config = AutoConfig.for_model("llama4_text", layer_types=["full_attention", "chunked_attention"],
+                                           attention_chunk_size=chunk, num_hidden_layers=2)
+
+
+def test_chunked_layer_and_mla_value_dim_match_each_sequence_written_out():
+    lens = [9, 1, 6]
+    q, k, v = probe_inputs(sum(lens))
+    layer = ChunkedLayer(chunk=4)
+    attach_thd_attention(layer, "portable")
+    want = dense_reference(q, k, v, lens, chunk=4)
+    torch.testing.assert_close(layer(q, k, v, layout(lens, lens)), want, atol=1e-6, rtol=1e-5)
+    v_mla = torch.randn(sum(lens), 2, 5, generator=torch.Generator().manual_seed(3))  # d_v=5 != d=8
+    probe = AttentionProbe(4, 2, 8)
+    attach_thd_attention(probe, "portable")
+    got = probe(q, k, v_mla, layout(lens, lens), sliding_window=3)
+    torch.testing.assert_close(got, dense_reference(q, k, v_mla, lens, window=3), atol=1e-6, rtol=1e-5)
+
+
+def test_backends_without_a_feature_refuse_it_at_the_call():
+    lens = [5, 7]
+    q, k, v = probe_inputs(sum(lens))
+    probe = AttentionProbe(4, 2, 8)
+    attach_thd_attention(probe, "varlen")
+    with pytest.raises(ValueError, match="'varlen' cannot compute sinks"):
+        probe(q, k, v, layout(lens, lens), s_aux=torch.zeros(4))
+    layer = ChunkedLayer(chunk=4)
+    attach_thd_attention(layer, "varlen")
+    with pytest.raises(ValueError, match="attention_chunk_size=4"):
+        layer(q, k, v, layout(lens, lens))
 
 
 def test_registered_function_refuses_a_mask_a_missing_layout_and_a_module_without_backend():
@@ -141,7 +178,7 @@ def test_te_standin_through_a_transformers_model_matches_portable(te_standin):
         with torch.no_grad():
             losses[backend] = float(model.to(dtype)(ids, positions, labels, meta))
         if backend == "te":
-            cores = [m.__dict__["_automodel_thd_core"] for m in attention_modules(model.hf)]
+            cores = thd_cores(model.hf)
             assert all(isinstance(c.inner.core_attention, te_standin.DotProductAttention) for c in cores)
             assert all(len(c.inner.core_attention.forward_calls) == 1 for c in cores)
     assert abs(losses["te"] - losses["portable"]) <= 2.5e-2 * abs(losses["portable"])

@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from automodel.attention import ThdAttentionMetadata
 from automodel.distributed.cp_sharding import make_cp_batch_for_te
+from automodel.models.verify import perturb_constants
 
 COMMON = dict(
     vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -38,6 +39,13 @@ FAMILIES = {
                     layer_types=["sliding_attention", "full_attention"]),
     "granite": dict(logits_scaling=2.0, attention_multiplier=0.2, embedding_multiplier=3.0, residual_multiplier=0.5),
     "smollm3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    # MLA (value head dim 6 != query/key 12) with MoE and a router bias; chunked attention; a logit scale
+    "deepseek_v3": dict(num_key_value_heads=4, head_dim=4, kv_lora_rank=8, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8,
+                        v_head_dim=6, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                        moe_intermediate_size=16, first_k_dense_replace=1),
+    "llama4_text": dict(attention_chunk_size=WINDOW, layer_types=["chunked_attention", "full_attention"],
+                        num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=64),
+    "cohere2": dict(logit_scale=0.3, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
 }
 # real lengths of the packed samples, and labels: the first two tokens of each are prompt (-100)
 REAL_LENS = [7, 12, 5, 9]
@@ -45,11 +53,9 @@ REAL_LENS = [7, 12, 5, 9]
 
 def make_checkpoint(family: str, directory: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
-    config = AutoConfig.for_model(family, **COMMON, **FAMILIES[family])
+    config = AutoConfig.for_model(family, **{**COMMON, **FAMILIES[family]})
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if family == "gpt_oss":  # sinks start at 0; make them matter
-        for layer in model.model.layers:
-            layer.self_attn.sinks.data.normal_(0, 1)
+    perturb_constants(model, seed)  # sinks, norms, biases, router biases: each starts constant
     path = directory / family
     model.save_pretrained(path)
     return path

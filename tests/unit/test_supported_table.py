@@ -1,0 +1,78 @@
+"""The shipped supported table (automodel/models/supported.json) against transformers and the
+code's rules, and the differential check itself on a handful of representative types (the full
+sweep is the command ``automodel families --verify``, not a test)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import transformers
+
+from automodel.config import ConfigError
+from automodel.models import check_model_config
+from automodel.models.families import supported_table
+from automodel.models.verify import REASONS, _backends, causal_lm_types, read_table, tiny_config, verify
+
+TABLE = read_table()
+REASON_PREFIXES = tuple(template.split("{")[0] for template in REASONS.values())
+
+
+def test_every_causal_lm_type_is_in_the_table_with_a_status_and_why():
+    assert TABLE["transformers"] == transformers.__version__, "re-run: automodel families --verify"
+    assert set(TABLE["types"]) == set(causal_lm_types())
+    for name, entry in TABLE["types"].items():
+        assert entry["status"] in ("verified", "refused", "not_buildable"), name
+        if entry["status"] == "verified":
+            assert entry["backends"] == _backends(entry.get("features", [])), name
+            assert entry["max_error"] <= TABLE["rtol"], name
+        elif entry["status"] == "refused":
+            assert entry["reason"].startswith(REASON_PREFIXES), (name, entry["reason"])
+        else:
+            assert entry["reason"], name
+    assert sum(e["status"] == "verified" for e in TABLE["types"].values()) >= 80
+
+
+@pytest.mark.parametrize("name", sorted(causal_lm_types()))
+def test_setup_runs_exactly_the_verified_types_and_names_the_reason_for_the_others(name):
+    entry = supported_table()[name]
+    try:
+        config = tiny_config(name)
+    except Exception:  # noqa: BLE001  (not buildable: the table says so)
+        assert entry["status"] == "not_buildable"
+        return
+    if entry["status"] == "verified":
+        check_model_config(config, "portable")
+        for backend in ("te", "varlen"):
+            if backend not in entry["backends"]:
+                with pytest.raises(ConfigError, match=f"model.attention_backend='{backend}' cannot compute"):
+                    check_model_config(config, backend, max_sample_tokens=2)
+    else:
+        with pytest.raises(
+            ConfigError, match=f"model_type '{name}'.*refused.*{re.escape(entry['reason'][:30])}"
+        ):
+            check_model_config(config, "portable")
+
+
+# one type per feature: MLA (+MoE), chunked attention, logit scale + window, module discovery,
+# attention sinks; and refusals for their reasons
+@pytest.mark.parametrize(
+    "name, status, features_or_reason",
+    [
+        ("deepseek_v3", "verified", {"mla", "moe"}),
+        ("llama4_text", "verified", {"chunk", "moe"}),
+        ("cohere2", "verified", {"logit_scale", "window"}),
+        ("gpt_neox", "verified", set()),
+        ("stablelm", "refused", "drop the forward keywords"),
+        ("bloom", "refused", "do not call transformers' AttentionInterface"),
+    ],
+)
+def test_differential_check_on_representative_types(name, status, features_or_reason):
+    verdict = verify(name)
+    assert verdict.status == status, verdict
+    if status == "verified":
+        assert features_or_reason <= set(verdict.features)
+        assert verdict.max_error <= 1e-5
+    else:
+        assert features_or_reason in verdict.reason
+    assert TABLE["types"][name]["status"] == status
