@@ -116,7 +116,8 @@ class FinetuneRecipe:
         logger.info("%d micro-batches per epoch on each data-parallel rank", self.stream.batches_per_epoch)
         self.val_batches = None if self.val_dataset is None else self.batching.build_eval(self.val_dataset, env)
 
-        with _as_user_error(ModelError):  # a checkpoint that does not match its config, bad LoRA targets
+        # a checkpoint without weights or not matching its config, bad LoRA targets
+        with _as_user_error(ModelError, (ValueError, OSError)):
             self.model = self._build_model()
         self.optimizer, self.scheduler = self.optim_config.build(self.model, self.trainer.max_steps)
         self.checkpointer = Checkpointer(
@@ -365,14 +366,14 @@ def _main_rank_first(is_main: bool):
 
 
 @contextlib.contextmanager
-def _as_user_error(kind: type[UserError]):
+def _as_user_error(kind: type[UserError], errors: tuple[type[Exception], ...] = (ValueError,)):
     """The boundary checks of one stage raise ValueError naming the field and the fix: the user's
     input, reported as ``kind`` (one line from the CLI)."""
     try:
         yield
     except UserError:
         raise
-    except ValueError as error:
+    except errors as error:
         raise kind(str(error)) from error
 
 

@@ -29,11 +29,13 @@ def error_lines(stderr: str) -> list[str]:
 
 
 def model_dir(tmp_path):
-    """A checkpoint directory whose config.json names a model type that is not verified."""
-    path = tmp_path / "gpt2"
+    """A Llama checkpoint directory with its config.json and no weights."""
+    path = tmp_path / "no_weights"
     path.mkdir()
-    (path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 512, "n_embd": 64,
-                                                  "n_layer": 2, "n_head": 2, "bos_token_id": 1, "eos_token_id": 2}))  # fmt: skip
+    (path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 2, "bos_token_id": 1, "eos_token_id": 2,
+    }))  # fmt: skip
     return path
 
 
@@ -56,7 +58,7 @@ def test_an_input_error_is_one_line_with_exit_code_2(tmp_path, capfd, kind):
     assert code == 2 and len(lines) == 1, lines
     assert lines[0].startswith(f"automodel finetune: {expected}"), lines
     if kind == "model":
-        assert "gpt2" in lines[0] and "model_type" in lines[0], lines
+        assert "no_weights" in lines[0], lines
 
 
 def test_debug_shows_the_traceback_of_an_input_error(monkeypatch):
