@@ -10,7 +10,7 @@ from pathlib import Path
 
 from automodel.errors import UserError
 
-BENCHMARKS = ("packing", "throughput", "batching", "balance", "gpu", "lora_memory", "cli_latency")
+BENCHMARKS = ("packing", "throughput", "batching", "balance", "gpu", "lora_memory", "sharded_io", "cli_latency")
 
 USAGE = """automodel <command> [...]    (automodel --version; --debug: tracebacks of input errors)
 

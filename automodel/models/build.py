@@ -1,14 +1,15 @@
 """Build, load and export transformers causal LMs for THD training under FSDP2.
 
 The sequence (one way for every model): config -> the transformers class on the meta device with
-the registered THD attention -> FSDP2 -> ``to_empty`` -> rank 0 produces the full weights once
-(``from_pretrained``, or transformers' own init from ``trainer.seed``) and broadcasts them, with
-the non-persistent buffers (RoPE ``inv_freq``, Gemma's ``embed_scale``) that meta init leaves
-empty. Export goes through ``save_pretrained``.
+the registered THD attention -> FSDP2 -> ``to_empty`` -> weights. From a local safetensors
+checkpoint every rank reads only its own shards (``hf_io.load_sharded``) and computes the
+non-persistent buffers (RoPE ``inv_freq``, Gemma's ``embed_scale``) itself; a ``model.config``
+model (transformers' init from ``trainer.seed``) is built once on rank 0 and broadcast. The export
+streams one gathered tensor at a time into safetensors files (``hf_io.export_hf``).
 
 With a LoRA config, ``peft`` wraps the transformers model on the meta device, before FSDP2: the
-base weights are frozen, rank 0's source model gets the same adapters (seeded) so that one
-broadcast fills base and adapters alike, and the export writes the adapter in PEFT's own format.
+base weights are frozen, the adapters are peft's seeded init (the same on every rank), and the
+export writes the adapter in PEFT's own format.
 
 Shape legend: T = this rank's tokens, D = hidden size, V = vocabulary.
 """
@@ -16,6 +17,7 @@ Shape legend: T = this rank's tokens, D = hidden size, V = vocabulary.
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     set_model_state_dict,
 )
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
@@ -39,8 +40,9 @@ from automodel.attention.hf import (
 from automodel.data.sft import end_of_turn_token_id
 from automodel.loss import chunked_cross_entropy_sum, chunked_token_log_probs
 from automodel.models.families import check_model_config
-from automodel.models.frozen_base import dequantized, quantize_frozen_base, store_frozen_base
-from automodel.models.lora import LoraConfig, base_state_dict, export_adapter, merged_state_dict
+from automodel.models.frozen_base import quantize_frozen_base, store_frozen_base
+from automodel.models.hf_io import UnshardableCheckpoint, export_hf, load_sharded, publish
+from automodel.models.lora import LoraConfig, export_adapter
 from automodel.models.spec import (
     ModelSpec,
     check_backend_device,
@@ -234,6 +236,38 @@ def load_weights(
     model: CausalLMForTraining, spec: ModelSpec, config: PretrainedConfig, *, seed: int, is_main: bool,
     lora: LoraConfig | None = None,
 ) -> None:
+    """A local safetensors checkpoint: every rank reads its own shards (``load_sharded``) and builds
+    ``lora``'s adapters from ``seed`` itself. Otherwise (``model.config``, a hub id, a conversion
+    transformers does by arithmetic) rank 0 builds the source model once and broadcasts it."""
+    if spec.pretrained_path is not None:
+        try:
+            load_sharded(model.transformers_model, spec.pretrained_path, f"model.pretrained_path={spec.pretrained_path!r}")
+        except UnshardableCheckpoint as why:
+            logger.warning("%s: rank 0 reads the whole model and broadcasts it", why)
+        else:
+            if lora is not None:
+                adapters = {_PREFIX + k: v for k, v in adapter_init(spec, config, lora, seed).items()}
+                set_model_state_dict(model, adapters, options=StateDictOptions(full_state_dict=True, strict=False))
+            return
+    load_from_rank0(model, spec, config, seed=seed, is_main=is_main, lora=lora)
+
+
+def adapter_init(spec: ModelSpec, config: PretrainedConfig, lora: LoraConfig, seed: int) -> dict[str, torch.Tensor]:
+    """The adapters peft gives the model after ``torch.manual_seed(seed)`` (as on the broadcast
+    path), by peft itself on a copy whose base weights are allocated but never written (virtual
+    memory only): every rank gets the same values, whatever the world size."""
+    with torch.device("meta"):
+        template = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=spec.trust_remote_code)
+    template.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    return {k: v for k, v in lora.apply(template).state_dict().items() if ".lora_" in k}
+
+
+@torch.no_grad()
+def load_from_rank0(
+    model: CausalLMForTraining, spec: ModelSpec, config: PretrainedConfig, *, seed: int, is_main: bool,
+    lora: LoraConfig | None = None,
+) -> None:
     """Rank 0 builds the source model once (with ``lora``'s adapters, initialized from ``seed``);
     parameters reach every rank's shards with one broadcasting ``set_model_state_dict``,
     non-persistent buffers with one object broadcast."""
@@ -262,39 +296,45 @@ def export_model(
     model: CausalLMForTraining, output_dir: Path, tokenizer: Any, *, dtype: torch.dtype, is_main: bool,
     lora: LoraConfig | None = None, base: str | None = None,
 ) -> None:
-    """The final model, with ``save_pretrained``: ``output_dir/hf`` (safetensors, config.json,
-    generation_config.json, tokenizer); under LoRA ``output_dir/adapter`` in PEFT's format
-    (``adapter_config.json`` + ``adapter_model.safetensors``) and ``hf/`` only with
-    ``lora.export_merged`` (the adapters folded into the base weights). The adapter names its base
-    (``base_model_name_or_path``): ``base``, the checkpoint it was trained on, or for a model built
-    from a config ``output_dir/base``, written here from the frozen base weights. Collective: every
-    rank must call it."""
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if not is_main:
-        return
-    state = {k.removeprefix(_PREFIX): v for k, v in dequantized(state).items()}
-    if lora is not None:
-        if base is None:  # a seeded init that exists nowhere else: the adapter needs it on disk
-            base = str((output_dir / "base").resolve())
-            _save_hf(model.config, base_state_dict(state), tokenizer, Path(base), dtype)
-        model.hf.peft_config["default"].base_model_name_or_path = base
-        export_adapter(model.hf, state, output_dir / "adapter")
-        tokenizer.save_pretrained(output_dir / "adapter")
-        if not lora.export_merged:
-            return
-        state = merged_state_dict(state, lora)
-    _save_hf(model.config, state, tokenizer, output_dir / "hf", dtype)
-
-
-def _save_hf(config: PretrainedConfig, state: dict[str, torch.Tensor], tokenizer: Any, out: Path, dtype: torch.dtype) -> None:
+    """The final model, streamed one tensor at a time by ``export_hf``: ``output_dir/hf``
+    (safetensors in ``dtype``, config.json, generation_config.json, tokenizer); under LoRA
+    ``output_dir/adapter`` in PEFT's format (``adapter_config.json`` + ``adapter_model.safetensors``)
+    and ``hf/`` only with ``lora.export_merged`` (the adapters folded into the base weights). The
+    adapter names its base (``base_model_name_or_path``): ``base``, the checkpoint it was trained
+    on, or for a model built from a config ``output_dir/base``, written here from the frozen base
+    weights. Collective: every rank must call it."""
+    hf = model.transformers_model
+    config = model.config
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if getattr(config, name, None) is None and getattr(tokenizer, name, None) is not None:
             setattr(config, name, getattr(tokenizer, name))
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    hf.load_state_dict(state, strict=True)
     hf.generation_config.eos_token_id = generation_eos(hf.generation_config.eos_token_id, tokenizer)
-    hf.to(dtype).save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    if lora is not None:
+        if base is None:  # a seeded init that exists nowhere else: the adapter needs it on disk
+            base = str((output_dir / "base").resolve())
+            export_hf(hf, Path(base), dtype, is_main=is_main, write_extra=tokenizer.save_pretrained)
+        model.hf.peft_config["default"].base_model_name_or_path = base
+        export_lora_adapter(model, output_dir / "adapter", tokenizer, is_main=is_main)
+        if not lora.export_merged:
+            return
+    export_hf(hf, output_dir / "hf", dtype, is_main=is_main, merge=lora.merger() if lora else None,
+              write_extra=tokenizer.save_pretrained)
+
+
+def export_lora_adapter(model: CausalLMForTraining, directory: Path, tokenizer: Any, *, is_main: bool) -> None:
+    """``directory`` in PEFT's format, from the adapter tensors alone (gathered, small), written
+    beside and renamed like ``export_hf``. Collective."""
+    adapters = {k: v for k, v in model.hf.state_dict().items() if ".lora_" in k}
+    adapters = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in adapters.items()}
+    staging, failure = directory.with_name(directory.name + ".tmp"), None
+    if is_main:
+        try:
+            shutil.rmtree(staging, ignore_errors=True)
+            export_adapter(model.hf, adapters, staging)
+            tokenizer.save_pretrained(staging)
+        except OSError as error:
+            failure = error
+    publish(staging, directory, failure, sum(v.numel() * v.element_size() for v in adapters.values()), is_main)
 
 
 def generation_eos(eos: int | list[int] | None, tokenizer: Any) -> int | list[int] | None:

@@ -98,6 +98,21 @@ class LoraConfig:
             target_modules=self.target_modules, task_type=peft.TaskType.CAUSAL_LM,
         )  # fmt: skip
 
+    def merger(self):
+        """``merge(key, tensor, lookup)``: ``W + alpha / r * B @ A`` for a ``.base_layer.weight`` key
+        (its ``lora_A``/``lora_B`` fetched with ``lookup(key)``), ``tensor`` itself for any other key."""
+        scale = self.alpha / self.rank
+
+        def merge(key: str, tensor: torch.Tensor, lookup) -> torch.Tensor:
+            if ".base_layer." not in key or not key.endswith(".weight"):
+                return tensor
+            module = key[: -len(".base_layer.weight")]
+            a = lookup(f"{module}.lora_A.default.weight").float()
+            b = lookup(f"{module}.lora_B.default.weight").float()
+            return (tensor.float() + scale * (b @ a)).to(tensor.dtype)
+
+        return merge
+
     def apply(self, model: torch.nn.Module) -> peft.PeftModel:
         """Wrap a transformers causal LM; only the adapter parameters keep ``requires_grad``."""
         try:
@@ -128,29 +143,14 @@ def export_adapter(model: peft.PeftModel, full_state_dict: dict[str, torch.Tenso
     model.save_pretrained(str(out_dir), state_dict=full_state_dict, safe_serialization=True)
 
 
-def base_state_dict(full_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The transformers state dict of the frozen base: adapters dropped, keys as in the base class."""
-    return {
-        key.removeprefix(_PREFIX).replace(".base_layer.", "."): tensor
-        for key, tensor in full_state_dict.items() if ".lora_A." not in key and ".lora_B." not in key
-    }  # fmt: skip
-
-
 def merged_state_dict(full_state_dict: dict[str, torch.Tensor], lora: LoraConfig) -> dict[str, torch.Tensor]:
     """The transformers state dict with every adapter folded in: ``W + alpha / r * B @ A``.
 
     Keys lose the ``base_model.model.`` prefix and ``.base_layer``; ready for ``save_pretrained``
     of the base class (or ``load_state_dict`` on it).
     """
-    scale = lora.alpha / lora.rank
-    merged = {}
-    for key, tensor in full_state_dict.items():
-        if ".lora_A." in key or ".lora_B." in key:
-            continue
-        if ".base_layer." in key and key.endswith(".weight"):
-            module = key[: -len(".base_layer.weight")]
-            a = full_state_dict[f"{module}.lora_A.default.weight"].float()
-            b = full_state_dict[f"{module}.lora_B.default.weight"].float()
-            tensor = (tensor.float() + scale * (b @ a)).to(tensor.dtype)
-        merged[key.removeprefix(_PREFIX).replace(".base_layer.", ".")] = tensor
-    return merged
+    merge = lora.merger()
+    return {
+        key.removeprefix(_PREFIX).replace(".base_layer.", "."): merge(key, tensor, full_state_dict.__getitem__)
+        for key, tensor in full_state_dict.items() if ".lora_A." not in key and ".lora_B." not in key
+    }
