@@ -1,25 +1,31 @@
-"""``automodel``: finetune | recipes | bench | check-gpu | families."""
+"""``automodel``: finetune | data | recipes | bench | check-gpu | families."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from pathlib import Path
 
-BENCHMARKS = ("packing", "throughput", "batching", "balance", "gpu", "lora_memory", "sharded_io")
+from automodel.errors import UserError
 
-USAGE = """automodel <command> [...]    (automodel --version)
+BENCHMARKS = ("packing", "throughput", "batching", "balance", "gpu", "lora_memory", "sharded_io", "cli_latency")
+
+USAGE = """automodel <command> [...]    (automodel --version; --debug: tracebacks of input errors)
 
   finetune RECIPE [OVERRIDES...]   train from a recipe (name or .yaml path); overrides like trainer.max_steps=10
                                    (under torchrun for several processes or nodes); --cfg job prints the
-                                   resolved recipe and exits
+                                   resolved recipe and exits; automodel finetune --help: groups, keys, torchrun
+  data RECIPE [OVERRIDES...]       rendered samples with the learned tokens marked, token/row counts, pack fill,
+                                   steps per epoch; builds no model
   recipes                          the shipped recipes and the options of each config group
   bench packing [...]              packing speed, memory and tightness
   bench throughput [...]           real tokens/s of packed THD against padded batches (CPU)
   bench batching [...]             rmpad / dyn_bsz fill and speed against VeOmni's arrival-order scan
   bench balance [...]              balanced packing: per-step load balance across DP ranks
   bench gpu [...]                  every GPU figure: tokens/s, MFU, memory, host syncs per backend (tiny on CPU)
+  bench cli_latency [...]          how fast the CLI answers --cfg job, typos and bad values
   check-gpu [...]                  Transformer Engine against the portable attention on this machine's GPUs
   families [--verify [TYPE ...]]   the supported model types; --verify re-runs the differential check
 """
@@ -27,10 +33,22 @@ USAGE = """automodel <command> [...]    (automodel --version)
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv or os.environ.get("AUTOMODEL_DEBUG", "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
+    try:
+        return _dispatch(command, rest, argv)
+    except UserError as error:  # the user's input: one line; the project's own bugs keep their traceback
+        if debug:
+            raise
+        print(f"automodel {command}: {error.kind} error: {_one_line(error)}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(command: str, rest: list[str], argv: list[str]) -> int:
     if command == "--version":
         from automodel import __version__
 
@@ -38,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if command == "finetune":
         return _finetune(rest)
+    if command == "data":
+        return _data(rest)
     if command == "recipes":
         return _recipes()
     if command == "bench" and rest and rest[0] in BENCHMARKS:
@@ -55,32 +75,104 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split())
+
+
+def _recipe_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description, epilog=_recipe_help(), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("recipe", help="recipe name (e.g. tiny_llama_sft; see automodel recipes) or path to a .yaml")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides: GROUP=OPTION or KEY=VALUE (see below)")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of input errors too (AUTOMODEL_DEBUG=1)")
+    return parser
+
+
+def _parse_recipe_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    if not argv:  # no recipe: show what to type rather than argparse's "required" line
+        parser.print_help(sys.stderr)
+        raise SystemExit(2)
+    return parser.parse_intermixed_args(argv)
+
+
 def _finetune(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="automodel finetune", description="Fine-tune from a Hydra recipe.")
-    parser.add_argument("recipe", help="recipe name (e.g. tiny_llama_sft) or path to a recipe .yaml")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. trainer.max_steps=10 parallel.cp_size=2")
+    parser = _recipe_parser("automodel finetune", "Fine-tune from a Hydra recipe.")
     parser.add_argument("--cfg", choices=["job"], help="print the resolved recipe (after overrides) and exit")
-    args = parser.parse_intermixed_args(argv)
+    args = _parse_recipe_args(parser, argv)
 
-    from omegaconf import OmegaConf
+    # Hydra and the recipe only: no torch before the recipe is checked
+    from automodel.config import load_recipe
 
-    from automodel.config import ConfigError, load_recipe
+    cfg = load_recipe(args.recipe, args.overrides)
+    if args.cfg == "job":
+        from omegaconf import OmegaConf
+
+        print(OmegaConf.to_yaml(cfg), end="")
+        return 0
+
     from automodel.training.checkpoint import CheckpointWriteError, NonFiniteError
     from automodel.training.finetune import run
 
     try:
-        cfg = load_recipe(args.recipe, args.overrides)
-        if args.cfg == "job":
-            print(OmegaConf.to_yaml(cfg), end="")
-            return 0
         run(cfg)
-    except ConfigError as error:
-        print(f"automodel finetune: config error: {error}", file=sys.stderr)
-        return 2
     except (NonFiniteError, CheckpointWriteError) as error:
         print(f"automodel finetune: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _data(argv: list[str]) -> int:
+    parser = _recipe_parser(
+        "automodel data", "Show what a recipe trains on: rendered samples with the learned tokens marked, "
+        "token and row counts, pack fill and steps per epoch. Builds no model.",
+    )
+    parser.add_argument("--samples", type=int, default=3, help="rendered samples to print (default 3)")
+    args = _parse_recipe_args(parser, argv)
+
+    from automodel.config import load_recipe
+
+    cfg = load_recipe(args.recipe, args.overrides)
+    from automodel.data.preview import preview
+
+    preview(cfg, samples=args.samples)
+    return 0
+
+
+# Keys most runs set; every key of a group is in its YAML (automodel finetune RECIPE --cfg job).
+COMMON_KEYS = (
+    ("trainer.max_steps, trainer.grad_accum_steps", "optimizer steps, micro-batches per step"),
+    ("trainer.output_dir, trainer.resume", "run directory; auto resumes from its newest checkpoint, never starts over"),
+    ("trainer.log_every, trainer.eval_every, trainer.checkpoint_every", "every N steps"),
+    ("optim.lr, optim.warmup_steps, optim.max_grad_norm", "AdamW peak lr, linear warmup, clipping"),
+    ("model.pretrained_path, model.dtype", "a local HF checkpoint (model=hf_checkpoint); float32 or bfloat16"),
+    ("data.source, data.format, data.tokenizer", "file/dir/glob/Hub id; messages, sharegpt, alpaca, ..."),
+    ("data.max_length, data.val_fraction, data.num_proc", "cut samples; hold out for validation; processes"),
+    ("packing.packed_sequence_size, packing.micro_batch_size", "tokens per pack, packs per micro-batch"),
+    ("parallel.cp_size", "context parallel size (divides the torchrun world size)"),
+    ("+peft=lora peft.rank=16", "LoRA adapters instead of full fine-tuning"),
+)
+
+
+def _recipe_help() -> str:
+    from automodel.config import CONFIGS_DIR
+
+    lines = ["config groups (GROUP=OPTION, e.g. packing=sequential):"]
+    for group in sorted(p for p in CONFIGS_DIR.iterdir() if p.is_dir()):
+        lines.append(f"  {group.name:<10} {', '.join(sorted(p.stem for p in group.glob('*.yaml')))}")
+    lines.append("\ncommon keys (KEY=VALUE, e.g. trainer.max_steps=20):")
+    lines += [f"  {keys:<63} {what}" for keys, what in COMMON_KEYS]
+    lines += [
+        "\nexamples:",
+        "  automodel finetune tiny_llama_sft trainer.max_steps=20 packing=sequential",
+        "  automodel finetune tiny_llama_sft --cfg job           # the resolved recipe, nothing run",
+        "  automodel data tiny_llama_sft                         # samples, learned tokens, steps per epoch",
+        "  torchrun --nproc-per-node 2 -m automodel finetune tiny_llama_sft parallel.cp_size=2",
+        "  torchrun --nnodes 2 --nproc-per-node 8 --node-rank $NODE_RANK --rdzv-backend c10d \\",
+        "    --rdzv-endpoint $MASTER_ADDR:29500 -m automodel finetune RECIPE ...",
+        "\ninput errors print one line and exit 2; AUTOMODEL_DEBUG=1 or --debug shows their traceback.",
+    ]
+    return "\n".join(lines)
 
 
 def _recipes() -> int:

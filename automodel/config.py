@@ -11,8 +11,10 @@ components (``automodel.*``) or in :data:`ALLOWED_TARGETS`.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
+import functools
 import importlib
 import inspect
 import re
@@ -27,6 +29,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from automodel.errors import ConfigError
+
 SECTIONS = ("model", "data", "packing", "parallel", "optim", "trainer")
 # Sections a recipe may leave out (or set to null): ``peft`` absent means full fine-tuning, ``dpo``
 # present means preference optimization (automodel.training.dpo) instead of SFT.
@@ -37,10 +41,6 @@ _HYDRA_KEYS = {"_target_", "_recursive_", "_convert_", "_partial_", "_args_"}
 ALLOWED_TARGETS = frozenset({
     "transformers.LlamaConfig", "transformers.Qwen2Config", "transformers.MistralConfig",
 })
-
-
-class ConfigError(ValueError):
-    """A recipe that cannot run: unknown key, bad value, missing file."""
 
 
 def refuse_remote_code(directory: str | Path, field: str, trust_remote_code: bool) -> None:
@@ -161,10 +161,12 @@ def check_config(cfg: DictConfig) -> None:
             _check_node(cfg[section], section)
 
 
-def _check_node(node: Any, where: str) -> None:
+def _check_node(node: Any, where: str, types: bool = False) -> None:
+    """Keys against the components' parameters (read from source: no import); with ``types`` also
+    the values typed ``bool``, which needs the component imported (``build_section`` does it)."""
     if isinstance(node, ListConfig):
         for i, item in enumerate(node):
-            _check_node(item, f"{where}[{i}]")
+            _check_node(item, f"{where}[{i}]", types)
         return
     if not isinstance(node, DictConfig):
         return
@@ -176,10 +178,11 @@ def _check_node(node: Any, where: str) -> None:
                     close = difflib.get_close_matches(str(key), parameters, n=1)
                     hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {sorted(parameters)}"
                     raise ConfigError(f"unknown key '{where}.{key}' for {node['_target_']}{hint}")
-        _check_bools(node, _type_hints(_component(node["_target_"], where)), where)
+        if types:
+            _check_bools(node, _type_hints(_component(node["_target_"], where)), where)
     for key in node:
         if key not in _HYDRA_KEYS:
-            _check_node(node[key], f"{where}.{key}")
+            _check_node(node[key], f"{where}.{key}", types)
 
 
 def _check_bools(node: Any, hints: dict[str, Any], where: str) -> None:
@@ -252,11 +255,82 @@ def _component(target: str, where: str) -> Any:
 
 
 def _parameters(target: str, where: str) -> list[str] | None:
-    """Keyword parameters of ``target``, or None when it takes ``**kwargs``."""
+    """Keyword parameters of ``target``, or None when it takes ``**kwargs``. A project component's
+    are read from its source, so that checking a recipe imports no torch, transformers or datasets."""
+    check_target(target, where)
+    module_name, _, attribute = str(target).rpartition(".")
+    if module_name.startswith("automodel."):
+        try:
+            return source_parameters(module_name, attribute)
+        except LookupError:  # not a plain class of that module (a re-export, a factory): import it
+            pass
     parameters = inspect.signature(_component(target, where)).parameters.values()
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         return None
     return [p.name for p in parameters if p.kind is not inspect.Parameter.VAR_POSITIONAL]
+
+
+def source_parameters(module_name: str, class_name: str) -> list[str] | None:
+    """The keyword parameters of class ``class_name`` of the project module ``module_name``, read
+    from the source without importing it: ``__init__``'s parameters, or a dataclass's init fields
+    (its own and its dataclass bases', following ``from automodel... import`` to other modules).
+    None when it takes ``**kwargs``; LookupError when the source does not say (the caller then
+    imports the module)."""
+    classes, imported = _module_source(module_name)
+    node = classes.get(class_name)
+    if node is None:
+        if class_name in imported:
+            return source_parameters(*imported[class_name])
+        raise LookupError(f"{module_name}.{class_name}")
+    init = next((f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"), None)
+    if init is not None:
+        if init.args.kwarg is not None:
+            return None
+        return [a.arg for a in init.args.args[1:] + init.args.kwonlyargs]
+    bases = []
+    for base in node.bases:
+        if not isinstance(base, ast.Name):
+            raise LookupError(f"{module_name}.{class_name}")
+        bases.append(source_parameters(module_name, base.id))
+    if any(b is None for b in bases):
+        return None
+    inherited = [p for b in bases for p in b]
+    if not any(_decorator_name(d) == "dataclass" for d in node.decorator_list):
+        return inherited
+    own = [
+        item.target.id for item in node.body
+        if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+        and "ClassVar" not in ast.unparse(item.annotation) and not _init_false(item.value)
+    ]  # fmt: skip
+    return inherited + [p for p in own if p not in inherited]
+
+
+@functools.cache
+def _module_source(module_name: str) -> tuple[dict[str, ast.ClassDef], dict[str, tuple[str, str]]]:
+    """A project module's classes, and the names it imports from other project modules."""
+    path = Path(__file__).resolve().parent.parent.joinpath(*module_name.split(".")).with_suffix(".py")
+    if not module_name.startswith("automodel.") or not path.is_file():
+        raise LookupError(module_name)
+    tree = ast.parse(path.read_text())
+    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+    imported = {
+        alias.asname or alias.name: (node.module, alias.name) for node in tree.body
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("automodel.")
+        for alias in node.names
+    }  # fmt: skip
+    return classes, imported
+
+
+def _decorator_name(decorator: ast.expr) -> str:
+    target = decorator.func if isinstance(decorator, ast.Call) else decorator
+    return target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
+
+
+def _init_false(value: ast.expr | None) -> bool:
+    """``field(init=False)``: a dataclass field that is not a parameter."""
+    return isinstance(value, ast.Call) and any(
+        k.arg == "init" and isinstance(k.value, ast.Constant) and k.value.value is False for k in value.keywords
+    )
 
 
 def build_section(cfg: DictConfig, section: str) -> Any:
@@ -265,6 +339,7 @@ def build_section(cfg: DictConfig, section: str) -> Any:
     if section in OPTIONAL_SECTIONS and cfg.get(section) is None:
         return None
     _check_targets(cfg[section], section)
+    _check_node(cfg[section], section, types=True)
     try:
         return instantiate(cfg[section], _convert_="all")
     except Exception as error:  # Hydra wraps the component's own error; surface its message

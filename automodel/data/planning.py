@@ -48,6 +48,9 @@ def lower_bound_packs(lengths: np.ndarray, capacity: int) -> int:
     return -(-int(lengths.sum()) // capacity)
 
 
+_PACK_SHUFFLE_STREAM = 1
+
+
 def plan_packs(lengths: np.ndarray, capacity: int, algorithm: str = "bfd", seed: int = 0) -> PackPlan:
     """Assign samples of ``lengths`` ``[K]`` (each in ``1..capacity``) to packs of ``capacity`` tokens.
 
@@ -73,7 +76,10 @@ def plan_packs(lengths: np.ndarray, capacity: int, algorithm: str = "bfd", seed:
         num_packs = int(pack_of_sample[-1]) + 1
     else:
         pack_of_sample, num_packs = _best_fit_decreasing(lengths, np.argsort(-lengths, kind="stable"), capacity)
-        pack_of_sample = np.random.default_rng(seed).permutation(num_packs)[pack_of_sample]  # shuffle the packs
+        # A stream of its own: numpy seeds ``seed`` and ``(seed, 0)`` alike, and the epoch engine draws
+        # epoch 0's order from ``(seed, 0)``, which would undo this shuffle (lengths sorted again).
+        shuffle = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(_PACK_SHUFFLE_STREAM,)))
+        pack_of_sample = shuffle.permutation(num_packs)[pack_of_sample]
         sample_order = np.argsort(pack_of_sample, kind="stable")  # dataset order inside a pack
     pack_offsets = np.zeros(num_packs + 1, dtype=np.int64)
     np.cumsum(np.bincount(pack_of_sample, minlength=num_packs), out=pack_offsets[1:])

@@ -47,6 +47,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from automodel.assets import TINY_TOKENIZER_DIR
 from automodel.config import refuse_remote_code
 from automodel.data.sources import RAW_ROW_COLUMN, RowOrigin
+from automodel.errors import DataError
 
 logger = logging.getLogger(__name__)
 
@@ -334,7 +335,7 @@ def _encode_batch(
         except BadRow as error:
             message = f"field {error.field!r} (column {columns.get(error.field, error.field)!r}): {error.reason}"
             if on_bad_row == "error":
-                raise ValueError(f"{origin(index)}: {message}; fix the row, or set on_bad_row=skip") from None
+                raise DataError(f"{origin(index)}: {message}; fix the row, or set data.on_bad_row=skip") from None
             bad.append(message)
     samples = iter(_ENCODERS[format](parsed, tokenizer) if parsed else [])
     out: dict[str, list] = {name: [] for name in _OUTPUT_FEATURES}
@@ -384,11 +385,16 @@ def _drop_and_report(tokenized: datasets.Dataset, max_length: int | None, origin
 
 # -- parsing: one row of fields -> the values the encoder needs, or BadRow ------------------------------
 
+# A field read as None: another row of the file has the key, this one lacks it (or its CSV cell is empty).
+_MISSING = "has no value in this row (a missing key, null, or an empty CSV cell)"
+
 
 def _text(row: dict, field: str, *, empty_ok: bool = False) -> str:
     value = row.get(field)
+    if value is None:
+        raise BadRow(field, _MISSING)
     if not isinstance(value, str):
-        raise BadRow(field, f"must be text, got {type(value).__name__}")
+        raise BadRow(field, f"must be text, got {type(value).__name__} {value!r:.40}")
     if not value and not empty_ok:
         raise BadRow(field, "is empty")
     return value
@@ -396,6 +402,8 @@ def _text(row: dict, field: str, *, empty_ok: bool = False) -> str:
 
 def _parse_messages(row: dict, tokenizer: Any = None, field: str = "messages") -> list[dict]:
     messages = row[field]
+    if messages is None:
+        raise BadRow(field, _MISSING)
     if not isinstance(messages, list) or not messages:
         raise BadRow(field, f"must be a non-empty list of {{'role', 'content'}} messages, got {messages!r:.60}")
     out = []
@@ -405,8 +413,10 @@ def _parse_messages(row: dict, tokenizer: Any = None, field: str = "messages") -
         role, content = message.get("role"), message.get("content")
         if role not in CHAT_ROLES:
             raise BadRow(field, f"message {k}: role {role!r} is not one of {CHAT_ROLES}")
+        if content is None:
+            raise BadRow(field, f"message {k} ({role}) has no 'content' (missing or null)")
         if not isinstance(content, str):
-            raise BadRow(field, f"message {k} ({role}) has no text content, got {type(content).__name__}")
+            raise BadRow(field, f"message {k} ({role}): 'content' must be text, got {type(content).__name__}")
         if role == "assistant" and not content:
             raise BadRow(field, f"message {k}: an assistant message is empty")
         # Extra keys (name, tool_calls...) go to the template; keys other rows have (read as None) do not.
@@ -418,6 +428,8 @@ def _parse_messages(row: dict, tokenizer: Any = None, field: str = "messages") -
 
 def _parse_sharegpt(row: dict, tokenizer: Any) -> list[dict]:
     turns = row["conversations"]
+    if turns is None:
+        raise BadRow("conversations", _MISSING)
     if not isinstance(turns, list) or not turns or not all(isinstance(t, dict) for t in turns):
         raise BadRow("conversations", f"must be a non-empty list of {{'from', 'value'}} turns, got {turns!r:.60}")
     messages = []
@@ -447,6 +459,8 @@ def _parse_tokens(row: dict, tokenizer: PreTrainedTokenizerBase) -> tuple[list[i
         value = row.get(field)
         if value is None and field != "input_ids":
             continue
+        if value is None:
+            raise BadRow(field, _MISSING)
         if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
             raise BadRow(field, f"must be a list of ints, got {value!r:.60}")
         if len(value) < 2:

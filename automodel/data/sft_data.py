@@ -4,6 +4,7 @@ with weights, and an optional validation set."""
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import datasets
@@ -60,7 +61,8 @@ class SFTData:
             to the single training source's (``{split: validation}`` reads another split of it).
         val_fraction: or hold out this fraction of every training source (seeded, before weighting).
         seed: seeds the held-out split and the weighted subsampling.
-        num_proc: tokenization processes.
+        num_proc: tokenization processes: ``auto`` (this machine's cores, at most 8), a number, or
+            null (in this process).
     """
 
     source: str | None = "tiny_sft"
@@ -74,9 +76,11 @@ class SFTData:
     validation: DataSource | dict | None = None
     val_fraction: float | None = None
     seed: int = 1234
-    num_proc: int | None = None
+    num_proc: int | str | None = None
 
     def __post_init__(self) -> None:
+        if self.num_proc == "auto":
+            self.num_proc = auto_num_proc()
         if (self.source is None) == (not self.sources):
             raise ValueError("give data.source (one source) or data.sources (a list to mix), and set the other to null")
         single = {"source": self.source, "split": self.split, "format": self.format, "columns": self.columns}
@@ -117,6 +121,12 @@ class SFTData:
         if validation is not None:
             logger.info("data: validation set of %d samples", len(validation))
         return datasets.concatenate_datasets(train) if len(train) > 1 else train[0], validation
+
+
+def auto_num_proc(cap: int = 8) -> int:
+    """The cores this process may use (its CPU affinity: a SLURM or container share), at most ``cap``."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, cap))
 
 
 def weight_rows(rows: datasets.Dataset, weight: float, rng: np.random.Generator) -> datasets.Dataset:

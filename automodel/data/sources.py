@@ -40,8 +40,8 @@ RAW_ROW_COLUMN = "_raw_json_row"
 
 @dataclass(frozen=True)
 class RowOrigin:
-    """Maps a row of a loaded source back to its file: ``line N`` (1-based) for JSON files, else its
-    0-based ``row N``."""
+    """Maps a row of a loaded source back to its file and its place there, 1-based: ``line N`` for
+    JSON files (the file line of the row), else ``row N`` (data rows, a CSV header not counted)."""
 
     files: tuple[str, ...]
     starts: tuple[int, ...]  # first dataset row of each file
@@ -54,7 +54,8 @@ class RowOrigin:
             return f"{self.files[i]} line {self.lines[row]}"
         row += self.offset
         i = bisect.bisect_right(self.starts, row) - 1
-        return f"{self.files[i]} row {row - self.starts[i]}"
+        unit = "line" if self.files[i].endswith(".jsonl") else "row"
+        return f"{self.files[i]} {unit} {row - self.starts[i] + 1}"
 
 
 def load_sft_source(
@@ -83,7 +84,7 @@ def load_sft_source(
             (a row typed unlike the others is kept as JSON text in :data:`RAW_ROW_COLUMN`).
 
     Returns:
-        ``(rows, origin)``: the rows unchanged, and ``origin(i)`` -> ``"data/a.jsonl row 3"`` for
+        ``(rows, origin)``: the rows unchanged, and ``origin(i)`` -> ``"data/a.jsonl line 4"`` for
         error messages.
 
     Example::

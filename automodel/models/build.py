@@ -294,23 +294,29 @@ def load_from_rank0(
 
 def export_model(
     model: CausalLMForTraining, output_dir: Path, tokenizer: Any, *, dtype: torch.dtype, is_main: bool,
-    lora: LoraConfig | None = None,
+    lora: LoraConfig | None = None, base: str | None = None,
 ) -> None:
     """The final model, streamed one tensor at a time by ``export_hf``: ``output_dir/hf``
     (safetensors in ``dtype``, config.json, generation_config.json, tokenizer); under LoRA
     ``output_dir/adapter`` in PEFT's format (``adapter_config.json`` + ``adapter_model.safetensors``)
-    and ``hf/`` only with ``lora.export_merged`` (the adapters folded into the base weights).
-    Collective: every rank must call it."""
+    and ``hf/`` only with ``lora.export_merged`` (the adapters folded into the base weights). The
+    adapter names its base (``base_model_name_or_path``): ``base``, the checkpoint it was trained
+    on, or for a model built from a config ``output_dir/base``, written here from the frozen base
+    weights. Collective: every rank must call it."""
     hf = model.transformers_model
-    if lora is not None:
-        export_lora_adapter(model, output_dir / "adapter", tokenizer, is_main=is_main)
-        if not lora.export_merged:
-            return
     config = model.config
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if getattr(config, name, None) is None and getattr(tokenizer, name, None) is not None:
             setattr(config, name, getattr(tokenizer, name))
     hf.generation_config.eos_token_id = generation_eos(hf.generation_config.eos_token_id, tokenizer)
+    if lora is not None:
+        if base is None:  # a seeded init that exists nowhere else: the adapter needs it on disk
+            base = str((output_dir / "base").resolve())
+            export_hf(hf, Path(base), dtype, is_main=is_main, write_extra=tokenizer.save_pretrained)
+        model.hf.peft_config["default"].base_model_name_or_path = base
+        export_lora_adapter(model, output_dir / "adapter", tokenizer, is_main=is_main)
+        if not lora.export_merged:
+            return
     export_hf(hf, output_dir / "hf", dtype, is_main=is_main, merge=lora.merger() if lora else None,
               write_extra=tokenizer.save_pretrained)
 

@@ -89,7 +89,7 @@ class TrainerConfig:
         export_hf: write the final model as a Hugging Face checkpoint (output_dir/hf); under LoRA the
             adapter (output_dir/adapter), and output_dir/hf only with ``peft.export_merged``.
         bf16_autocast: bf16 autocast on CUDA (ignored on CPU).
-        progress_bar: a tqdm bar on rank 0.
+        progress_bar: a tqdm bar on rank 0 when stderr is a terminal (else a log line per log_every steps).
         sync_debug_step: on CUDA, run this step under torch's sync debug mode and log every place
             where the host waited for the device (file, line, operation); ``host_syncs`` in that
             step's metrics record counts them. Null: off.

@@ -23,16 +23,19 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from automodel.attention import ThdAttentionMetadata, resolve_attention_backend
-from automodel.config import ConfigError, build_section
+from automodel.config import build_section
 from automodel.data.batching import LoaderEnv
 from automodel.distributed import make_cp_batch_for_te
 from automodel.distributed.parallel import apply_fsdp, init_distributed
+from automodel.errors import ConfigError, DataError, ModelError, UserError
 from automodel.loss import label_positions
 from automodel.models import CausalLMForTraining, build_model, export_model, setup_checks
 from automodel.models.families import check_supported_type
 from automodel.training.checkpoint import Checkpointer, NonFiniteError
+from automodel.training.console import configure_console, on_terminal
 from automodel.training.host_syncs import record_host_syncs
 from automodel.training.metrics import open_metrics_log, plot_loss_curve, read_metrics
+from automodel.training.model_card import write_adapter_card
 from automodel.training.run_dir import RECIPE, RunDirectory
 from automodel.training.validation import evaluate
 
@@ -66,14 +69,12 @@ class FinetuneRecipe:
             self.dims = init_distributed(self.parallel_config)
         except ValueError as error:
             raise ConfigError(str(error)) from None
-        _configure_logging(self.dims.is_main)
+        configure_console(self.dims.is_main)
         # The model type and its features against the supported table, before anything is written.
-        try:
+        with _as_user_error(ModelError):
             check_supported_type(
                 self.model_spec.hf_config(), resolve_attention_backend(self.model_spec.attention_backend)
             )
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
         # Lock, resume checks and the saved recipe: all before any data or model work.
         self.run_dir = RunDirectory(self.output_dir, self.dims.rank)
         run_id, resume_from = self.run_dir.prepare(self.cfg, self.trainer, self.dims.world_size, self.dims.dp_size)
@@ -88,17 +89,18 @@ class FinetuneRecipe:
             self.dims.is_main,
         )
 
-        try:  # the tokenizer and every model check that needs no weights, before tokenizing and packing
+        with _as_user_error(ConfigError):  # data.tokenizer: a path or name the recipe gives
             self.tokenizer = self.data.load_tokenizer(trust_remote_code=self.model_spec.trust_remote_code)
+        with _as_user_error(ModelError):  # every model check that needs no weights, before tokenizing and packing
             self.hf_config = setup_checks(
                 self.model_spec, cp_size=self.dims.cp_size, vocab_needed=len(self.tokenizer),
                 max_sample_tokens=self._longest_sample(),
             )
             if self.lora is not None:
                 self.lora.check_model(self.hf_config)
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
-        with _main_rank_first(self.dims.is_main):  # rank 0 fills the datasets cache, the others read it
+        # rank 0 fills the datasets cache, the others read it; a bad row raised in a worker process
+        # of datasets.map arrives here as the worker's ValueError
+        with _main_rank_first(self.dims.is_main), _as_user_error(DataError):
             dataset, self.val_dataset = self.data.build(self.tokenizer)
         padding_idx = self.tokenizer.pad_token_id
         env = LoaderEnv(
@@ -114,7 +116,9 @@ class FinetuneRecipe:
         logger.info("%d micro-batches per epoch on each data-parallel rank", self.stream.batches_per_epoch)
         self.val_batches = None if self.val_dataset is None else self.batching.build_eval(self.val_dataset, env)
 
-        self.model = self._build_model()
+        # a checkpoint without weights or not matching its config, bad LoRA targets
+        with _as_user_error(ModelError, (ValueError, OSError)):
+            self.model = self._build_model()
         self.optimizer, self.scheduler = self.optim_config.build(self.model, self.trainer.max_steps)
         self.checkpointer = Checkpointer(
             self.output_dir, self.trainer.keep_last, self.dims.rank, self.dims.world_size, run_id
@@ -150,7 +154,7 @@ class FinetuneRecipe:
         last_step = self.trainer.stop_at_step or self.trainer.max_steps
         progress = tqdm(
             total=self.trainer.max_steps, initial=self.step, desc="training", unit="step",
-            disable=not (self.dims.is_main and self.trainer.progress_bar),
+            disable=not (self.dims.is_main and self.trainer.progress_bar and on_terminal()),
         )
         while self.step < last_step:
             record = self.train_step(list_host_syncs=self.step + 1 == self.trainer.sync_debug_step)
@@ -329,13 +333,15 @@ class FinetuneRecipe:
         if self.trainer.export_hf:
             export_model(
                 self.model, self.output_dir, self.tokenizer, dtype=self.model_spec.torch_dtype,
-                is_main=self.dims.is_main, lora=self.lora,
+                is_main=self.dims.is_main, lora=self.lora, base=self.model_spec.pretrained_path,
             )
         if not self.dims.is_main:
             return
         metrics_path = self.output_dir / "metrics.jsonl"
         plot_loss_curve(metrics_path, self.output_dir / "loss_curve.png")
         records = read_metrics(metrics_path)
+        if self.trainer.export_hf and self.lora is not None:
+            write_adapter_card(self.output_dir / "adapter", self.cfg, records)
         logger.info(
             "done: loss %.4f (step %d) -> %.4f (step %d); outputs in %s", records[0]["loss"], records[0]["step"],
             records[-1]["loss"], records[-1]["step"], self.output_dir,
@@ -359,11 +365,16 @@ def _main_rank_first(is_main: bool):
         dist.barrier()
 
 
-def _configure_logging(is_main: bool) -> None:
-    logging.basicConfig(
-        level=logging.INFO if is_main else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", force=True,
-    )
+@contextlib.contextmanager
+def _as_user_error(kind: type[UserError], errors: tuple[type[Exception], ...] = (ValueError,)):
+    """The boundary checks of one stage raise ValueError naming the field and the fix: the user's
+    input, reported as ``kind`` (one line from the CLI)."""
+    try:
+        yield
+    except UserError:
+        raise
+    except errors as error:
+        raise kind(str(error)) from error
 
 
 def recipe_class(cfg: DictConfig) -> type[FinetuneRecipe]:

@@ -91,10 +91,14 @@ def test_default_recipe_trains_and_writes_its_outputs(tmp_path):
                  "trainer.max_steps=40"]) == 0
     records = read_metrics(out)
     assert [r["step"] for r in records] == list(range(1, 41))
-    first, last = records[0]["loss"], sum(r["loss"] for r in records[-10:]) / 10
-    assert last < 0.8 * first, (first, last)  # seeded: 6.24 -> 4.76 (mean of steps 31-40)
-    # the lr each step used: warmup (step + 1) / 10 of optim.lr = 5e-3 from step 1
-    assert [r["lr"] for r in records[:3]] == pytest.approx([5e-4, 1e-3, 1.5e-3])
+    loss = [r["loss"] for r in records]
+    assert sum(loss[-10:]) / 10 < 0.8 * loss[0], loss  # seeded: 6.23 -> 3.65 (mean of steps 31-40)
+    # The shape: after the 20 warm-up steps no loss returns to the start, and none jumps more than 20%
+    # above the mean of the 5 steps before it (seeded: at most 9%; with packs in length order, 56%).
+    assert max(loss[20:]) < loss[0], loss
+    assert all(loss[i] < 1.2 * sum(loss[i - 5 : i]) / 5 for i in range(20, 40)), loss
+    # the lr each step used: warmup (step + 1) / 20 of optim.lr = 2e-3 from step 1
+    assert [r["lr"] for r in records[:3]] == pytest.approx([1e-4, 2e-4, 3e-4])
     assert (out / "checkpoints" / "step_00000040").is_dir() and (out / "loss_curve.png").stat().st_size > 1000
     assert "source: tiny_sft" in (out / "config.yaml").read_text()
 

@@ -15,11 +15,12 @@ DP/CP layout, 4 steps of a global batch of 2 micro-batches):
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
-from torchrun import recipe_run, run_recipes
+from torchrun import REPO_ROOT, recipe_run, run_recipes
 
 from automodel.config import load_recipe
 from automodel.training.finetune import run
@@ -80,13 +81,20 @@ def logits(model: torch.nn.Module) -> torch.Tensor:
         return model(input_ids=ids).logits
 
 
+def readme_lora_snippet() -> str:
+    """The README's Python block that loads the LoRA adapter."""
+    blocks = re.findall(r"```python\n(.*?)```", (REPO_ROOT / "README.md").read_text(), re.S)
+    (snippet,) = [b for b in blocks if "PeftModel.from_pretrained" in b]
+    return snippet
+
+
 def assert_per_step(a: list[dict], b: list[dict], key: str, rel: float) -> None:
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for ra, rb in zip(a, b):
         assert abs(ra[key] - rb[key]) <= rel * abs(rb[key]), (key, ra["step"], ra[key], rb[key])
 
 
-def test_lora_recipe_with_validation(tmp_path):
+def test_lora_recipe_with_validation(tmp_path, monkeypatch):
     import peft
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -109,6 +117,20 @@ def test_lora_recipe_with_validation(tmp_path):
     trained.load_state_dict(trained_state, strict=True)
     reloaded = peft.PeftModel.from_pretrained(base(), tmp_path / "one" / "adapter")
     torch.testing.assert_close(logits(reloaded), logits(trained), rtol=0, atol=1e-5)
+    # -- the README's snippet as written: the adapter onto the base the run saved (a seeded init exists
+    # nowhere else), which its adapter_config names; the model card says what was trained on what
+    adapter_config = json.loads((tmp_path / "one" / "adapter" / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == str((tmp_path / "one" / "base").resolve())
+    card = (tmp_path / "one" / "adapter" / "README.md").read_text()
+    assert "LoRA (rank 16, alpha 32," in card and "`tiny_sft` (split `train[:800]`, format `prompt_completion`)" in card
+    assert "max_steps: 4" in card and "training loss:" in card
+    (tmp_path / "cwd" / "runs").mkdir(parents=True)
+    (tmp_path / "cwd" / "runs" / "tiny_llama_lora").symlink_to(tmp_path / "one")
+    monkeypatch.chdir(tmp_path / "cwd")
+    namespace: dict = {}
+    exec(readme_lora_snippet(), namespace)
+    torch.testing.assert_close(logits(namespace["model"].eval()), logits(trained), rtol=0, atol=1e-5)
+    monkeypatch.undo()
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "one" / "hf", dtype=torch.float32).eval()
     torch.testing.assert_close(logits(merged), logits(trained), rtol=0, atol=1e-5)
     # the shipped tiny chat template closes turns with eos itself: eos stays the only stop token

@@ -79,7 +79,7 @@ def used_dir(stopped_run, tmp_path) -> Path:
 @pytest.mark.parametrize(
     "change, named",
     [
-        (["optim.lr=1e-4"], ["optim.lr", "0.005", "0.0001"]),
+        (["optim.lr=1e-4"], ["optim.lr", "0.002", "0.0001"]),
         (["packing.packed_sequence_size=512"], ["packing.packed_sequence_size", "256", "512"]),
         (["trainer.seed=7"], ["trainer.seed"]),
         (["packing.algorithm=sequential"], ["packing.algorithm"]),

@@ -115,11 +115,11 @@ GOOD_CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant
     [
         ("messages", {"messages": "hi"}, "messages", "non-empty list"),
         ("messages", {"messages": [{"role": "bot", "content": "hi"}]}, "messages", "role 'bot'"),
-        ("messages", {"messages": [{"role": "user", "content": 3}]}, "messages", "no text content"),
+        ("messages", {"messages": [{"role": "user", "content": 3}]}, "messages", "'content' must be text, got int"),
         ("messages", {"messages": [{"role": "assistant", "content": "red"}]}, "messages", "starts with an assistant"),
         ("messages", {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]}, "messages", "empty"),
         ("sharegpt", {"conversations": [{"from": "bot", "value": "hi"}]}, "conversations", "'from' 'bot'"),
-        ("alpaca", {"instruction": "hi", "output": None}, "output", "must be text"),
+        ("alpaca", {"instruction": "hi", "output": None}, "output", "has no value in this row"),
         ("prompt_completion", {"prompt": "hi", "completion": ""}, "completion", "empty"),
         ("text", {"text": 7}, "text", "must be text"),
         ("tokens", {"input_ids": [1, 9999]}, "input_ids", "outside"),
@@ -153,8 +153,8 @@ def test_skip_mode_drops_counts_and_reports(tiny, tmp_path, caplog):
 @pytest.mark.parametrize(
     "bad_field, bad_value, reason",
     [
-        ("content", 1652, "message 1 (assistant) has no text content, got int"),
-        ("content", ["1652"], "message 1 (assistant) has no text content, got list"),
+        ("content", 1652, "message 1 (assistant): 'content' must be text, got int"),
+        ("content", ["1652"], "message 1 (assistant): 'content' must be text, got list"),
         ("role", 7, "role 7 is not one of"),
     ],
 )

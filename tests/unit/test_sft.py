@@ -295,9 +295,9 @@ def prompt_completion(**columns) -> datasets.Dataset:
             {"columns": {"completion": "answer"}},
             r"field 'completion', but column 'answer' is not in the dataset.*prompt",
         ),
-        (prompt_completion(completion=["ok", ""]), {}, r"row 1: field 'completion' .*is empty"),
-        (prompt_completion(prompt=["x", None]), {}, r"row 1: field 'prompt' .*must be text"),
-        (prompt_completion(completion=[1, 2]), {}, r"row 0: field 'completion' .*must be text"),
+        (prompt_completion(completion=["ok", ""]), {}, r"row 2: field 'completion' .*is empty"),
+        (prompt_completion(prompt=["x", None]), {}, r"row 2: field 'prompt' .*has no value in this row \(a missing key, null, or an empty CSV cell\)"),
+        (prompt_completion(completion=[1, 2]), {}, r"row 1: field 'completion' .*must be text, got int 1"),
         (
             prompt_completion(),
             {"format": "chat"},
@@ -321,12 +321,12 @@ def chat(*messages) -> list[dict]:
 @pytest.mark.parametrize(
     ("conversations", "match"),
     [
-        ([chat(("user", "what is")), chat(("human", "what is"), ("assistant", "four"))], r"row 1: field 'messages'.*role 'human'"),
-        ([chat(("assistant", "four"), ("user", "ok"))], r"row 0: field 'messages'.*starts with an assistant"),
-        ([chat(("user", "what"), ("assistant", "four")), chat(("user", "is"), ("assistant", ""))], r"row 1: field 'messages'.*assistant message is empty"),
-        ([chat(("user", "what"), ("assistant", "four")), []], r"row 1: field 'messages'.*must be a non-empty list"),
-        ([chat(("user", "what"), ("assistant", "four")), chat(("user", None), ("assistant", "ok"))], r"row 1: field 'messages'.*message 0 \(user\) has no text content"),
-        (["what is two plus two"], r"row 0: field 'messages'.*must be a non-empty list"),
+        ([chat(("user", "what is")), chat(("human", "what is"), ("assistant", "four"))], r"row 2: field 'messages'.*role 'human'"),
+        ([chat(("assistant", "four"), ("user", "ok"))], r"row 1: field 'messages'.*starts with an assistant"),
+        ([chat(("user", "what"), ("assistant", "four")), chat(("user", "is"), ("assistant", ""))], r"row 2: field 'messages'.*assistant message is empty"),
+        ([chat(("user", "what"), ("assistant", "four")), []], r"row 2: field 'messages'.*must be a non-empty list"),
+        ([chat(("user", "what"), ("assistant", "four")), chat(("user", None), ("assistant", "ok"))], r"row 2: field 'messages'.*message 0 \(user\) has no 'content' \(missing or null\)"),
+        (["what is two plus two"], r"row 1: field 'messages'.*must be a non-empty list"),
     ],
 )  # fmt: skip
 def test_bad_messages_input(conversations, match):

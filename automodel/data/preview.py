@@ -1,0 +1,91 @@
+"""``automodel data RECIPE``: what a recipe trains on, before any model is built.
+
+Prints a few samples as the model sees them with the learned tokens (``loss_mask`` 1) between
+``[[`` and ``]]``, the row and token counts, the fill of the micro-batches and the steps per epoch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Any
+
+from omegaconf import DictConfig
+
+from automodel.config import build_section
+from automodel.data.batching import LoaderEnv
+from automodel.distributed import make_cp_batch_for_te
+from automodel.errors import DataError
+from automodel.training.console import configure_console
+
+LEARNED = ("[[", "]]")
+FILL_BATCHES = 200  # micro-batches the fill is measured over (all of them when the epoch is shorter)
+
+
+def render_sample(input_ids: list[int], labels: list[int], loss_mask: list[int], tokenizer: Any) -> str:
+    """The sample's text with each run of learned tokens between ``[[`` and ``]]``.
+
+    ``labels`` are the next tokens of ``input_ids``, so the sample is ``input_ids + labels[-1:]`` and
+    token t + 1 is learned where ``loss_mask[t]`` is 1. Example (prompt "1+2=", completion "3<eos>")::
+
+        <bos>1+2=[[3<eos>]]
+    """
+    ids, mask = [*input_ids, labels[-1]], [0, *loss_mask]
+    if ids[-1] < 0:  # a ``tokens`` row whose last label is ignored (-100)
+        ids, mask = ids[:-1], mask[:-1]
+    parts = []
+    for learned, run in itertools.groupby(zip(ids, mask, strict=True), key=lambda pair: bool(pair[1])):
+        text = tokenizer.decode([token for token, _ in run], skip_special_tokens=False)
+        parts.append(f"{LEARNED[0]}{text}{LEARNED[1]}" if learned else text)
+    return "".join(parts)
+
+
+def preview(cfg: DictConfig, samples: int = 3) -> dict[str, Any]:
+    """Print samples, counts, fill and steps per epoch for one process of ``WORLD_SIZE`` (default 1);
+    returns the figures."""
+    configure_console(is_main=True)
+    data, batching = build_section(cfg, "data"), build_section(cfg, "packing")
+    trainer, parallel = build_section(cfg, "trainer"), build_section(cfg, "parallel")
+    try:
+        tokenizer = data.load_tokenizer()
+        dataset, validation = data.build(tokenizer)
+    except DataError:
+        raise
+    except ValueError as error:
+        raise DataError(str(error)) from error
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cp_size = parallel.cp_size
+    env = LoaderEnv(
+        dp_rank=0, dp_size=max(1, world // cp_size), cp_size=cp_size, seed=trainer.seed,
+        padding_idx=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+    )
+    stream = batching.build(dataset, env)
+
+    rows = dataset.select_columns(["input_ids", "labels", "loss_mask"])
+    for index in range(min(samples, len(rows))):
+        row = rows[index]
+        print(f"--- sample {index + 1} of {len(rows)} ({len(row['input_ids'])} tokens, "
+              f"{sum(row['loss_mask'])} learned between {LEARNED[0]} {LEARNED[1]})")  # fmt: skip
+        print(render_sample(row["input_ids"], row["labels"], row["loss_mask"], tokenizer))
+    lengths = [len(ids) for ids in rows["input_ids"]]
+    learned = sum(sum(mask) for mask in rows["loss_mask"])
+    measured = min(FILL_BATCHES, stream.batches_per_epoch)
+    real = slots = 0
+    for batch in itertools.islice(stream, measured):
+        padding = make_cp_batch_for_te(None, batch)["padding_mask"]
+        real, slots = real + int((~padding).sum()), slots + padding.numel()
+    figures = {
+        "rows": len(rows), "tokens": sum(lengths), "learned_tokens": learned,
+        "validation_rows": 0 if validation is None else len(validation),
+        "micro_batches_per_epoch": stream.batches_per_epoch, "fill": real / slots,
+        "steps_per_epoch": stream.batches_per_epoch // trainer.grad_accum_steps,
+    }
+    print("---")
+    print(f"rows {figures['rows']:,} (validation {figures['validation_rows']:,}), tokens {figures['tokens']:,}, "
+          f"learned {learned:,} ({100 * learned / figures['tokens']:.1f}%), sample length {min(lengths)}..{max(lengths)}")
+    print(f"fill {100 * figures['fill']:.1f}% of the token slots (over {measured} micro-batches)")
+    print(f"{stream.batches_per_epoch} micro-batches per epoch on each of {env.dp_size} data-parallel rank(s) "
+          f"(WORLD_SIZE={world}, cp_size={cp_size}); grad_accum_steps {trainer.grad_accum_steps}: "
+          f"{figures['steps_per_epoch']} steps per epoch, max_steps {trainer.max_steps} = "
+          f"{trainer.max_steps / max(1, figures['steps_per_epoch']):.1f} epochs")  # fmt: skip
+    return figures

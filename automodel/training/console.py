@@ -1,0 +1,42 @@
+"""What a run prints: the log format, progress bars only on a terminal, and the known warnings of
+third-party libraries silenced where they come from."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+
+# (category, message, module): warnings the libraries we call raise in every run, harmless for us.
+KNOWN_WARNINGS = (
+    # torchdata's StatefulDataLoader calls torch.set_vital, deprecated in torch 2.13
+    (UserWarning, r"'set_vital' is deprecated", r"torchdata\.stateful_dataloader"),
+    # peft reads transformers' deprecated alias is_gradient_checkpointing when it wraps a model
+    (FutureWarning, r"`is_gradient_checkpointing` is deprecated", r"transformers\.modeling_utils"),
+)
+
+
+def on_terminal() -> bool:
+    """True when stderr (where progress bars draw) is a terminal; a redirected run gets log lines only."""
+    return sys.stderr.isatty()
+
+
+def silence_known_warnings() -> None:
+    for category, message, module in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+
+
+def configure_console(is_main: bool) -> None:
+    """INFO log lines on rank 0 (WARNING elsewhere); no progress bars of ``datasets`` (map) or
+    ``transformers`` (writing shards) off a terminal."""
+    logging.basicConfig(
+        level=logging.INFO if is_main else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", force=True,
+    )
+    silence_known_warnings()
+    if not on_terminal():
+        import datasets
+        import transformers
+
+        datasets.disable_progress_bars()
+        transformers.utils.logging.disable_progress_bar()
