@@ -199,7 +199,7 @@ def build_model(
     backend = resolve_attention_backend(spec.attention_backend)
     attach_thd_attention(hf, backend, cp_comm_type)
     if spec.activation_checkpointing:
-        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if lora is not None:
         with torch.device("meta"):
             model.hf = lora.apply(hf)

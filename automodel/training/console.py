@@ -4,6 +4,7 @@ third-party libraries silenced where they come from."""
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import warnings
 
@@ -14,6 +15,21 @@ KNOWN_WARNINGS = (
     # peft reads transformers' deprecated alias is_gradient_checkpointing when it wraps a model
     (FutureWarning, r"`is_gradient_checkpointing` is deprecated", r"transformers\.modeling_utils"),
 )
+
+# (logger, message): lines libraries log while being imported, before any run configures logging.
+KNOWN_LOG_LINES = (
+    # transformers imports torchao when it is installed (QLoRA); torchao's optional C++ kernels are
+    # built for another torch, and NF4 does not use them
+    ("torchao", r"Failed to load .*torchao"),
+    # torchao registers Enum types with torch's pytree, deprecated in torch 2.13
+    ("torch.utils._pytree", r"register_constant\(\) on Enum subclasses is deprecated"),
+)
+
+
+def silence_known_log_lines() -> None:
+    for name, pattern in KNOWN_LOG_LINES:
+        regex = re.compile(pattern)
+        logging.getLogger(name).addFilter(lambda record, regex=regex: not regex.search(record.getMessage()))
 
 
 def on_terminal() -> bool:
