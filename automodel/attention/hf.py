@@ -12,8 +12,9 @@ no mask at all (``masking_utils._preprocess_mask_arguments`` returns None) and s
 detection, which reads the whole row. The flip side, an ``attention_mask`` would be ignored, so
 one that arrives here is refused.
 
-Each attention module gets its backend core once, at setup (:func:`attach_thd_attention`), kept
-outside the module tree so that ``state_dict()`` keys stay exactly the Hugging Face names.
+:func:`attach_thd_attention` records the backend at setup; each attention module builds its core
+at its first call, from the shapes it passes (MLA's value head dim included), and keeps it outside
+the module tree so that ``state_dict()`` keys stay exactly the Hugging Face names.
 
 Shape legend: t = this rank's tokens, h = query heads, h_kv = key/value heads, d = head dim.
 """

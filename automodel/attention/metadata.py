@@ -35,8 +35,9 @@ class ThdAttentionMetadata:
         cp_size, cp_rank: context-parallel size and this rank's index in the CP group.
         cp_group: the CP process group (None when cp_size == 1).
         device_copies: ``(name, device) -> tensor``: the layout tensors already copied to a device
-            (:meth:`on_device`); a copy of the metadata (``dataclasses.replace``, as FSDP2 does to
-            forward inputs) shares them.
+            (:meth:`on_device`). A copy of the metadata (``dataclasses.replace``, or FSDP2's copy of
+            each unit's forward inputs) starts with the copies made so far, which is why the trainer
+            makes them before the forward (:meth:`prefetch`).
     """
 
     cu_seqlens: torch.Tensor

@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 from automodel.config import build_section
 from automodel.data.batching import LoaderEnv
 from automodel.distributed import make_cp_batch_for_te
-from automodel.errors import DataError
+from automodel.errors import ConfigError, DataError
 from automodel.training.console import configure_console
 
 LEARNED = ("[[", "]]")
@@ -46,8 +46,10 @@ def preview(cfg: DictConfig, samples: int = 3) -> dict[str, Any]:
     configure_console(is_main=True)
     data, batching = build_section(cfg, "data"), build_section(cfg, "packing")
     trainer, parallel = build_section(cfg, "trainer"), build_section(cfg, "parallel")
+    if cfg.get("dpo") is not None:
+        raise ConfigError("automodel data previews SFT data; preference pairs (a dpo section) are not shown yet")
     try:
-        tokenizer = data.load_tokenizer()
+        tokenizer = data.load_tokenizer(trust_remote_code=bool(cfg.model.get("trust_remote_code", False)))
         dataset, validation = data.build(tokenizer)
     except DataError:
         raise

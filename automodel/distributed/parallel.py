@@ -99,7 +99,8 @@ def init_distributed(config: ParallelConfig) -> ParallelDims:
         raise ValueError(f"parallel.timeout_minutes must be a positive number or null, got {minutes!r}")
     if not dist.is_initialized():
         timeout = datetime.timedelta(minutes=minutes)
-        backend = "nccl" if use_cuda else "gloo"
+        # with CUDA, gloo still carries the few CPU-tensor collectives (load and export flags)
+        backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
         if launched:
             dist.init_process_group(backend, timeout=timeout)
         else:

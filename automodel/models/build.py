@@ -189,7 +189,8 @@ def build_model(
     lora: LoraConfig | None = None,
 ) -> CausalLMForTraining:
     """The training model with its weights: meta build, LoRA adapters when ``lora`` is given,
-    ``shard(model)`` (FSDP2), materialize on ``device``, rank 0's weights broadcast to every rank."""
+    ``shard(model)`` (FSDP2), materialize on ``device``, then each rank reads its own shards of a local
+    safetensors checkpoint (:mod:`automodel.models.hf_io`; otherwise rank 0's weights are broadcast)."""
     register_thd_attention()
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(

@@ -284,7 +284,7 @@ class _SafetensorsStream:
         if name != self.pending[0] or tuple(tensor.shape) != self.entries[name][0]:
             raise RuntimeError(f"export out of plan: got {name} {tuple(tensor.shape)}, expected {self.pending[0]}")
         self.pending.pop(0)
-        self.file.write(tensor.contiguous().view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        self.file.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
 
     def close(self) -> None:
         self.file.close()

@@ -81,7 +81,10 @@ class DPORecipe(FinetuneRecipe):
         super().setup()
         self.reference = None
         if self.lora is None:  # a frozen copy of the starting weights (LoRA: adapters disabled instead)
-            self.reference = self._build_model().eval().requires_grad_(False)
+            # built after a resume restored the RNG: its seeded init must not move the training stream
+            devices = [self.dims.device.index or 0] if self.dims.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices):
+                self.reference = self._build_model().eval().requires_grad_(False)
             logger.info("DPO reference: a frozen copy of the starting model (no gradients, no optimizer state)")
 
     @staticmethod

@@ -11,7 +11,6 @@ import contextlib
 import functools
 import logging
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -289,7 +288,9 @@ class FinetuneRecipe:
         with self._autocast():
             result = evaluate(
                 self.model, batches,
-                lambda b: self.model(b["input_ids"], b["position_ids"], b["labels"], b["attn_meta"]),
+                lambda b: self.model(
+                    b["input_ids"], b["position_ids"], b["labels"], b["attn_meta"], b["label_positions"]
+                ),
             )  # fmt: skip
         logger.info(
             "step %d  val_loss %.4f  val_perplexity %.3f over %d label tokens",
@@ -347,13 +348,20 @@ class FinetuneRecipe:
             records[-1]["loss"], records[-1]["step"], self.output_dir,
         )
 
-    def cleanup(self) -> None:
-        if getattr(self, "metrics", None) is not None:
-            self.metrics.close(failed=sys.exc_info()[0] is not None)  # called from run()'s finally
-        if hasattr(self, "run_dir"):
-            self.run_dir.release()
-        if self._owns_process_group and dist.is_initialized():
-            dist.destroy_process_group()
+    def cleanup(self, failed: bool = False) -> None:
+        """Close the trackers (marking their run failed when ``failed``), release the run directory
+        and a process group this recipe made. A tracker that cannot close is logged, never allowed
+        to hide the run's own outcome or skip the rest."""
+        try:
+            if getattr(self, "metrics", None) is not None:
+                self.metrics.close(failed=failed)
+        except Exception:
+            logger.exception("closing the experiment trackers failed")
+        finally:
+            if hasattr(self, "run_dir"):
+                self.run_dir.release()
+            if self._owns_process_group and dist.is_initialized():
+                dist.destroy_process_group()
 
 
 @contextlib.contextmanager
@@ -378,7 +386,14 @@ def _as_user_error(kind: type[UserError], errors: tuple[type[Exception], ...] = 
 
 
 def recipe_class(cfg: DictConfig) -> type[FinetuneRecipe]:
-    """:class:`FinetuneRecipe`, or with a ``dpo`` section the DPO objective on the same trainer."""
+    """:class:`FinetuneRecipe`, or with a ``dpo`` section the DPO objective on the same trainer.
+    Preference data or batching without one would train SFT on the rejected answers: refused."""
+    preference = [
+        f"{name}._target_={cfg[name]._target_}" for name in ("data", "packing")
+        if str((cfg.get(name) or {}).get("_target_", "")).startswith("automodel.data.preference.")
+    ]  # fmt: skip
+    if preference and cfg.get("dpo") is None:
+        raise ConfigError(f"{', '.join(preference)} holds preference pairs, which need a dpo section (dpo=sigmoid)")
     if cfg.get("dpo") is not None:
         from automodel.training.dpo import DPORecipe  # imports this module
 
@@ -388,11 +403,13 @@ def recipe_class(cfg: DictConfig) -> type[FinetuneRecipe]:
 
 def run(cfg: DictConfig) -> FinetuneRecipe:
     recipe = recipe_class(cfg)(cfg)
+    failed = True
     try:
         recipe.setup()
         with logging_redirect_tqdm(loggers=[logging.getLogger()]):  # log lines print above the progress bar
             recipe.train()
         dist.barrier()  # rank 0 may still be exporting; gloo aborts ranks whose peers tear down first
+        failed = False
     finally:
-        recipe.cleanup()
+        recipe.cleanup(failed)
     return recipe

@@ -96,11 +96,20 @@ class RunDirectory:
         if self.path.exists() and not self.path.is_dir():
             raise ConfigError(f"{where} is a file; give a directory path, e.g. runs/my_run")
         entries = sorted(p.name for p in self.path.iterdir()) if self.path.is_dir() else []
-        if entries and not set(entries) & set(RUN_MARKERS) and not overwrite:
+        if not entries or set(entries) & set(RUN_MARKERS):
+            return
+        if not overwrite:
             listed = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
             raise ConfigError(
                 f"{where} is a directory of other files ({listed}), not a run directory; point it at a new or "
                 "empty directory (e.g. runs/my_run), or set trainer.overwrite=true to write the run there"
+            )
+        # overwrite deletes a run's outputs; in someone else's directory those names are theirs
+        clash = sorted(set(entries) & set(RUN_OUTPUTS))
+        if clash:
+            raise ConfigError(
+                f"{where} is not a run directory and holds {clash}, which the run would delete and replace; "
+                "point it at a new or empty directory (e.g. runs/my_run)"
             )
 
     def acquire(self) -> None:

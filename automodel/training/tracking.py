@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,7 +85,11 @@ class TrackingConfig:
                 (import, store, credentials); the sinks already open are closed first.
         """
         ids_path = run_dir / TRACKING_IDS
-        saved = json.loads(ids_path.read_text()) if ids_path.is_file() else {}
+        try:
+            saved = json.loads(ids_path.read_text()) if ids_path.is_file() else {}
+        except (OSError, ValueError) as error:  # a run killed mid-write: start new tracker runs
+            logger.warning("%s unreadable (%s); the trackers start new runs", ids_path, error)
+            saved = {}
         ids = {k: v for k, v in saved.items() if k != "run_id"} if saved.get("run_id") == run_id else {}
         wanted = [
             ("tensorboard", lambda: TensorBoardSink(run_dir / "tensorboard", resumed_step), self.tensorboard),
@@ -110,8 +115,10 @@ class TrackingConfig:
             sinks.append(sink)
             if sink.run_id is not None:
                 ids[name] = sink.run_id
-        if ids:
-            ids_path.write_text(json.dumps({"run_id": run_id, **ids}))
+        if ids:  # beside, then renamed: a kill never leaves half a file
+            partial = ids_path.with_suffix(".json.tmp")
+            partial.write_text(json.dumps({"run_id": run_id, **ids}))
+            os.replace(partial, ids_path)
         return sinks
 
 

@@ -208,6 +208,9 @@ def test_output_dir_must_be_new_empty_or_a_run_directory(tmp_path, monkeypatch, 
     assert "trainer.overwrite=true" in str(error.value) and data_work == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]  # no lock, no run.json written
     RunDirectory(".", 0).check_is_run_directory(overwrite=True)  # the way out
+    (tmp_path / "hf").mkdir()  # but a folder named like a run output is never deleted there
+    with pytest.raises(ConfigError, match=r"not a run directory and holds \['hf'\]"):
+        RunDirectory(".", 0).check_is_run_directory(overwrite=True)
 
 
 def _rows(*lengths: int) -> datasets.Dataset:

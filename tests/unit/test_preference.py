@@ -61,3 +61,9 @@ def test_bad_dpo_sections_are_named(overrides, message):
         cfg = load_recipe("tiny_llama_dpo", overrides)
         recipe_class(cfg)(cfg)
     assert DPOConfig(beta=0.5).beta == 0.5
+
+
+def test_preference_data_without_a_dpo_section_is_refused():
+    # Without the objective the SFT loss would train on the rejected answers too.
+    with pytest.raises(ConfigError, match=r"PreferenceData.*need a dpo section"):
+        recipe_class(load_recipe("tiny_llama_dpo", ["~dpo"]))
