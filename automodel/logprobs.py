@@ -17,6 +17,7 @@ n_i = labels of sample i.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -31,15 +32,25 @@ class SampleLogProbs:
     """Log-probabilities of the samples of one micro-batch, in row order.
 
     Attributes:
-        token_log_probs: N float32 tensors ``[n_i]``: sample i's labels, in order (for an RL pack
-            from :func:`automodel.data.rollouts.pack_sequences`: its response tokens).
-        sums: float32 ``[N]``: their sums (the masked sum over the sample's tokens).
+        sums: float32 ``[N]``: each sample's summed label log-probs (the masked sum over its tokens).
         label_counts: int64 ``[N]``: n_i.
+        row_log_probs: float32 ``[T]``: the whole row's label log-probs (0 where there is no label).
+        labelled: bool ``[T]``: where the row has a label.
+
+    ``sums`` and ``label_counts`` never make the host wait for the device (a DPO step needs only
+    them); ``token_log_probs`` reads the device once, when first asked for.
     """
 
-    token_log_probs: list[torch.Tensor]
     sums: torch.Tensor
     label_counts: torch.Tensor
+    row_log_probs: torch.Tensor
+    labelled: torch.Tensor
+
+    @cached_property
+    def token_log_probs(self) -> list[torch.Tensor]:
+        """N float32 tensors ``[n_i]``: sample i's labels, in order (for an RL pack from
+        :func:`automodel.data.rollouts.pack_sequences`: its response tokens)."""
+        return list(torch.split(self.row_log_probs[self.labelled], self.label_counts.tolist()))
 
 
 def packed_log_probs(model: torch.nn.Module, batch: dict[str, Any]) -> SampleLogProbs:
@@ -61,15 +72,15 @@ def packed_log_probs(model: torch.nn.Module, batch: dict[str, Any]) -> SampleLog
     )
     labelled_T = (batch["labels"] != CROSS_ENTROPY_IGNORE_INDEX).float()
     if meta.cp_size > 1:
-        index = meta.partition_indices[meta.cp_rank].to(local_T.device)
+        index = meta.partition_indices[meta.cp_rank].to(local_T.device, non_blocking=True)
         full_T, labelled_T = _CombineCPShares.apply(local_T, labelled_T, index, meta.total_tokens, meta.cp_group)
     else:
         full_T = local_T
-    sample_T = torch.repeat_interleave(torch.arange(len(meta.padded_lens)), meta.padded_lens).to(full_T.device)
-    labelled = labelled_T > 0
-    counts_N = torch.bincount(sample_T[labelled], minlength=len(meta.padded_lens))
-    sums_N = torch.zeros(len(counts_N), dtype=torch.float32, device=full_T.device).index_add(0, sample_T, full_T)
-    return SampleLogProbs(list(torch.split(full_T[labelled], counts_N.tolist())), sums_N, counts_N)
+    samples = len(meta.padded_lens)  # the layout is on the host: no device read below
+    sample_T = torch.repeat_interleave(torch.arange(samples), meta.padded_lens).to(full_T.device, non_blocking=True)
+    counts_N = torch.zeros(samples, dtype=torch.int64, device=full_T.device).index_add(0, sample_T, labelled_T.long())
+    sums_N = torch.zeros(samples, dtype=torch.float32, device=full_T.device).index_add(0, sample_T, full_T)
+    return SampleLogProbs(sums_N, counts_N, full_T, labelled_T > 0)
 
 
 class _CombineCPShares(torch.autograd.Function):

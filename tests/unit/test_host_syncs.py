@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from automodel.attention import ThdAttentionMetadata
 from automodel.attention.hf import THD_ATTENTION, attach_thd_attention, register_thd_attention
 from automodel.cli import main as cli_main
+from automodel.logprobs import packed_log_probs
 from automodel.loss import label_positions
 from automodel.models.build import CausalLMForTraining
 from benchmarks.gpu import attention_flops_per_token, flops_per_step, length_mix
@@ -123,3 +124,18 @@ def test_bench_gpu_runs_tiny_on_cpu(tmp_path, capsys):
     assert [row["case"] for row in report["loss"]] == ["chunked", "naive"]
     table = capsys.readouterr().out
     assert "tiny 256 portable: packed" in table and "x padded real tokens/s" in table
+
+
+def test_per_sample_log_prob_sums_never_read_the_device():
+    # DPO's step needs only the sums and counts; the per-sample split reads the device, when asked.
+    model = meta_model("llama")
+    ids, positions, labels, layout = packed_inputs([5, 7, 4])
+    batch = {
+        "input_ids": ids.to(META), "position_ids": positions.to(META), "labels": labels.to(META),
+        "attn_meta": layout.prefetch(META), "label_positions": label_positions(labels, SHAPE["vocab_size"]).to(META),
+    }  # fmt: skip
+    result = packed_log_probs(model, batch)
+    result.sums.sum().backward()
+    assert result.sums.shape == (3,) and result.label_counts.shape == (3,)
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        _ = result.token_log_probs
