@@ -217,7 +217,8 @@ def perturb_constants(model: nn.Module, seed: int = 0) -> None:
 # the packed step vs each sample alone
 
 
-def _samples(vocab: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def sample_pairs(vocab: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Seeded ``(input_ids, labels)`` of ``REAL_LENS`` tokens each, the first two unlabelled (a prompt)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for n in REAL_LENS:
@@ -337,7 +338,7 @@ def packed_step_errors(model_type: str, config: PretrainedConfig | None = None, 
     for name, value in buffers.items():
         model.hf.get_buffer(name).copy_(value)
     vocab = model.transformers_model.get_output_embeddings().weight.shape[0]
-    samples = _samples(min(vocab, getattr(config, "vocab_size", vocab) or vocab), seed)
+    samples = sample_pairs(min(vocab, getattr(config, "vocab_size", vocab) or vocab), seed)
     ref_loss, ref_logits, ref_grads = _reference(config, state, samples)
 
     ids, positions, labels, meta = _packed(samples)

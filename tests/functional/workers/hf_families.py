@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from automodel.attention import ThdAttentionMetadata
 from automodel.distributed.cp_sharding import make_cp_batch_for_te
-from automodel.models.verify import perturb_constants
+from automodel.models.verify import perturb_constants, sample_pairs
 
 COMMON = dict(
     vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -47,8 +47,8 @@ FAMILIES = {
                         num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=64),
     "cohere2": dict(logit_scale=0.3, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
 }
-# real lengths of the packed samples, and labels: the first two tokens of each are prompt (-100)
-REAL_LENS = [7, 12, 5, 9]
+# the packed samples: the verifier's own (REAL_LENS tokens, the first two of each a prompt, -100)
+samples = sample_pairs
 
 
 def make_checkpoint(family: str, directory: Path, seed: int = 0) -> Path:
@@ -59,17 +59,6 @@ def make_checkpoint(family: str, directory: Path, seed: int = 0) -> Path:
     path = directory / family
     model.save_pretrained(path)
     return path
-
-
-def samples(vocab: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for n in REAL_LENS:
-        ids = torch.randint(1, vocab, (n,), generator=g)
-        labels = torch.randint(1, vocab, (n,), generator=g)
-        labels[:2] = -100
-        out.append((ids, labels))
-    return out
 
 
 def collated(sample_list, pad_multiple: int) -> dict:
