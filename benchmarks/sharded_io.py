@@ -66,6 +66,24 @@ def todays_export(model, out: Path, dtype, is_main: bool) -> None:
     hf.to(dtype).save_pretrained(out / "hf")
 
 
+def train_step(model, ids, positions, labels, layout) -> None:
+    """One training step with the recipe's own parts: ``OptimConfig().build`` (AdamW and its LR schedule,
+    the recipe's defaults), forward + backward, gradient clipping at ``max_grad_norm``, the optimizer
+    and scheduler steps, and the gradients freed (``zero_grad(set_to_none=True)``), as
+    :meth:`automodel.training.finetune.FinetuneRecipe._train_step` does."""
+    import torch
+
+    from automodel.training.config import OptimConfig
+
+    config = OptimConfig()
+    optimizer, scheduler = config.build(model, max_steps=1)
+    model(ids, positions, labels, layout).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def worker(args: argparse.Namespace) -> None:
     """One rank of one (world size, path) case: writes ``result_<mode>_w<world>_r<rank>.json`` in ``args.out``."""
     import torch
@@ -97,10 +115,7 @@ def worker(args: argparse.Namespace) -> None:
                                          shard=functools.partial(apply_fsdp, mesh=mesh))
 
         def step():
-            model = state["model"]
-            state["optimizer"] = torch.optim.AdamW(model.parameters(), lr=1e-5)
-            model(ids, torch.arange(tokens), ids.roll(-1), layout).backward()
-            state["optimizer"].step()
+            train_step(state["model"], ids, torch.arange(tokens), ids.roll(-1), layout)
 
         def export():
             if args.mode == "today":

@@ -16,6 +16,7 @@ Shape legend: T = this rank's tokens, D = hidden size, V = vocabulary.
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
 from pathlib import Path
@@ -57,9 +58,11 @@ logger = logging.getLogger(__name__)
 
 
 class CausalLMForTraining(nn.Module):
-    """A transformers causal LM plus the loss, as one module: FSDP2 wraps it as the root unit, so
-    the root's parameters (embeddings, final norm, lm_head) are unsharded for the whole forward,
-    backbone and loss together.
+    """A transformers causal LM plus the loss, as one module. Under FSDP2
+    (:func:`automodel.distributed.parallel.apply_fsdp`) each decoder layer, the input embeddings and
+    the output head (untied) are units of their own and the root keeps the rest (final norm; tied
+    embeddings): the output head is unsharded around :func:`head_output` (its forward method), the
+    embeddings around their forward.
 
     ``state_dict()`` keys are the transformers names under the prefix ``hf.``; under LoRA ``hf`` is
     the ``peft.PeftModel`` and the keys are ``hf.base_model.model.<transformers name>``, with each
@@ -111,11 +114,9 @@ class CausalLMForTraining(nn.Module):
         the host labels), so that the step never waits for the device to find them."""
         hidden_TD = self.hidden_states(input_ids_T, position_ids_T, thd_layout)
         head = self.transformers_model.get_output_embeddings()
-        output = chunked_token_log_probs if per_token else chunked_cross_entropy_sum
-        return output(
-            hidden_TD, head.weight, labels_T, bias_V=head.bias, label_positions_N=label_positions_N,
-            **logit_transform(self.config),
-        )
+        # the head's FSDP forward method when the head is a unit of its own (apply_fsdp), else the function
+        output = getattr(head, HEAD_OUTPUT_METHOD, None) or functools.partial(head_output, head)
+        return output(hidden_TD, labels_T, label_positions_N, per_token, logit_transform(self.config))
 
     def hidden_states(
         self, input_ids_T: torch.Tensor, position_ids_T: torch.Tensor, thd_layout: ThdAttentionMetadata
@@ -125,6 +126,31 @@ class CausalLMForTraining(nn.Module):
             input_ids=input_ids_T[None], position_ids=batched_position_ids(self.config, position_ids_T),
             thd_layout=thd_layout, use_cache=False,
         ).last_hidden_state[0]
+
+
+HEAD_OUTPUT_METHOD = "automodel_head_output"
+
+
+def head_output(
+    head: nn.Module,
+    hidden_TD: torch.Tensor,
+    labels_T: torch.Tensor,
+    label_positions_N: torch.Tensor | None,
+    per_token: bool,
+    transform: dict[str, Any],
+) -> torch.Tensor:
+    """:meth:`CausalLMForTraining.forward`'s output through ``head`` (its ``weight`` and ``bias``):
+    the float32 cross-entropy sum, or with ``per_token`` each label's log-probability.
+
+    The loss reads the head's weight without calling the head's ``forward`` (it computes the logits
+    chunk by chunk), so when the head is an FSDP2 unit of its own, :func:`apply_fsdp` makes this
+    function a method of the head (``HEAD_OUTPUT_METHOD``) and registers it as an FSDP forward
+    method: FSDP2 unshards the head before it, and reduce-scatters the head's gradient right after
+    its backward."""
+    output = chunked_token_log_probs if per_token else chunked_cross_entropy_sum
+    return output(
+        hidden_TD, head.weight, labels_T, bias_V=head.bias, label_positions_N=label_positions_N, **transform
+    )
 
 
 def batched_position_ids(config: PretrainedConfig, position_ids: torch.Tensor) -> torch.Tensor:
