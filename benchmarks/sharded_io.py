@@ -66,22 +66,23 @@ def todays_export(model, out: Path, dtype, is_main: bool) -> None:
     hf.to(dtype).save_pretrained(out / "hf")
 
 
-def train_step(model, ids, positions, labels, layout) -> None:
-    """One training step with the recipe's own parts: ``OptimConfig().build`` (AdamW and its LR schedule,
-    the recipe's defaults), forward + backward, gradient clipping at ``max_grad_norm``, the optimizer
-    and scheduler steps, and the gradients freed (``zero_grad(set_to_none=True)``), as
+def train_steps(model, ids, positions, labels, layout, steps: int = 1) -> None:
+    """Training steps with the recipe's own parts: ``OptimConfig().build`` (AdamW and its LR schedule,
+    the recipe's defaults), then per step forward + backward, gradient clipping at ``max_grad_norm``,
+    the optimizer and scheduler steps, and the gradients freed (``zero_grad(set_to_none=True)``), as
     :meth:`automodel.training.finetune.FinetuneRecipe._train_step` does."""
     import torch
 
     from automodel.training.config import OptimConfig
 
     config = OptimConfig()
-    optimizer, scheduler = config.build(model, max_steps=1)
-    model(ids, positions, labels, layout).backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer, scheduler = config.build(model, max_steps=steps)
+    for _ in range(steps):
+        model(ids, positions, labels, layout).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -115,7 +116,7 @@ def worker(args: argparse.Namespace) -> None:
                                          shard=functools.partial(apply_fsdp, mesh=mesh))
 
         def step():
-            train_step(state["model"], ids, torch.arange(tokens), ids.roll(-1), layout)
+            train_steps(state["model"], ids, torch.arange(tokens), ids.roll(-1), layout, args.steps)
 
         def export():
             if args.mode == "today":
@@ -172,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--steps", type=int, default=1, help="training steps in the step phase (AdamW's moments "
+                        "exist from the second step's forward on)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", type=Path, help=argparse.SUPPRESS)
@@ -196,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
             for mode in args.modes:
                 command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
                            "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "-m", "benchmarks.sharded_io",
-                           "--worker", "--mode", mode, "--checkpoint", str(checkpoint), "--out", tmp]
+                           "--worker", "--mode", mode, "--steps", str(args.steps), "--checkpoint", str(checkpoint),
+                           "--out", tmp]
                 env = {"MALLOC_MMAP_THRESHOLD_": "1048576", **os.environ, "OMP_NUM_THREADS": "1",
                        "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)}
                 done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)

@@ -106,8 +106,8 @@ def test_head_unit_loss_and_gradients_equal_the_unsharded_model(one_rank_mesh):
 
 
 def test_benchmark_step_builds_the_recipe_optimizer(monkeypatch):
-    from benchmarks.sharded_io import train_step
     from automodel.training.config import OptimConfig
+    from benchmarks.sharded_io import train_steps
 
     built = []
     build = OptimConfig.build
@@ -119,10 +119,10 @@ def test_benchmark_step_builds_the_recipe_optimizer(monkeypatch):
     monkeypatch.setattr(OptimConfig, "build", recording)
     m = model()
     before = [p.detach().clone() for p in m.parameters()]
-    train_step(m, *batch())
+    train_steps(m, *batch(), steps=2)
     [(optim_config, (optimizer, scheduler))] = built
-    assert optim_config == OptimConfig()  # the recipe's defaults
+    assert optim_config == OptimConfig()  # the recipe's defaults, built once
     assert optimizer.param_groups[0]["betas"] == tuple(OptimConfig().betas)
-    assert scheduler.last_epoch == 1  # stepped once
+    assert scheduler.last_epoch == 2 and optimizer.state[next(m.parameters())]["step"] == 2
     assert all(p.grad is None for p in m.parameters())  # freed, as the recipe's step does
     assert any(not torch.equal(a, p) for a, p in zip(before, m.parameters()))
