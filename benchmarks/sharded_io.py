@@ -5,21 +5,26 @@ its own slices, rank 0 streams the export one tensor at a time) against today's 
 
 One Llama-shaped model, saved in bfloat16 over several safetensors files, is loaded with FSDP2 at
 world sizes 1, 2 and 4 (gloo on CPU, one torchrun launch per world size and path), takes one
-training step (THD forward + backward + AdamW) and is exported in bfloat16. Each rank reports, per
+training step (the recipe's: THD forward + backward, clipping, AdamW; ``--steps`` for more) and is
+exported in bfloat16. Each rank reports, per
 phase, its peak RSS above its RSS just before the model build (Linux: the high-water mark
 ``VmHWM``, reset at each phase through ``/proc/self/clear_refs``), as a multiple of the model's
 float32 bytes, and the phase's wall time; ``export own`` is the export's peak above the RSS it
 started from (what the export itself holds). Each process first runs the same phases on a tiny
 model, so that the figures are the extra over a tiny model's run (code paths, allocator arenas and
-the process group are warm). The workers run with ``MALLOC_MMAP_THRESHOLD_=1048576`` (unless set):
-glibc then maps every block above 1 MiB on its own and returns it when freed, so RSS follows live
-memory; with glibc's default (a threshold that grows up to 32 MiB), freed gradient and all-gather
-buffers stay resident in the heap and every path's ``step`` figure roughly doubles. The training step's own state at world W (float32 shard,
-gradient shard, AdamW's two moments: 4/W of the model, plus the unsharded root unit and one layer
-during forward/backward) is part of the ``step`` and ``run`` figures whichever path loads.
+the process group are warm). The workers run with ``MALLOC_MMAP_THRESHOLD_=131072`` (unless set):
+glibc then maps every block above 128 KiB on its own and returns it when freed, so RSS follows live
+memory. With glibc's default (a threshold that grows up to 32 MiB), freed gradient and all-gather
+buffers stay resident in the heap and every path's ``step`` figure roughly doubles; with 1 MiB, this
+model's activations (256 x 768 float32: 786 KB each) stay in the heap, freed ones leave holes, and
+the ranks of one run differ by up to 0.2x. The step is the recipe's (:func:`train_steps`): its own
+state at world W (float32 shard, gradient shard, AdamW's two moments: 4/W of the model, the moments
+from the first optimizer step on), the activations (0.6x of this model at 256 tokens) and FSDP2's
+unsharded units are part of the ``step`` and ``run`` figures whichever path loads.
 
     python -m benchmarks.sharded_io                      # 97.5M parameters (390 MB in float32)
     python -m benchmarks.sharded_io --layers 2 --worlds 2   # a quick look
+    python -m benchmarks.sharded_io --worlds 4 --modes sharded --steps 2   # AdamW's moments during a step
 """
 
 from __future__ import annotations
@@ -66,11 +71,12 @@ def todays_export(model, out: Path, dtype, is_main: bool) -> None:
     hf.to(dtype).save_pretrained(out / "hf")
 
 
-def train_steps(model, ids, positions, labels, layout, steps: int = 1) -> None:
+def train_steps(model, ids, positions, labels, layout, steps: int = 1) -> tuple:
     """Training steps with the recipe's own parts: ``OptimConfig().build`` (AdamW and its LR schedule,
     the recipe's defaults), then per step forward + backward, gradient clipping at ``max_grad_norm``,
     the optimizer and scheduler steps, and the gradients freed (``zero_grad(set_to_none=True)``), as
-    :meth:`automodel.training.finetune.FinetuneRecipe._train_step` does."""
+    :meth:`automodel.training.finetune.FinetuneRecipe._train_step` does. Returns the optimizer and the
+    scheduler: the caller keeps them (AdamW's moments live as long as the run, through the export)."""
     import torch
 
     from automodel.training.config import OptimConfig
@@ -83,6 +89,7 @@ def train_steps(model, ids, positions, labels, layout, steps: int = 1) -> None:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+    return optimizer, scheduler
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -116,7 +123,7 @@ def worker(args: argparse.Namespace) -> None:
                                          shard=functools.partial(apply_fsdp, mesh=mesh))
 
         def step():
-            train_steps(state["model"], ids, torch.arange(tokens), ids.roll(-1), layout, args.steps)
+            state["optimizer"] = train_steps(state["model"], ids, torch.arange(tokens), ids.roll(-1), layout, args.steps)
 
         def export():
             if args.mode == "today":
@@ -201,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                            "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "-m", "benchmarks.sharded_io",
                            "--worker", "--mode", mode, "--steps", str(args.steps), "--checkpoint", str(checkpoint),
                            "--out", tmp]
-                env = {"MALLOC_MMAP_THRESHOLD_": "1048576", **os.environ, "OMP_NUM_THREADS": "1",
+                env = {"MALLOC_MMAP_THRESHOLD_": "131072", **os.environ, "OMP_NUM_THREADS": "1",
                        "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)}
                 done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
                 if done.returncode != 0:

@@ -119,8 +119,9 @@ def test_benchmark_step_builds_the_recipe_optimizer(monkeypatch):
     monkeypatch.setattr(OptimConfig, "build", recording)
     m = model()
     before = [p.detach().clone() for p in m.parameters()]
-    train_steps(m, *batch(), steps=2)
-    [(optim_config, (optimizer, scheduler))] = built
+    optimizer, scheduler = train_steps(m, *batch(), steps=2)
+    assert [(optimizer, scheduler)] == [b for _, b in built]
+    [(optim_config, _)] = built
     assert optim_config == OptimConfig()  # the recipe's defaults, built once
     assert optimizer.param_groups[0]["betas"] == tuple(OptimConfig().betas)
     assert scheduler.last_epoch == 2 and optimizer.state[next(m.parameters())]["step"] == 2
