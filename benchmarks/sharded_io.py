@@ -6,11 +6,10 @@ its own slices, rank 0 streams the export one tensor at a time) against today's 
 One Llama-shaped model, saved in bfloat16 over several safetensors files, is loaded with FSDP2 at
 world sizes 1, 2 and 4 (gloo on CPU, one torchrun launch per world size and path), takes one
 training step (the recipe's: THD forward + backward, clipping, AdamW; ``--steps`` for more) and is
-exported in bfloat16. Each rank reports, per
-phase, its peak RSS above its RSS just before the model build (Linux: the high-water mark
-``VmHWM``, reset at each phase through ``/proc/self/clear_refs``), as a multiple of the model's
-float32 bytes, and the phase's wall time; ``export own`` is the export's peak above the RSS it
-started from (what the export itself holds). Each process first runs the same phases on a tiny
+exported in bfloat16. Each rank reports, per phase, its peak RSS above its RSS just before the model
+build (Linux: the high-water mark ``VmHWM``, reset at each phase through ``/proc/self/clear_refs``),
+as a multiple of the model's float32 bytes, and the phase's wall time; ``export own`` is the
+export's peak above the RSS it started from (what the export itself holds). Each process first runs the same phases on a tiny
 model, so that the figures are the extra over a tiny model's run (code paths, allocator arenas and
 the process group are warm). The workers run with ``MALLOC_MMAP_THRESHOLD_=131072`` (unless set):
 glibc then maps every block above 128 KiB on its own and returns it when freed, so RSS follows live

@@ -7,6 +7,7 @@ Order in the trainer (what the recipe must do once models are transformers class
     for layer in lora_decoder_layers(model):             # base_model.model.model.layers
         fully_shard(layer, mesh=...)
     fully_shard(model, mesh=...)                         # the PeftModel itself is the root
+                                                         # (apply_fsdp: embeddings and head units too)
     optimizer = AdamW(trainable_parameters(model))       # adapter params only: no state for the base
     logits = model(input_ids=..., position_ids=...).logits   # call the PeftModel for forward
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
