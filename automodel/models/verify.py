@@ -5,8 +5,8 @@ layers, heads, experts and vocabulary shrunk; windows and attention chunks short
 samples, so a wrong one shows), perturbs every parameter that starts constant (norm weights,
 biases, sinks, scales) so every feature matters, and compares the project's packed step (its
 model builder, the registered THD attention, the chunked loss with the family's logit transform)
-with each sample run alone through the same class in eager attention: the loss, the logits and
-every gradient (float64 model on both sides, the loss head in float32; relative error <= ``RTOL``).
+with each sample run alone through the same class in its own attention (SDPA where the class has
+it, else eager): the loss, the logits and every gradient (float64 model on both sides, the loss head in float32; relative error <= ``RTOL``).
 
 ``python -m automodel families --verify`` runs it over every type of transformers' causal-LM
 table and writes ``automodel/models/supported.json``, which setup reads
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from automodel.attention.hf import (
@@ -97,6 +97,7 @@ _TINY = {
     "max_position_embeddings": 128,
     "n_positions": 128,
     "sliding_window": WINDOW,
+    "window_size": WINDOW,  # GPT-Neo's local attention layers
     "attention_chunk_size": WINDOW,
     "rotary_dim": 4,
 }
@@ -117,7 +118,7 @@ _ZERO = (
 
 
 class NotBuildable(Exception):
-    """transformers' own eager model cannot run the tiny config."""
+    """transformers' own model cannot run the tiny config."""
 
 
 @dataclass
@@ -282,17 +283,22 @@ def _recording() -> Iterator[_Calls]:
 
 
 def _reference(config: PretrainedConfig, state: dict, samples) -> tuple[float, torch.Tensor, dict]:
-    """Token-mean loss, logits ``[T_real, V]`` and gradients, each sample run alone in eager.
+    """Token-mean loss, logits ``[T_real, V]`` and gradients, each sample run alone through the
+    class's own attention.
 
     The logits are the model's own ``forward`` (so the loss head's logit transform is checked
     against them); the loss goes through the same chunked loss as the packed step (float32 logits,
     tested on its own in tests/unit/test_loss.py), so that its rounding is not read as a layout error."""
     from automodel.loss import chunked_cross_entropy_sum
-    from automodel.models.build import CausalLMForTraining, logit_transform
+    from automodel.models.build import CausalLMForTraining, logit_transform, own_attention_implementation
 
-    # a copy: from_config sets the config's attention implementation, which the packed model shares
+    # a copy: from_config sets the config's attention implementation, which the packed model shares.
+    # SDPA where the class has it: transformers' eager attention takes the softmax in float32, whose
+    # rounding (1e-7, up to 1e-5 after cancelling gradients: glm4) would read as a layout error.
     config = copy.deepcopy(config)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float64).train()
+    model = AutoModelForCausalLM.from_config(
+        config, attn_implementation=own_attention_implementation(config), dtype=torch.float64
+    ).train()
     model.load_state_dict(state, strict=False)
     decoder, head = CausalLMForTraining(model).decoder, model.get_output_embeddings()
     n_labels = sum(int((y != -100).sum()) for _, y in samples)
@@ -301,7 +307,7 @@ def _reference(config: PretrainedConfig, state: dict, samples) -> tuple[float, t
         with torch.no_grad():
             try:
                 logits.append(model(input_ids=x[None], use_cache=False).logits[0])
-            except Exception as error:  # transformers' own eager path cannot run this tiny config
+            except Exception as error:  # transformers' own model cannot run this tiny config
                 raise NotBuildable(_one_line(error)) from error
         hidden = decoder(input_ids=x[None], use_cache=False).last_hidden_state[0]
         loss = chunked_cross_entropy_sum(hidden, head.weight, y, bias_V=head.bias, **logit_transform(config))
@@ -316,9 +322,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm()) / max(float(b.norm()), 1e-12)
 
 
-def packed_step_errors(model_type: str, config: PretrainedConfig | None = None, seed: int = 0):
-    """``(errors, calls, max_error, n_layers)``: the packed step through the project's builder
-    against each sample alone in eager; ``errors`` lists each mismatch (empty when exact)."""
+def packed_step_errors(
+    model_type: str, config: PretrainedConfig | None = None, seed: int = 0, dense_mask: bool = False
+):
+    """``(errors, calls, max_error)``: the packed step through the project's builder (with
+    ``dense_mask``, the type's own attention under a block-diagonal mask) against each sample
+    alone; ``errors`` lists each mismatch (empty when exact)."""
     from automodel.models.build import build_model, logit_transform
     from automodel.models.spec import ModelSpec
 
@@ -333,7 +342,9 @@ def packed_step_errors(model_type: str, config: PretrainedConfig | None = None, 
     buffers = dict(source.named_buffers())
     del source
     spec = ModelSpec(config={"model_type": model_type}, attention_backend="portable")
-    model = build_model(spec, config, device=torch.device("cpu"), shard=lambda m: None, seed=0).double()
+    model = build_model(
+        spec, config, device=torch.device("cpu"), shard=lambda m: None, seed=0, dense_mask=dense_mask
+    ).double()
     model.hf.load_state_dict(state, strict=False)
     for name, value in buffers.items():
         model.hf.get_buffer(name).copy_(value)
@@ -381,7 +392,7 @@ def packed_step_errors(model_type: str, config: PretrainedConfig | None = None, 
 
 REASONS = {
     "no_attention_interface": "its attention layers do not call transformers' AttentionInterface (own attention "
-    "code), so the packed layout never reaches them",
+    "code), and under a block-diagonal mask instead they differ from each sample alone ({})",
     "drops_layout": "its layers drop the forward keywords before attention, so the layout (thd_layout) never "
     "reaches it",
     "recurrent": "recurrent, state-space or convolutional token mixing ({}) carries state across packed samples",
@@ -410,10 +421,16 @@ _RECURRENT_NAMES = (
 
 def token_mixers(model: nn.Module) -> list[str]:
     """Class names of modules that mix tokens other than attention (state-space, recurrent,
-    convolution across the sequence): evidence for a refusal reason, not the test itself."""
+    convolution across the sequence): evidence for a refusal reason, not the test itself. Not
+    counted: image convolutions (``Conv2d``), GPT-2's ``Conv1D`` (a Linear), norms and whole models,
+    which carry a mixer's family name without mixing tokens."""
+    from transformers.pytorch_utils import Conv1D
+
     found = set()
     for module in model.modules():
         name = type(module).__name__.lower()
+        if isinstance(module, (Conv1D, nn.Conv2d, nn.Conv3d, PreTrainedModel)) or "norm" in name:
+            continue
         if isinstance(module, nn.Conv1d) or any(key in name for key in _RECURRENT_NAMES):
             found.add(type(module).__name__)
     return sorted(found)
@@ -453,7 +470,7 @@ def verify(model_type: str) -> Verdict:
         if "is_causal=False" in message:
             return Verdict("refused", REASONS["bidirectional"])
         if "KeyError" in message and THD_ATTENTION in message:
-            return Verdict("refused", REASONS["no_attention_interface"])
+            return verify_own_attention(model_type, config, mixers)
         if mixers:
             return Verdict("refused", REASONS["recurrent"].format(", ".join(mixers)))
         return Verdict("refused", REASONS["differs"].format(message))
@@ -479,7 +496,7 @@ def verify(model_type: str) -> Verdict:
             max_error=float(f"{worst:.1e}"),
         )
     if not calls.modules:
-        return Verdict("refused", REASONS["no_attention_interface"], max_error=float(f"{worst:.1e}"))
+        return verify_own_attention(model_type, config, mixers)
     if mixers:
         return Verdict(
             "refused", REASONS["recurrent"].format(", ".join(mixers)), max_error=float(f"{worst:.1e}")
@@ -489,6 +506,25 @@ def verify(model_type: str) -> Verdict:
     return Verdict(
         "refused", REASONS["differs"].format("; ".join(errors[:2])), max_error=float(f"{worst:.1e}")
     )
+
+
+def verify_own_attention(model_type: str, config: PretrainedConfig, mixers: list[str]) -> Verdict:
+    """A type whose attention never calls the interface: its own attention code under a dense
+    block-diagonal causal mask (:meth:`ThdAttentionMetadata.block_causal_mask`), if that is exact."""
+    if mixers:
+        return Verdict("refused", REASONS["recurrent"].format(", ".join(mixers)))
+    try:
+        errors, calls, worst = packed_step_errors(model_type, config, dense_mask=True)
+    except Exception as error:  # the reason is recorded, not raised
+        return Verdict("refused", REASONS["no_attention_interface"].format(_one_line(error)))
+    if errors:
+        return Verdict(
+            "refused",
+            REASONS["no_attention_interface"].format("; ".join(errors[:2])),
+            max_error=float(f"{worst:.1e}"),
+        )
+    features = sorted(set(_features(config, calls)) | {"dense_mask"})
+    return Verdict("verified", features=features, backends=_backends(features), max_error=float(f"{worst:.1e}"))
 
 
 def _one_line(error: BaseException) -> str:
@@ -514,7 +550,12 @@ def _features(config: PretrainedConfig, calls: _Calls) -> list[str]:
 
 
 # what each backend cannot compute at all (windows and chunks: only samples within them)
-BACKEND_LACKS = {"portable": set(), "te": {"softcap", "sinks", "mla"}, "varlen": {"softcap", "sinks", "mla"}}
+# (dense_mask: the type's own attention code, which neither kernel replaces)
+BACKEND_LACKS = {
+    "portable": set(),
+    "te": {"softcap", "sinks", "mla", "dense_mask"},
+    "varlen": {"softcap", "sinks", "mla", "dense_mask"},
+}
 
 
 def _backends(features: list[str]) -> list[str]:
