@@ -89,7 +89,7 @@ class CausalLMForTraining(nn.Module):
         that is itself a transformers model (Llama 4 text's is not at ``base_model_prefix``)."""
         hf = self.transformers_model
         decoder = hf.get_decoder()
-        if decoder is hf:
+        if decoder is hf or not isinstance(decoder, PreTrainedModel):  # ModernBERT's `decoder` is its head
             decoder = next(m for m in hf.children() if isinstance(m, PreTrainedModel))
         return decoder
 

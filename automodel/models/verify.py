@@ -442,6 +442,24 @@ def token_mixers(model: nn.Module) -> list[str]:
     return sorted(found)
 
 
+def _head_is_more_than_lm_head(config: PretrainedConfig, seed: int = 0) -> bool:
+    """Whether the class's logits differ from its output embeddings applied to the decoder's final
+    hidden states (with the family's logit transform): a projection or norm sits between them."""
+    from automodel.models.build import CausalLMForTraining, logit_transform
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(
+        copy.deepcopy(config), attn_implementation="eager", dtype=torch.float64
+    ).eval()
+    ids = torch.arange(1, 9)[None]
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits[0]
+        hidden = CausalLMForTraining(model).decoder(input_ids=ids, use_cache=False).last_hidden_state[0]
+        ours = transform_logits(torch.nn.functional.linear(hidden, head.weight, head.bias), **logit_transform(config))
+    return _rel(ours, logits) > RTOL
+
+
 def _ignores_position_ids(config: PretrainedConfig, seed: int = 0) -> bool:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager").eval()
@@ -453,33 +471,40 @@ def _ignores_position_ids(config: PretrainedConfig, seed: int = 0) -> bool:
 
 
 def verify(model_type: str) -> Verdict:
-    """The differential for one type, with the reason when it fails."""
+    """The differential for one type, with the reason when it fails. Where the registered THD
+    attention is not exact (or never called), the type's own attention under a dense
+    block-diagonal mask is checked next (:func:`verify_dense_mask`)."""
     try:
         config = tiny_config(model_type)
         with torch.device("meta"):
             probe = AutoModelForCausalLM.from_config(copy.deepcopy(config))
     except Exception as error:  # any failure to build is recorded as the reason, not raised
         return Verdict("not_buildable", _one_line(error))
+    # where the THD path is not exact, recurrent state crossing samples is the reason whatever the attention does
     mixers = token_mixers(probe)
+    recurrent = Verdict("refused", REASONS["recurrent"].format(", ".join(mixers)))
     try:
         errors, calls, worst = packed_step_errors(model_type, config)
     except NotBuildable as error:
         return Verdict("not_buildable", f"its eager forward fails at a tiny size: {error}")
     except Exception as error:  # classified below; the message is kept
-        message = _one_line(error)
-        if "without thd_layout" in message:
-            return Verdict("refused", REASONS["drops_layout"])
-        if "got an attention_mask" in message:
-            return Verdict("refused", REASONS["own_mask"])
-        if "hidden_TD" in message:
-            return Verdict("refused", REASONS["head"])
-        if "is_causal=False" in message:
-            return Verdict("refused", REASONS["bidirectional"])
-        if "KeyError" in message and THD_ATTENTION in message:
-            return verify_own_attention(model_type, config, mixers)
         if mixers:
-            return Verdict("refused", REASONS["recurrent"].format(", ".join(mixers)))
-        return Verdict("refused", REASONS["differs"].format(message))
+            return recurrent
+        message = _one_line(error)
+        refusal = None  # transformers' attention table has no entry for the name: its own attention code
+        for marker, reason in (
+            ("without thd_layout", REASONS["drops_layout"]),
+            ("got an attention_mask", REASONS["own_mask"]),
+            ("hidden_TD", REASONS["head"]),
+            ("is_causal=False", REASONS["bidirectional"]),
+        ):
+            if marker in message:
+                refusal = Verdict("refused", reason)
+                break
+        else:
+            if not ("KeyError" in message and THD_ATTENTION in message):
+                refusal = Verdict("refused", REASONS["differs"].format(message))
+        return verify_dense_mask(model_type, config, refusal)
     if not errors:
         features = _features(config, calls)
         # a window field that no layer applies (verified exact with it set): setup need not restrict it
@@ -501,36 +526,39 @@ def verify(model_type: str) -> Verdict:
             ignores=ignores,
             max_error=float(f"{worst:.1e}"),
         )
+    if mixers:
+        return recurrent
+    max_error = float(f"{worst:.1e}")
     if not calls.modules:
-        return verify_own_attention(model_type, config, mixers)
-    if mixers:
-        return Verdict(
-            "refused", REASONS["recurrent"].format(", ".join(mixers)), max_error=float(f"{worst:.1e}")
-        )
-    if _ignores_position_ids(config):
-        return Verdict("refused", REASONS["ignores_position_ids"], max_error=float(f"{worst:.1e}"))
-    return Verdict(
-        "refused", REASONS["differs"].format("; ".join(errors[:2])), max_error=float(f"{worst:.1e}")
-    )
+        refusal = None
+    elif _head_is_more_than_lm_head(config):
+        refusal = Verdict("refused", REASONS["head"], max_error=max_error)
+    elif _ignores_position_ids(config):
+        refusal = Verdict("refused", REASONS["ignores_position_ids"], max_error=max_error)
+    else:
+        refusal = Verdict("refused", REASONS["differs"].format("; ".join(errors[:2])), max_error=max_error)
+    return verify_dense_mask(model_type, config, refusal)
 
 
-def verify_own_attention(model_type: str, config: PretrainedConfig, mixers: list[str]) -> Verdict:
-    """A type whose attention never calls the interface: its own attention code under a dense
-    block-diagonal causal mask (:meth:`ThdAttentionMetadata.block_causal_mask`), if that is exact."""
-    if mixers:
-        return Verdict("refused", REASONS["recurrent"].format(", ".join(mixers)))
+def verify_dense_mask(model_type: str, config: PretrainedConfig, refusal: Verdict | None) -> Verdict:
+    """The type's own attention code under a dense block-diagonal causal mask
+    (:meth:`ThdAttentionMetadata.block_causal_mask`), verified if exact; otherwise ``refusal`` (the
+    THD path's reason), or for a type whose layers never call the interface (None) the reason
+    naming what the dense-mask run gave."""
     try:
         errors, calls, worst = packed_step_errors(model_type, config, dense_mask=True)
     except Exception as error:  # the reason is recorded, not raised
-        return Verdict("refused", REASONS["no_attention_interface"].format(_one_line(error)))
-    if errors:
-        return Verdict(
-            "refused",
-            REASONS["no_attention_interface"].format("; ".join(errors[:2])),
-            max_error=float(f"{worst:.1e}"),
-        )
-    features = sorted(set(_features(config, calls)) | {"dense_mask"})
-    return Verdict("verified", features=features, backends=_backends(features), max_error=float(f"{worst:.1e}"))
+        why, max_error = _one_line(error), None
+    else:
+        if not errors:
+            features = sorted(set(_features(config, calls)) | {"dense_mask"})
+            return Verdict(
+                "verified", features=features, backends=_backends(features), max_error=float(f"{worst:.1e}")
+            )
+        why, max_error = "; ".join(errors[:2]), float(f"{worst:.1e}")
+    if refusal is not None:
+        return refusal
+    return Verdict("refused", REASONS["no_attention_interface"].format(why), max_error=max_error)
 
 
 def _one_line(error: BaseException) -> str:

@@ -99,9 +99,11 @@ RECIPE_CASES = [
     (["model.config.max_position_embeddings=16"], "max_position_embeddings is 16"),  # data.max_length=512
     *([] if torch.cuda.is_available() else [(["model.attention_backend=varlen"], "model.attention_backend='varlen'")]),
     # model types the differential check refused, and a feature the backend lacks (supported.json)
-    (["model.config.model_type=stablelm"], "model_type 'stablelm' (model.pretrained_path / model.config) is refused"),
+    (["model.config.model_type=bart"], "model_type 'bart' (model.pretrained_path / model.config) is refused"),
     (["model.config.model_type=bloom"], "AttentionInterface"),
     (["model.config.model_type=gemma2", "model.attention_backend=te"], "softcap"),
+    # its own attention under a dense mask: neither kernel replaces it
+    (["model.config.model_type=stablelm", "model.attention_backend=te"], "stablelm uses attention dense_mask"),
 ]
 
 

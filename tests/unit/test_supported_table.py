@@ -66,7 +66,8 @@ def test_setup_runs_exactly_the_verified_types_and_names_the_reason_for_the_othe
         ("gpt_neox", "verified", set()),
         ("falcon", "verified", {"dense_mask"}),
         ("glm4", "verified", set()),
-        ("stablelm", "refused", "drop the forward keywords"),
+        ("stablelm", "verified", {"dense_mask"}),  # drops the layout keyword, passes the mask on
+        ("modernbert-decoder", "refused", "output head is more than lm_head"),
         ("bloom", "refused", "do not call transformers' AttentionInterface"),
     ],
 )
