@@ -41,6 +41,7 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from automodel.attention.hf import (
+    FEATURES,
     THD_ATTENTION,
     mask_restrictions,
     register_thd_attention,
@@ -584,11 +585,9 @@ def _features(config: PretrainedConfig, calls: _Calls) -> list[str]:
 
 
 # what each backend cannot compute at all (windows and chunks: only samples within them)
-# (dense_mask: the type's own attention code, which neither kernel replaces)
 BACKEND_LACKS = {
-    "portable": set(),
-    "te": {"softcap", "sinks", "mla", "dense_mask"},
-    "varlen": {"softcap", "sinks", "mla", "dense_mask"},
+    backend: {name for name in ("softcap", "sinks", "mla", "dense_mask") if not getattr(features, name)}
+    for backend, features in FEATURES.items()
 }
 
 
