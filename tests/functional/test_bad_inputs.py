@@ -176,6 +176,9 @@ FILE_CASES = {
     "tokenizer with auto_map": (lambda t: [f"data.tokenizer={_tokenizer_dir(t, auto_map={'AutoTokenizer': ['x.T', None]})}"],
                                 "model.trust_remote_code"),
     "checkpoint with auto_map": (lambda t: _checkpoint(t, "good", auto_map={"AutoModel": "x.M"}), "model.trust_remote_code"),
+    "trusted checkpoint with its own model class": (
+        lambda t: [*_checkpoint(t, "good", auto_map={"AutoModelForCausalLM": "modeling_x.M"}), "model.trust_remote_code=true"],
+        "own model code (modeling_x.M)"),
     "truncated safetensors": (lambda t: _checkpoint(t, "truncated"), "model.safetensors"),
     "garbage safetensors": (lambda t: _checkpoint(t, "garbage"), "model.safetensors"),
 }  # fmt: skip
