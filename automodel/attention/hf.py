@@ -46,13 +46,21 @@ class BackendFeatures:
     window: bool
     softcap: bool
     sinks: bool
+    mla: bool  # a value head dim other than the query/key one
+    dense_mask: bool  # stands for a type's own attention code under a dense mask (torch ops, like portable)
     context_parallel: bool
 
 
 FEATURES = {
-    "portable": BackendFeatures(window=True, softcap=True, sinks=True, context_parallel=True),
-    "te": BackendFeatures(window=False, softcap=False, sinks=False, context_parallel=True),
-    "varlen": BackendFeatures(window=True, softcap=False, sinks=False, context_parallel=False),
+    "portable": BackendFeatures(
+        window=True, softcap=True, sinks=True, mla=True, dense_mask=True, context_parallel=True
+    ),
+    "te": BackendFeatures(
+        window=False, softcap=False, sinks=False, mla=False, dense_mask=False, context_parallel=True
+    ),
+    "varlen": BackendFeatures(
+        window=True, softcap=False, sinks=False, mla=False, dense_mask=False, context_parallel=False
+    ),
 }
 
 
@@ -78,8 +86,9 @@ class _Core(nn.Module):
                 sinks=extras.sinks,
                 chunk=extras.chunk,
             )
-        lacking = [name for name in ("softcap", "sinks") if getattr(extras, name) is not None]
-        if v.shape[-1] != q.shape[-1]:
+        features = FEATURES[self.backend]
+        lacking = [n for n in ("softcap", "sinks") if getattr(extras, n) is not None and not getattr(features, n)]
+        if v.shape[-1] != q.shape[-1] and not features.mla:
             lacking.append(f"a value head dim ({v.shape[-1]}) != query/key head dim ({q.shape[-1]}) (MLA)")
         if lacking:
             raise ValueError(

@@ -87,6 +87,24 @@ class ThdAttentionMetadata:
             self.on_device(name, device)
         return self
 
+    def block_causal_mask(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """``[1, 1, T, T]`` additive mask (0 where token i may attend token j, the dtype's lowest value
+        elsewhere): causal within each padded sequence, nothing across them. For models whose
+        attention is their own code and takes a dense mask; O(T^2) memory, one process only.
+        Built on ``device`` from the layout's device copy, so no host transfer of T^2 values."""
+        if self.cp_size > 1:
+            raise ValueError(
+                f"a dense attention mask covers the whole row, but this batch is sharded over cp_size={self.cp_size} "
+                "ranks; use parallel.cp_size=1 for this model"
+            )
+        total = self.total_tokens
+        lens = self.on_device("cu_seqlens_padded", device).diff()
+        sequence_T = torch.repeat_interleave(torch.arange(lens.numel(), device=device), lens, output_size=total)
+        position_T = torch.arange(total, device=device)
+        allowed_TT = (sequence_T[:, None] == sequence_T[None, :]) & (position_T[None, :] <= position_T[:, None])
+        mask_TT = torch.zeros((total, total), dtype=dtype, device=device)
+        return mask_TT.masked_fill_(~allowed_TT, torch.finfo(dtype).min)[None, None]
+
     @classmethod
     def from_batch(cls, batch: dict[str, Any], cp_group: dist.ProcessGroup | None = None) -> ThdAttentionMetadata:
         """From the output of ``make_cp_batch_for_te`` (single chunk)."""

@@ -40,7 +40,7 @@ from automodel.attention.hf import (
 )
 from automodel.data.sft import end_of_turn_token_id
 from automodel.loss import chunked_cross_entropy_sum, chunked_token_log_probs
-from automodel.models.families import check_model_config
+from automodel.models.families import check_model_config, uses_dense_mask
 from automodel.models.frozen_base import quantize_frozen_base, store_frozen_base
 from automodel.models.hf_io import UnshardableCheckpoint, export_hf, load_sharded, publish
 from automodel.models.lora import LoraConfig, export_adapter
@@ -67,11 +67,15 @@ class CausalLMForTraining(nn.Module):
     ``state_dict()`` keys are the transformers names under the prefix ``hf.``; under LoRA ``hf`` is
     the ``peft.PeftModel`` and the keys are ``hf.base_model.model.<transformers name>``, with each
     targeted Linear split into ``.base_layer.weight`` and ``.lora_A/lora_B.default.weight``.
+
+    With ``dense_mask`` (a type whose attention is its own code, e.g. Falcon) the layout reaches the
+    layers as a block-diagonal causal ``attention_mask`` instead of the ``thd_layout`` keyword.
     """
 
-    def __init__(self, hf: PreTrainedModel | peft.PeftModel):
+    def __init__(self, hf: PreTrainedModel | peft.PeftModel, dense_mask: bool = False):
         super().__init__()
         self.hf = hf
+        self.dense_mask = dense_mask
 
     @property
     def transformers_model(self) -> PreTrainedModel:
@@ -88,7 +92,7 @@ class CausalLMForTraining(nn.Module):
         that is itself a transformers model (Llama 4 text's is not at ``base_model_prefix``)."""
         hf = self.transformers_model
         decoder = hf.get_decoder()
-        if decoder is hf:
+        if decoder is hf or not isinstance(decoder, PreTrainedModel):  # ModernBERT's `decoder` is its head
             decoder = next(m for m in hf.children() if isinstance(m, PreTrainedModel))
         return decoder
 
@@ -122,9 +126,14 @@ class CausalLMForTraining(nn.Module):
         self, input_ids_T: torch.Tensor, position_ids_T: torch.Tensor, thd_layout: ThdAttentionMetadata
     ) -> torch.Tensor:
         """``[T, D]`` final hidden states (after the last norm) of one packed row."""
+        if self.dense_mask:
+            dtype = self.transformers_model.get_input_embeddings().weight.dtype
+            layout = {"attention_mask": thd_layout.block_causal_mask(input_ids_T.device, dtype)}
+        else:
+            layout = {"thd_layout": thd_layout}
         return self.decoder(
             input_ids=input_ids_T[None], position_ids=batched_position_ids(self.config, position_ids_T),
-            thd_layout=thd_layout, use_cache=False,
+            use_cache=False, **layout,
         ).last_hidden_state[0]
 
 
@@ -165,6 +174,12 @@ def batched_position_ids(config: PretrainedConfig, position_ids: torch.Tensor) -
         f"position_ids of shape {tuple(position_ids.shape)} (mRoPE [R, 1, T]) reach {config.model_type}, whose "
         "rotary embedding takes one position per token ([T]); give [B, S] position ids"
     )
+
+
+def own_attention_implementation(config: PretrainedConfig) -> str:
+    """The class's own SDPA attention when it has one, else eager (the same maths)."""
+    model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
 
 
 def logit_transform(config: PretrainedConfig) -> dict[str, Any]:
@@ -213,18 +228,24 @@ def build_model(
     cp_comm_type: str = "p2p",
     is_main: bool = True,
     lora: LoraConfig | None = None,
+    dense_mask: bool | None = None,
 ) -> CausalLMForTraining:
     """The training model with its weights: meta build, LoRA adapters when ``lora`` is given,
     ``shard(model)`` (FSDP2), materialize on ``device``, then each rank reads its own shards of a local
-    safetensors checkpoint (:mod:`automodel.models.hf_io`; otherwise rank 0's weights are broadcast)."""
+    safetensors checkpoint (:mod:`automodel.models.hf_io`; otherwise rank 0's weights are broadcast).
+
+    ``dense_mask``: run the type's own attention code under a block-diagonal mask instead of the
+    registered THD attention; None reads it from the supported table (the differential check's verdict)."""
     register_thd_attention()
+    dense_mask = uses_dense_mask(config) if dense_mask is None else dense_mask
+    implementation = own_attention_implementation(config) if dense_mask else THD_ATTENTION
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(
-            config, attn_implementation=THD_ATTENTION, dtype=torch.float32, trust_remote_code=spec.trust_remote_code
+            config, attn_implementation=implementation, dtype=torch.float32, trust_remote_code=spec.trust_remote_code
         )
-    model = CausalLMForTraining(hf).train()
-    backend = resolve_attention_backend(spec.attention_backend)
-    attach_thd_attention(hf, backend, cp_comm_type)
+    model = CausalLMForTraining(hf, dense_mask=dense_mask).train()
+    if not dense_mask:
+        attach_thd_attention(hf, resolve_attention_backend(spec.attention_backend), cp_comm_type)
     if spec.activation_checkpointing:
         hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if lora is not None:

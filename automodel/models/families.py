@@ -29,6 +29,11 @@ def supported_table() -> dict[str, dict]:
     return read_table()["types"]
 
 
+def uses_dense_mask(config: PretrainedConfig) -> bool:
+    """Whether the type's attention is its own code, verified under a block-diagonal dense mask."""
+    return "dense_mask" in supported_table().get(config.model_type, {}).get("features", [])
+
+
 def verified_types() -> dict[str, dict]:
     return {name: entry for name, entry in supported_table().items() if entry["status"] == "verified"}
 
@@ -64,9 +69,16 @@ def rope_types(config: PretrainedConfig) -> set[str]:
 
 def check_supported_type(config: PretrainedConfig, backend: str) -> dict:
     """The type's entry in the supported table; a :class:`ConfigError` with the recorded reason
-    unless the differential check verified it, or naming the feature that ``backend`` (resolved)
-    cannot compute."""
+    unless the differential check verified it, naming the feature that ``backend`` (resolved)
+    cannot compute, or when ``auto_map`` swaps in the checkpoint's own, unverified, model class."""
     entry = supported_table().get(config.model_type)
+    own_class = (getattr(config, "auto_map", None) or {}).get("AutoModelForCausalLM")
+    if own_class is not None:  # reached only with model.trust_remote_code=true
+        raise ConfigError(
+            f"config.json's auto_map builds the checkpoint's own model code ({own_class}), which the differential "
+            f"check never ran (it verifies transformers' classes); delete AutoModelForCausalLM from auto_map to train "
+            f"transformers' own {config.model_type!r} class"
+        )
     if entry is None or entry["status"] != "verified":
         why = "it is not in transformers' causal-LM table" if entry is None else entry["reason"]
         raise ConfigError(
@@ -136,6 +148,16 @@ def check_model_config(
         raise ConfigError(
             f"{model_type} has {name}={size}, {why}, and samples may have {max_sample_tokens or 'any number of'} "
             f"tokens; set data.max_length <= {size} {fix}"
+        )
+    if "dense_mask" in verified and cp_size > 1:
+        raise ConfigError(
+            f"parallel.cp_size={cp_size} but {model_type}'s attention is its own code, run under one dense "
+            "block-diagonal mask of the whole row, which cannot be sharded; use parallel.cp_size=1"
+        )
+    if "dense_mask" in verified and getattr(config, "alibi", False):
+        raise ConfigError(
+            f"{model_type} with alibi=true builds its ALiBi bias from a [batch, tokens] padding mask, which a "
+            "packed row's block-diagonal mask replaces; use a checkpoint with rotary positions (alibi: false)"
         )
     if cp_size > 1 and not FEATURES[backend].context_parallel:
         raise ConfigError(

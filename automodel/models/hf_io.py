@@ -67,7 +67,8 @@ class StoredTensor:
 
 def stored_tensors(path: str | Path) -> dict[str, StoredTensor]:
     """Every tensor of a local safetensors checkpoint (one file, or the files its index names) by
-    name, from the headers."""
+    name, from the headers (no tensor data read); a ValueError names a file that is not safetensors
+    (garbage, or cut short: the header promises more bytes than the file has)."""
     from safetensors import safe_open
 
     directory = Path(path)
@@ -78,9 +79,15 @@ def stored_tensors(path: str | Path) -> dict[str, StoredTensor]:
         raise UnshardableCheckpoint(f"{path} is not a local directory of safetensors files")
     found = {}
     for file in files:
-        with safe_open(file, framework="pt") as handle:
-            for name in handle.keys():
-                found[name] = StoredTensor(file, tuple(handle.get_slice(name).get_shape()))
+        try:
+            with safe_open(file, framework="pt") as handle:
+                for name in handle.keys():
+                    found[name] = StoredTensor(file, tuple(handle.get_slice(name).get_shape()))
+        except Exception as error:  # noqa: BLE001 - safetensors raises its own SafetensorError (not exported)
+            raise ValueError(
+                f"model.pretrained_path={str(path)!r}: {file} is not a readable safetensors file ({error}); it is "
+                "truncated or corrupt: copy the checkpoint again"
+            ) from None
     return found
 
 

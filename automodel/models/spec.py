@@ -135,19 +135,19 @@ def check_checkpoint_tensors(path: str, expected: dict[str, tuple[int, ...]], ti
     shapes, reading no tensor data: every name both have must agree in shape, and every model
     tensor must be in the checkpoint, except a tied ``lm_head.weight`` and MoE expert tensors, which
     transformers fuses at load (``from_pretrained`` reports those)."""
-    files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
-    if not files:
+    from automodel.models.hf_io import UnshardableCheckpoint, stored_tensors
+
+    try:
+        stored = stored_tensors(path)
+    except UnshardableCheckpoint:
         return  # a hub id or another format: from_pretrained checks it at load
-    found = set()
-    for file in files:
-        for name, shape in _header_shapes(file, path):
-            found.add(name)
-            if name in expected and expected[name] != shape:
-                raise ValueError(
-                    f"model.pretrained_path={path!r}: tensor {name!r} in {file.name} has shape {shape}, "
-                    f"the model built from its config.json expects {expected[name]}; the weights do not "
-                    "match config.json"
-                )
+    found = set(stored)
+    for name, tensor in stored.items():
+        if name in expected and expected[name] != tensor.shape:
+            raise ValueError(
+                f"model.pretrained_path={path!r}: tensor {name!r} in {tensor.file.name} has shape {tensor.shape}, "
+                f"the model built from its config.json expects {expected[name]}; the weights do not match config.json"
+            )
     missing = [
         name for name in expected
         if name not in found and ".experts." not in name and not (tied and name == "lm_head.weight")
@@ -157,21 +157,6 @@ def check_checkpoint_tensors(path: str, expected: dict[str, tuple[int, ...]], ti
             f"model.pretrained_path={path!r}: its safetensors files lack {len(missing)} tensors the model "
             f"needs, first {missing[:3]}; the checkpoint is incomplete or for another architecture"
         )
-
-
-def _header_shapes(file: Path, path: str) -> list[tuple[str, tuple[int, ...]]]:
-    """``(name, shape)`` of every tensor in a safetensors header; ValueError naming a file that is not one
-    (garbage, or cut short: the header promises more bytes than the file has)."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(file, framework="pt") as handle:
-            return [(name, tuple(handle.get_slice(name).get_shape())) for name in handle.keys()]
-    except Exception as error:  # noqa: BLE001 - safetensors raises its own SafetensorError (not exported)
-        raise ValueError(
-            f"model.pretrained_path={path!r}: {file} is not a readable safetensors file ({error}); it is truncated "
-            "or corrupt: copy the checkpoint again"
-        ) from None
 
 
 def check_finite(state_dict: dict[str, torch.Tensor], source: str) -> None:

@@ -5,8 +5,8 @@ layers, heads, experts and vocabulary shrunk; windows and attention chunks short
 samples, so a wrong one shows), perturbs every parameter that starts constant (norm weights,
 biases, sinks, scales) so every feature matters, and compares the project's packed step (its
 model builder, the registered THD attention, the chunked loss with the family's logit transform)
-with each sample run alone through the same class in eager attention: the loss, the logits and
-every gradient (float64 model on both sides, the loss head in float32; relative error <= ``RTOL``).
+with each sample run alone through the same class in its own attention (SDPA where the class has
+it, else eager): the loss, the logits and every gradient (float64 model on both sides, the loss head in float32; relative error <= ``RTOL``).
 
 ``python -m automodel families --verify`` runs it over every type of transformers' causal-LM
 table and writes ``automodel/models/supported.json``, which setup reads
@@ -31,10 +31,17 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import (
+    AttentionInterface,
+    AutoConfig,
+    AutoModelForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from automodel.attention.hf import (
+    FEATURES,
     THD_ATTENTION,
     mask_restrictions,
     register_thd_attention,
@@ -97,6 +104,7 @@ _TINY = {
     "max_position_embeddings": 128,
     "n_positions": 128,
     "sliding_window": WINDOW,
+    "window_size": WINDOW,  # GPT-Neo's local attention layers
     "attention_chunk_size": WINDOW,
     "rotary_dim": 4,
 }
@@ -117,7 +125,7 @@ _ZERO = (
 
 
 class NotBuildable(Exception):
-    """transformers' own eager model cannot run the tiny config."""
+    """transformers' own model cannot run the tiny config."""
 
 
 @dataclass
@@ -282,17 +290,22 @@ def _recording() -> Iterator[_Calls]:
 
 
 def _reference(config: PretrainedConfig, state: dict, samples) -> tuple[float, torch.Tensor, dict]:
-    """Token-mean loss, logits ``[T_real, V]`` and gradients, each sample run alone in eager.
+    """Token-mean loss, logits ``[T_real, V]`` and gradients, each sample run alone through the
+    class's own attention.
 
     The logits are the model's own ``forward`` (so the loss head's logit transform is checked
     against them); the loss goes through the same chunked loss as the packed step (float32 logits,
     tested on its own in tests/unit/test_loss.py), so that its rounding is not read as a layout error."""
     from automodel.loss import chunked_cross_entropy_sum
-    from automodel.models.build import CausalLMForTraining, logit_transform
+    from automodel.models.build import CausalLMForTraining, logit_transform, own_attention_implementation
 
-    # a copy: from_config sets the config's attention implementation, which the packed model shares
+    # a copy: from_config sets the config's attention implementation, which the packed model shares.
+    # SDPA where the class has it: transformers' eager attention takes the softmax in float32, whose
+    # rounding (1e-7, up to 1e-5 after cancelling gradients: glm4) would read as a layout error.
     config = copy.deepcopy(config)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float64).train()
+    model = AutoModelForCausalLM.from_config(
+        config, attn_implementation=own_attention_implementation(config), dtype=torch.float64
+    ).train()
     model.load_state_dict(state, strict=False)
     decoder, head = CausalLMForTraining(model).decoder, model.get_output_embeddings()
     n_labels = sum(int((y != -100).sum()) for _, y in samples)
@@ -301,7 +314,7 @@ def _reference(config: PretrainedConfig, state: dict, samples) -> tuple[float, t
         with torch.no_grad():
             try:
                 logits.append(model(input_ids=x[None], use_cache=False).logits[0])
-            except Exception as error:  # transformers' own eager path cannot run this tiny config
+            except Exception as error:  # transformers' own model cannot run this tiny config
                 raise NotBuildable(_one_line(error)) from error
         hidden = decoder(input_ids=x[None], use_cache=False).last_hidden_state[0]
         loss = chunked_cross_entropy_sum(hidden, head.weight, y, bias_V=head.bias, **logit_transform(config))
@@ -316,9 +329,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm()) / max(float(b.norm()), 1e-12)
 
 
-def packed_step_errors(model_type: str, config: PretrainedConfig | None = None, seed: int = 0):
-    """``(errors, calls, max_error, n_layers)``: the packed step through the project's builder
-    against each sample alone in eager; ``errors`` lists each mismatch (empty when exact)."""
+def packed_step_errors(
+    model_type: str, config: PretrainedConfig | None = None, seed: int = 0, dense_mask: bool = False
+):
+    """``(errors, calls, max_error)``: the packed step through the project's builder (with
+    ``dense_mask``, the type's own attention under a block-diagonal mask) against each sample
+    alone; ``errors`` lists each mismatch (empty when exact)."""
     from automodel.models.build import build_model, logit_transform
     from automodel.models.spec import ModelSpec
 
@@ -333,7 +349,9 @@ def packed_step_errors(model_type: str, config: PretrainedConfig | None = None, 
     buffers = dict(source.named_buffers())
     del source
     spec = ModelSpec(config={"model_type": model_type}, attention_backend="portable")
-    model = build_model(spec, config, device=torch.device("cpu"), shard=lambda m: None, seed=0).double()
+    model = build_model(
+        spec, config, device=torch.device("cpu"), shard=lambda m: None, seed=0, dense_mask=dense_mask
+    ).double()
     model.hf.load_state_dict(state, strict=False)
     for name, value in buffers.items():
         model.hf.get_buffer(name).copy_(value)
@@ -381,7 +399,7 @@ def packed_step_errors(model_type: str, config: PretrainedConfig | None = None, 
 
 REASONS = {
     "no_attention_interface": "its attention layers do not call transformers' AttentionInterface (own attention "
-    "code), so the packed layout never reaches them",
+    "code), and under a block-diagonal mask instead they differ from each sample alone ({})",
     "drops_layout": "its layers drop the forward keywords before attention, so the layout (thd_layout) never "
     "reaches it",
     "recurrent": "recurrent, state-space or convolutional token mixing ({}) carries state across packed samples",
@@ -410,13 +428,37 @@ _RECURRENT_NAMES = (
 
 def token_mixers(model: nn.Module) -> list[str]:
     """Class names of modules that mix tokens other than attention (state-space, recurrent,
-    convolution across the sequence): evidence for a refusal reason, not the test itself."""
+    convolution across the sequence): evidence for a refusal reason, not the test itself. Not
+    counted: image convolutions (``Conv2d``), GPT-2's ``Conv1D`` (a Linear), norms and whole models,
+    which carry a mixer's family name without mixing tokens."""
+    from transformers.pytorch_utils import Conv1D
+
     found = set()
     for module in model.modules():
         name = type(module).__name__.lower()
+        if isinstance(module, (Conv1D, nn.Conv2d, nn.Conv3d, PreTrainedModel)) or "norm" in name:
+            continue
         if isinstance(module, nn.Conv1d) or any(key in name for key in _RECURRENT_NAMES):
             found.add(type(module).__name__)
     return sorted(found)
+
+
+def _head_is_more_than_lm_head(config: PretrainedConfig, seed: int = 0) -> bool:
+    """Whether the class's logits differ from its output embeddings applied to the decoder's final
+    hidden states (with the family's logit transform): a projection or norm sits between them."""
+    from automodel.models.build import CausalLMForTraining, logit_transform
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(
+        copy.deepcopy(config), attn_implementation="eager", dtype=torch.float64
+    ).eval()
+    ids = torch.arange(1, 9)[None]
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits[0]
+        hidden = CausalLMForTraining(model).decoder(input_ids=ids, use_cache=False).last_hidden_state[0]
+        ours = transform_logits(torch.nn.functional.linear(hidden, head.weight, head.bias), **logit_transform(config))
+    return _rel(ours, logits) > RTOL
 
 
 def _ignores_position_ids(config: PretrainedConfig, seed: int = 0) -> bool:
@@ -430,33 +472,40 @@ def _ignores_position_ids(config: PretrainedConfig, seed: int = 0) -> bool:
 
 
 def verify(model_type: str) -> Verdict:
-    """The differential for one type, with the reason when it fails."""
+    """The differential for one type, with the reason when it fails. Where the registered THD
+    attention is not exact (or never called), the type's own attention under a dense
+    block-diagonal mask is checked next (:func:`verify_dense_mask`)."""
     try:
         config = tiny_config(model_type)
         with torch.device("meta"):
             probe = AutoModelForCausalLM.from_config(copy.deepcopy(config))
     except Exception as error:  # any failure to build is recorded as the reason, not raised
         return Verdict("not_buildable", _one_line(error))
+    # where the THD path is not exact, recurrent state crossing samples is the reason whatever the attention does
     mixers = token_mixers(probe)
+    recurrent = Verdict("refused", REASONS["recurrent"].format(", ".join(mixers)))
     try:
         errors, calls, worst = packed_step_errors(model_type, config)
     except NotBuildable as error:
         return Verdict("not_buildable", f"its eager forward fails at a tiny size: {error}")
     except Exception as error:  # classified below; the message is kept
-        message = _one_line(error)
-        if "without thd_layout" in message:
-            return Verdict("refused", REASONS["drops_layout"])
-        if "got an attention_mask" in message:
-            return Verdict("refused", REASONS["own_mask"])
-        if "hidden_TD" in message:
-            return Verdict("refused", REASONS["head"])
-        if "is_causal=False" in message:
-            return Verdict("refused", REASONS["bidirectional"])
-        if "KeyError" in message and THD_ATTENTION in message:
-            return Verdict("refused", REASONS["no_attention_interface"])
         if mixers:
-            return Verdict("refused", REASONS["recurrent"].format(", ".join(mixers)))
-        return Verdict("refused", REASONS["differs"].format(message))
+            return recurrent
+        message = _one_line(error)
+        refusal = None  # transformers' attention table has no entry for the name: its own attention code
+        for marker, reason in (
+            ("without thd_layout", REASONS["drops_layout"]),
+            ("got an attention_mask", REASONS["own_mask"]),
+            ("hidden_TD", REASONS["head"]),
+            ("is_causal=False", REASONS["bidirectional"]),
+        ):
+            if marker in message:
+                refusal = Verdict("refused", reason)
+                break
+        else:
+            if not ("KeyError" in message and THD_ATTENTION in message):
+                refusal = Verdict("refused", REASONS["differs"].format(message))
+        return verify_dense_mask(model_type, config, refusal)
     if not errors:
         features = _features(config, calls)
         # a window field that no layer applies (verified exact with it set): setup need not restrict it
@@ -478,17 +527,39 @@ def verify(model_type: str) -> Verdict:
             ignores=ignores,
             max_error=float(f"{worst:.1e}"),
         )
-    if not calls.modules:
-        return Verdict("refused", REASONS["no_attention_interface"], max_error=float(f"{worst:.1e}"))
     if mixers:
-        return Verdict(
-            "refused", REASONS["recurrent"].format(", ".join(mixers)), max_error=float(f"{worst:.1e}")
-        )
-    if _ignores_position_ids(config):
-        return Verdict("refused", REASONS["ignores_position_ids"], max_error=float(f"{worst:.1e}"))
-    return Verdict(
-        "refused", REASONS["differs"].format("; ".join(errors[:2])), max_error=float(f"{worst:.1e}")
-    )
+        return recurrent
+    max_error = float(f"{worst:.1e}")
+    if not calls.modules:
+        refusal = None
+    elif _head_is_more_than_lm_head(config):
+        refusal = Verdict("refused", REASONS["head"], max_error=max_error)
+    elif _ignores_position_ids(config):
+        refusal = Verdict("refused", REASONS["ignores_position_ids"], max_error=max_error)
+    else:
+        refusal = Verdict("refused", REASONS["differs"].format("; ".join(errors[:2])), max_error=max_error)
+    return verify_dense_mask(model_type, config, refusal)
+
+
+def verify_dense_mask(model_type: str, config: PretrainedConfig, refusal: Verdict | None) -> Verdict:
+    """The type's own attention code under a dense block-diagonal causal mask
+    (:meth:`ThdAttentionMetadata.block_causal_mask`), verified if exact; otherwise ``refusal`` (the
+    THD path's reason), or for a type whose layers never call the interface (None) the reason
+    naming what the dense-mask run gave."""
+    try:
+        errors, calls, worst = packed_step_errors(model_type, config, dense_mask=True)
+    except Exception as error:  # the reason is recorded, not raised
+        why, max_error = _one_line(error), None
+    else:
+        if not errors:
+            features = sorted(set(_features(config, calls)) | {"dense_mask"})
+            return Verdict(
+                "verified", features=features, backends=_backends(features), max_error=float(f"{worst:.1e}")
+            )
+        why, max_error = "; ".join(errors[:2]), float(f"{worst:.1e}")
+    if refusal is not None:
+        return refusal
+    return Verdict("refused", REASONS["no_attention_interface"].format(why), max_error=max_error)
 
 
 def _one_line(error: BaseException) -> str:
@@ -514,7 +585,10 @@ def _features(config: PretrainedConfig, calls: _Calls) -> list[str]:
 
 
 # what each backend cannot compute at all (windows and chunks: only samples within them)
-BACKEND_LACKS = {"portable": set(), "te": {"softcap", "sinks", "mla"}, "varlen": {"softcap", "sinks", "mla"}}
+BACKEND_LACKS = {
+    backend: {name for name in ("softcap", "sinks", "mla", "dense_mask") if not getattr(features, name)}
+    for backend, features in FEATURES.items()
+}
 
 
 def _backends(features: list[str]) -> list[str]:

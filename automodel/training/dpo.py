@@ -123,17 +123,18 @@ class DPORecipe(FinetuneRecipe):
     def _validate(self) -> dict[str, Any]:
         """``val_loss`` and the reward metrics (``val_reward_accuracy``...) over the validation pairs."""
         self.model.eval()
-        totals, pairs = torch.zeros(len(_SUMMED), dtype=torch.float64), 0
+        totals = torch.zeros(len(_SUMMED) + 1, dtype=torch.float64)  # summed terms, then pairs; on the device
         with torch.no_grad(), self._autocast():
             for raw in self.val_batches:
                 batch = self._shard(raw)
                 policy, counts = self._pair_log_probs(self.model, batch)
                 terms = dpo_terms(policy, self._reference_log_probs(batch), self.dpo.beta)
                 keep = (counts > 0).all(1)  # filler micro-batches (labels all -100) count for nothing
-                totals += torch.stack([terms[k][keep].sum().double().cpu() for k in _SUMMED])
-                pairs += int(keep.sum())
+                totals = totals.to(keep.device) + torch.stack(
+                    [*(terms[k].double().where(keep, 0).sum() for k in _SUMMED), keep.double().sum()]
+                )
         self.model.train()
-        *sums, pairs = self._sum_over_dp(torch.stack([*totals, torch.tensor(float(pairs), dtype=torch.float64)])).tolist()
+        *sums, pairs = self._sum_over_dp(totals).tolist()  # the one host read
         if pairs == 0:
             raise ValueError("the validation set has no pair on any rank")
         record = {f"val_{k}": v / pairs for k, v in zip(_SUMMED, sums)}

@@ -59,16 +59,16 @@ def evaluate(
     """
     was_training = model.training
     model.eval()
-    loss_sum = torch.zeros((), dtype=torch.float64)
+    loss_sum = torch.zeros((), dtype=torch.float64)  # 0-dim: adds to a device tensor, which it then becomes
     tokens = 0
     try:
         with _rng_untouched():
             for batch in batches:
-                loss_sum += forward(batch).double().cpu()
+                loss_sum = loss_sum + forward(batch).double()  # on the device: no host wait per batch
                 tokens += count_label_tokens(batch["labels"])
     finally:
         model.train(was_training)
-    totals = torch.stack([loss_sum, torch.tensor(float(tokens), dtype=torch.float64)])
+    totals = torch.stack([loss_sum.cpu(), torch.tensor(float(tokens), dtype=torch.float64)])
     if dist.is_initialized():
         device = _collective_device(group)
         totals = totals.to(device)

@@ -99,9 +99,11 @@ RECIPE_CASES = [
     (["model.config.max_position_embeddings=16"], "max_position_embeddings is 16"),  # data.max_length=512
     *([] if torch.cuda.is_available() else [(["model.attention_backend=varlen"], "model.attention_backend='varlen'")]),
     # model types the differential check refused, and a feature the backend lacks (supported.json)
-    (["model.config.model_type=stablelm"], "model_type 'stablelm' (model.pretrained_path / model.config) is refused"),
+    (["model.config.model_type=bart"], "model_type 'bart' (model.pretrained_path / model.config) is refused"),
     (["model.config.model_type=bloom"], "AttentionInterface"),
     (["model.config.model_type=gemma2", "model.attention_backend=te"], "softcap"),
+    # its own attention under a dense mask: neither kernel replaces it
+    (["model.config.model_type=stablelm", "model.attention_backend=te"], "stablelm uses attention dense_mask"),
 ]
 
 
@@ -174,6 +176,9 @@ FILE_CASES = {
     "tokenizer with auto_map": (lambda t: [f"data.tokenizer={_tokenizer_dir(t, auto_map={'AutoTokenizer': ['x.T', None]})}"],
                                 "model.trust_remote_code"),
     "checkpoint with auto_map": (lambda t: _checkpoint(t, "good", auto_map={"AutoModel": "x.M"}), "model.trust_remote_code"),
+    "trusted checkpoint with its own model class": (
+        lambda t: [*_checkpoint(t, "good", auto_map={"AutoModelForCausalLM": "modeling_x.M"}), "model.trust_remote_code=true"],
+        "own model code (modeling_x.M)"),
     "truncated safetensors": (lambda t: _checkpoint(t, "truncated"), "model.safetensors"),
     "garbage safetensors": (lambda t: _checkpoint(t, "garbage"), "model.safetensors"),
 }  # fmt: skip

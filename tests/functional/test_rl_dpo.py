@@ -100,6 +100,45 @@ def test_dpo_step_losses_equal_a_hand_computation_from_eager_log_probs(tmp_path)
         recipe.cleanup()
 
 
+def test_dpo_validation_equals_a_hand_computation_over_the_validation_pairs(tmp_path):
+    """After one step: the validation loss, reward margin and accuracy are the means over the held-out
+    pairs of the DPO terms from eager log-probs (policy now vs the start), every pair counted once."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from automodel.config import load_recipe
+    from automodel.training.finetune import recipe_class
+
+    overrides = [o for o in DPO_FAST if not o.startswith("data.val_fraction")]
+    cfg = load_recipe("tiny_llama_dpo", [f"trainer.output_dir={tmp_path}", *overrides, "trainer.max_steps=1",
+                                          "data.val_fraction=0.1"])  # fmt: skip
+    recipe = recipe_class(cfg)(cfg)
+
+    def eager_copy():
+        model = AutoModelForCausalLM.from_config(recipe.hf_config, attn_implementation="eager", dtype=torch.float32)
+        state = get_model_state_dict(recipe.model, options=StateDictOptions(full_state_dict=True))
+        model.load_state_dict({k.removeprefix("hf."): v for k, v in state.items()})
+        return model
+
+    try:
+        recipe.setup()
+        start = eager_copy()
+        recipe.train_step()
+        record = recipe._validate()
+        pairs = list(recipe.val_dataset)
+        with torch.no_grad():
+            margin = cfg.dpo.beta * (
+                (eager_pair_log_probs(eager_copy(), pairs) - eager_pair_log_probs(start, pairs)) @ torch.tensor([1.0, -1.0])
+            )
+    finally:
+        recipe.cleanup()
+    assert len(pairs) >= 10
+    assert record["val_loss"] == pytest.approx(float(-torch.nn.functional.logsigmoid(margin).mean()), rel=1e-5)
+    # a margin is a difference of two log-prob sums: float32 rounding of each, not of the margin
+    assert record["val_reward_margin"] == pytest.approx(float(margin.mean()), abs=1e-6)
+    assert record["val_reward_accuracy"] == pytest.approx(float((margin > 0).float().mean()), abs=1e-9)
+
+
 def test_dpo_resume_is_bitwise_and_lora_reference_is_the_base(tmp_path):
     whole = dpo_one_process(tmp_path / "whole", "trainer.max_steps=4", "trainer.checkpoint_every=2")
     dpo_one_process(tmp_path / "split", "trainer.max_steps=4", "trainer.checkpoint_every=2", "trainer.stop_at_step=2")

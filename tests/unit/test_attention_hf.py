@@ -182,3 +182,57 @@ def test_te_standin_through_a_transformers_model_matches_portable(te_standin):
             assert all(isinstance(c.inner.core_attention, te_standin.DotProductAttention) for c in cores)
             assert all(len(c.inner.core_attention.forward_calls) == 1 for c in cores)
     assert abs(losses["te"] - losses["portable"]) <= 2.5e-2 * abs(losses["portable"])
+
+
+# ---------------------------------------------------------------------------------------------
+# types whose attention is their own code: a dense block-diagonal causal mask
+
+
+def test_block_causal_mask_worked_example():
+    # two sequences padded to 2 and 3 tokens: token 2 starts the second, so it sees only itself
+    meta = ThdAttentionMetadata(
+        cu_seqlens=torch.tensor([0, 1, 4], dtype=torch.int32),
+        cu_seqlens_padded=torch.tensor([0, 2, 5], dtype=torch.int32),
+        max_seqlen=3,
+    )
+    mask = meta.block_causal_mask(torch.device("cpu"), torch.float32)
+    low = torch.finfo(torch.float32).min
+    allowed = torch.tensor(
+        [
+            [1, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0],
+            [0, 0, 1, 0, 0],
+            [0, 0, 1, 1, 0],
+            [0, 0, 1, 1, 1],
+        ],
+        dtype=torch.bool,
+    )
+    assert mask.shape == (1, 1, 5, 5) and mask.dtype == torch.float32
+    assert torch.equal(mask[0, 0], torch.where(allowed, 0.0, low))
+
+
+def test_block_causal_mask_refuses_a_cp_sharded_batch():
+    meta = ThdAttentionMetadata(
+        cu_seqlens=torch.tensor([0, 4], dtype=torch.int32),
+        cu_seqlens_padded=torch.tensor([0, 4], dtype=torch.int32),
+        max_seqlen=4,
+        cp_size=2,
+        cp_group=object(),
+    )
+    with pytest.raises(ValueError, match="cp_size=2.*parallel.cp_size=1"):
+        meta.block_causal_mask(torch.device("cpu"), torch.float32)
+
+
+def test_dense_mask_types_are_refused_where_a_dense_mask_cannot_be_exact():
+    from automodel.config import ConfigError
+    from automodel.models.verify import tiny_config
+
+    config = tiny_config("falcon")
+    check_model_config(config, "portable")
+    with pytest.raises(ConfigError, match="parallel.cp_size=2 but falcon's attention is its own code"):
+        check_model_config(config, "portable", cp_size=2)
+    with pytest.raises(ConfigError, match="model.attention_backend='te' cannot compute"):
+        check_model_config(config, "te")
+    config.alibi = True
+    with pytest.raises(ConfigError, match="alibi=true"):
+        check_model_config(config, "portable")

@@ -55,7 +55,8 @@ def test_setup_runs_exactly_the_verified_types_and_names_the_reason_for_the_othe
 
 
 # one type per feature: MLA (+MoE), chunked attention, logit scale + window, module discovery,
-# attention sinks; and refusals for their reasons
+# own attention code under a dense mask; glm4 (post-norms, whose gradients cancel: float64 reference
+# attention, not eager's float32 softmax); and refusals for their reasons
 @pytest.mark.parametrize(
     "name, status, features_or_reason",
     [
@@ -63,7 +64,10 @@ def test_setup_runs_exactly_the_verified_types_and_names_the_reason_for_the_othe
         ("llama4_text", "verified", {"chunk", "moe"}),
         ("cohere2", "verified", {"logit_scale", "window"}),
         ("gpt_neox", "verified", set()),
-        ("stablelm", "refused", "drop the forward keywords"),
+        ("falcon", "verified", {"dense_mask"}),
+        ("glm4", "verified", set()),
+        ("stablelm", "verified", {"dense_mask"}),  # drops the layout keyword, passes the mask on
+        ("modernbert-decoder", "refused", "output head is more than lm_head"),
         ("bloom", "refused", "do not call transformers' AttentionInterface"),
     ],
 )

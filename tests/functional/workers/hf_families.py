@@ -46,6 +46,9 @@ FAMILIES = {
     "llama4_text": dict(attention_chunk_size=WINDOW, layer_types=["chunked_attention", "full_attention"],
                         num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=64),
     "cohere2": dict(logit_scale=0.3, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+    # its own attention code (no AttentionInterface): run under a dense block-diagonal mask, one process per row
+    # (head_dim is a read-only property of its config: None leaves it out)
+    "falcon": dict(new_decoder_architecture=True, num_kv_heads=2, bias=True, head_dim=None),
 }
 # the packed samples: the verifier's own (REAL_LENS tokens, the first two of each a prompt, -100)
 samples = sample_pairs
@@ -53,7 +56,8 @@ samples = sample_pairs
 
 def make_checkpoint(family: str, directory: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
-    config = AutoConfig.for_model(family, **{**COMMON, **FAMILIES[family]})
+    fields = {k: v for k, v in {**COMMON, **FAMILIES[family]}.items() if v is not None}
+    config = AutoConfig.for_model(family, **fields)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     perturb_constants(model, seed)  # sinks, norms, biases, router biases: each starts constant
     path = directory / family
