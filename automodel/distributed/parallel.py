@@ -160,7 +160,8 @@ def fsdp_units(
     ``reshard_after_forward``: every decoder layer (True), then ``get_input_embeddings()`` (True) and
     ``get_output_embeddings()`` (False) when the module owns its parameters (none shared with a module
     outside it: tied embeddings and head stay in the root, one unit for the one weight) and has one
-    FSDP2 would manage (not all in ``ignored``). Found through the transformers API
+    FSDP2 would manage (not all in ``ignored``); a ``dense_mask`` model's embeddings stay in the root
+    too (see :meth:`CausalLMForTraining.hidden_states`). Found through the transformers API
     (``model.transformers_model``), so a LoRA (peft) model's and an NF4 frozen base's embeddings and
     head are found alike; a model without ``transformers_model`` has its decoder layers only."""
     units = [(layer, True) for layer in model.decoder_layers]
@@ -168,7 +169,10 @@ def fsdp_units(
     if hf is None:  # a module with decoder layers only
         return units
     inside = {id(m) for layer in model.decoder_layers for m in layer.modules()}
-    for module, reshard_after_forward in ((hf.get_input_embeddings(), True), (hf.get_output_embeddings(), False)):
+    # a dense-mask model reads the embeddings' compute dtype before the decoder runs (the mask's
+    # dtype): unsharded by the root there, a sharded float32 DTensor in a unit of their own
+    embeddings = None if getattr(model, "dense_mask", False) else hf.get_input_embeddings()
+    for module, reshard_after_forward in ((embeddings, True), (hf.get_output_embeddings(), False)):
         if module is None or id(module) in inside or any(module is m for m, _ in units):
             continue
         if _owns_its_parameters(model, module) and any(p not in ignored for p in module.parameters()):

@@ -127,6 +127,8 @@ class CausalLMForTraining(nn.Module):
     ) -> torch.Tensor:
         """``[T, D]`` final hidden states (after the last norm) of one packed row."""
         if self.dense_mask:
+            # the compute dtype: the embeddings stay in the root unit for a dense-mask model (fsdp_units),
+            # so FSDP2 has unsharded them here
             dtype = self.transformers_model.get_input_embeddings().weight.dtype
             layout = {"attention_mask": thd_layout.block_causal_mask(input_ids_T.device, dtype)}
         else:

@@ -57,6 +57,12 @@ def test_tied_embeddings_and_head_stay_in_the_root():
     assert names(m, fsdp_units(m)) == LAYERS
 
 
+def test_dense_mask_model_keeps_its_embeddings_in_the_root():
+    m = model()
+    m.dense_mask = True  # hidden_states reads the embeddings' compute dtype before the decoder runs
+    assert names(m, fsdp_units(m)) == LAYERS + [("hf.lm_head", False)]
+
+
 def test_lora_model_units_are_found_through_peft():
     m = model(lora=True)
     base = "hf.base_model.model"
