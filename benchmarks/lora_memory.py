@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['optim_bytes'] / MB:>9.1f} {(r['param_bytes'] + r['optim_bytes']) / MB:>9.1f} "
                 f"{r['base_bytes_per_param']:>9.3f} {nf4:>8} {r['step_s']:>7.3f} {r['step_s'] / full:>7.2f}x"
             )
+    dist.barrier()  # no rank tears the group down while another is in a collective (gloo aborts it)
     dist.destroy_process_group()
     return 0
 

@@ -148,6 +148,7 @@ def worker(args: argparse.Namespace) -> None:
     run(args.checkpoint.with_name("tiny"), Path(args.out) / f"tiny_{args.mode}_w{world}")  # every code path warm
     result = run(args.checkpoint, Path(args.out) / f"{args.mode}_w{world}")
     (Path(args.out) / f"result_{args.mode}_w{world}_r{rank}.json").write_text(json.dumps(result))
+    dist.barrier()  # no rank tears the group down while another is in a collective (gloo aborts it)
     dist.destroy_process_group()
 
 

@@ -163,6 +163,7 @@ def main() -> None:
     if world >= 4:
         pairs = [dist.new_group([r, r + 1]) for r in range(0, world - 1, 2)]  # every rank makes every group
         check_cp_group(pairs[dist.get_rank() // 2], args.seed + 100, args.pack_size)
+    dist.barrier()  # no rank tears the group down while another is in a collective (gloo aborts it)
     dist.destroy_process_group()
 
 

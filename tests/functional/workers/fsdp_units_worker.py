@@ -89,6 +89,7 @@ def main() -> int:
                 if not torch.equal(grads[name], reference[name]):
                     print(f"FAIL {case}: gradient of {name} differs", flush=True)
                     failures += 1
+    dist.barrier()  # every rank done with its collectives before any tears the group down
     dist.destroy_process_group()
     if rank == 0 and not failures:
         print("fsdp units: losses and gradients equal bitwise", flush=True)
