@@ -130,8 +130,11 @@ class FinetuneRecipe:
     def _longest_sample(self) -> int | None:
         """The most tokens a sample can have: ``data.max_length``, else the pack size (longer samples
         are dropped or refused by packing), else unknown."""
-        max_length = getattr(self.data, "max_length", None)
-        return max_length or getattr(self.batching, "packed_sequence_size", getattr(self.batching, "max_seq_len", None))
+        return getattr(self.data, "max_length", None) or self._row_tokens()
+
+    def _row_tokens(self) -> int | None:
+        """Tokens of one packed row (micro-batch), when the packing section fixes it."""
+        return getattr(self.batching, "packed_sequence_size", getattr(self.batching, "max_seq_len", None))
 
     def _build_model(self) -> CausalLMForTraining:
         shard = functools.partial(
@@ -147,6 +150,13 @@ class FinetuneRecipe:
             "model: %s, %.2fM parameters, %.2fM trained%s", self.hf_config.model_type, parameters / 1e6,
             trainable / 1e6, f" (LoRA on {self.lora.target_modules}, rank {self.lora.rank})" if self.lora else "",
         )
+        row = self._row_tokens()
+        if model.dense_mask and row:
+            logger.info(
+                "%s runs its own attention under a dense [T, T] block-diagonal mask: %.0f MiB per micro-batch of "
+                "%d tokens (%s)", self.hf_config.model_type, row * row * self.model_spec.torch_dtype.itemsize / 2**20,
+                row, self.model_spec.dtype,
+            )
         return model
 
     def train(self) -> None:
