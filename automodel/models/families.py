@@ -2,10 +2,12 @@
 
 Support is decided by a differential check, not by hand: ``automodel families --verify``
 (:mod:`automodel.models.verify`) runs every type of transformers' causal-LM table through the
-project's packed step against each sample alone in eager, and writes ``supported.json`` beside
-this module. Setup reads it: a type listed as verified runs (on the backends that compute its
-features); any other type is refused with the reason the check recorded. Config-level rules come
-on top: ``dynamic`` / ``longrope`` RoPE depend on the whole row's length, and a window or chunk
+project's packed step against each sample alone, and writes ``supported.json`` beside this
+module. Setup reads it: a type listed as verified runs (on the backends that compute its
+features); any other type is refused with the reason the check recorded. A type verified with
+``dense_mask`` runs its own attention under a block-diagonal mask
+(:meth:`automodel.attention.metadata.ThdAttentionMetadata.block_causal_mask`), one process per row
+(no context parallelism). Config-level rules come on top: ``dynamic`` / ``longrope`` RoPE depend on the whole row's length, and a window or chunk
 that a backend cannot apply is refused unless every sample fits in it.
 """
 
@@ -30,7 +32,8 @@ def supported_table() -> dict[str, dict]:
 
 
 def uses_dense_mask(config: PretrainedConfig) -> bool:
-    """Whether the type's attention is its own code, verified under a block-diagonal dense mask."""
+    """Whether the type runs its own attention code under a block-diagonal dense mask: the check
+    found the registered THD attention never called or not exact for it, and the dense mask exact."""
     return "dense_mask" in supported_table().get(config.model_type, {}).get("features", [])
 
 
@@ -75,7 +78,7 @@ def check_supported_type(config: PretrainedConfig, backend: str) -> dict:
     own_class = (getattr(config, "auto_map", None) or {}).get("AutoModelForCausalLM")
     if own_class is not None:  # reached only with model.trust_remote_code=true
         raise ConfigError(
-            f"config.json's auto_map builds the checkpoint's own model code ({own_class}), which the differential "
+            f"model.pretrained_path: config.json's auto_map builds the checkpoint's own model code ({own_class}), which the differential "
             f"check never ran (it verifies transformers' classes); delete AutoModelForCausalLM from auto_map to train "
             f"transformers' own {config.model_type!r} class"
         )
