@@ -6,7 +6,10 @@ samples, so a wrong one shows), perturbs every parameter that starts constant (n
 biases, sinks, scales) so every feature matters, and compares the project's packed step (its
 model builder, the registered THD attention, the chunked loss with the family's logit transform)
 with each sample run alone through the same class in its own attention (SDPA where the class has
-it, else eager): the loss, the logits and every gradient (float64 model on both sides, the loss head in float32; relative error <= ``RTOL``).
+it, else eager): the loss, the logits and every gradient (float64 model on both sides, the loss
+head in float32; relative error <= ``RTOL``). Where the registered attention is never called or
+not exact, the type's own attention under a block-diagonal dense mask is checked the same way
+(feature ``dense_mask``); recurrent or convolutional token mixers are refused without it.
 
 ``python -m automodel families --verify`` runs it over every type of transformers' causal-LM
 table and writes ``automodel/models/supported.json``, which setup reads
