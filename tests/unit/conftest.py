@@ -1,13 +1,31 @@
 from __future__ import annotations
 
+import socket
 import sys
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from automodel.te_support import te_extension, te_pytorch
 
 TE_STANDIN_PATH = Path(__file__).resolve().parents[1] / "te_standin"
+
+
+@pytest.fixture
+def one_process_group():
+    """A one-rank gloo process group on a free port for one test; yields its 1-rank CPU mesh. A test
+    may destroy the group itself."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 @pytest.fixture

@@ -3,14 +3,10 @@ NF4 sizes and shapes (QLoRA)."""
 
 from __future__ import annotations
 
-import socket
-
 import peft
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -42,18 +38,6 @@ class Lm(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.hf(input_ids=ids, labels=ids).loss
-
-
-@pytest.fixture
-def one_process_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 def adapter_gradients(model: nn.Module, steps: int = 3) -> list[dict[str, torch.Tensor]]:

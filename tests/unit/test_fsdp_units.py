@@ -5,13 +5,9 @@ sharded-I/O benchmark's step is the recipe's (OptimConfig's optimizer and schedu
 from __future__ import annotations
 
 import copy
-import socket
 
 import peft
-import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -73,18 +69,6 @@ def test_lora_model_units_are_found_through_peft():
     assert names(m, fsdp_units(m, frozen)) == layers
 
 
-@pytest.fixture
-def one_rank_mesh():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
-
-
 def batch():
     ids = torch.randint(1, 64, (TOKENS,), generator=torch.Generator().manual_seed(1))
     cu = torch.tensor([0, 5, TOKENS], dtype=torch.int32)
@@ -92,10 +76,10 @@ def batch():
     return ids, positions, ids.roll(-1), ThdAttentionMetadata(cu, cu, TOKENS)
 
 
-def test_head_unit_loss_and_gradients_equal_the_unsharded_model(one_rank_mesh):
+def test_head_unit_loss_and_gradients_equal_the_unsharded_model(one_process_group):
     plain = model()
     sharded = copy.deepcopy(plain)
-    apply_fsdp(sharded, one_rank_mesh)
+    apply_fsdp(sharded, one_process_group)
     head, embed = sharded.hf.lm_head, sharded.hf.model.embed_tokens
     assert isinstance(head, FSDPModule) and isinstance(embed, FSDPModule)
     assert hasattr(head, HEAD_OUTPUT_METHOD) and not hasattr(plain.hf.lm_head, HEAD_OUTPUT_METHOD)

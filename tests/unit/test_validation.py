@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import random
-import socket
 
 import numpy as np
 import pytest
@@ -59,18 +58,10 @@ def test_token_mean_over_all_micro_batches_in_eval_mode_with_rng_untouched():
     assert result.val_perplexity == pytest.approx(math.exp(expected), rel=1e-6)
 
 
-def test_reduction_over_a_process_group_and_empty_set():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        model = Tiny()
-        alone = evaluate(model, batches(), lambda b: model(b["input_ids"], b["labels"]))
-        dist.destroy_process_group()
-        assert evaluate(model, batches(), lambda b: model(b["input_ids"], b["labels"])) == alone
-        with pytest.raises(ValueError, match="no label token"):
-            evaluate(model, batches()[-1:], lambda b: model(b["input_ids"], b["labels"]))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def test_reduction_over_a_process_group_and_empty_set(one_process_group):
+    model = Tiny()
+    alone = evaluate(model, batches(), lambda b: model(b["input_ids"], b["labels"]))
+    dist.destroy_process_group()
+    assert evaluate(model, batches(), lambda b: model(b["input_ids"], b["labels"])) == alone
+    with pytest.raises(ValueError, match="no label token"):
+        evaluate(model, batches()[-1:], lambda b: model(b["input_ids"], b["labels"]))
