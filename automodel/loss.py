@@ -80,9 +80,9 @@ def chunked_cross_entropy_sum(
             bytes (one float32 chunk of logits), up to twice that with a softcap or bf16 matmuls.
 
     Returns:
-        A float32 0-dim tensor, differentiable w.r.t. ``hidden_TD``, ``weight_VD`` and ``bias_V``.
+        A float32 0-dim tensor (float64 for float64 inputs), differentiable w.r.t. ``hidden_TD``, ``weight_VD`` and ``bias_V``.
         The matmuls run in the autocast dtype when autocast is on, else in the inputs' dtype; the
-        softmax and the loss in float32.
+        softmax and the loss in float32 (:func:`softmax_dtype`).
     """
     label_positions_N, rows = _labelled_rows(
         hidden_TD, weight_VD, labels_T, bias_V, logit_scale, final_logit_softcap, chunk_tokens, label_positions_N
@@ -108,7 +108,7 @@ def chunked_token_log_probs(
         hidden_TD, weight_VD, labels_T, bias_V, logit_scale, final_logit_softcap, chunk_tokens, label_positions_N
     )
     ce_N = _ChunkedCrossEntropy.apply(*rows, False)
-    zeros_T = torch.zeros(labels_T.shape, dtype=torch.float32, device=hidden_TD.device)
+    zeros_T = torch.zeros(labels_T.shape, dtype=ce_N.dtype, device=hidden_TD.device)
     return zeros_T.index_copy(0, label_positions_N, -ce_N)
 
 
@@ -187,7 +187,7 @@ def _capped_logits(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """float32 logits of one chunk, and with ``keep_tanh`` the ``tanh(u / c)`` that the softcap's
     derivative needs (else None)."""
-    x_CV = F.linear(h_CD, w_VD, b_V).float()  # a new tensor: the in-place ops below are safe
+    x_CV = F.linear(h_CD, w_VD, b_V).to(softmax_dtype(h_CD.dtype))  # a new tensor: the in-place ops below are safe
     if scale != 1.0:
         x_CV.mul_(scale)
     if softcap is None:
@@ -205,7 +205,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h_ND, weight_VD, bias_V, targets_N, scale, softcap, chunk_tokens, compute_dtype, reduce):
-        lse_N = torch.empty(h_ND.shape[0], dtype=torch.float32, device=h_ND.device)
+        lse_N = torch.empty(h_ND.shape[0], dtype=softmax_dtype(compute_dtype), device=h_ND.device)
         target_logit_N = torch.empty_like(lse_N)
         with _autocast_off(h_ND.device.type):
             w_VD, b_V = _cast(weight_VD, compute_dtype), _cast(bias_V, compute_dtype)
@@ -226,7 +226,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         scale, softcap, chunk_tokens, compute_dtype = ctx.args
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         n, vocab = h_ND.shape[0], weight_VD.shape[0]
-        grad_h_ND = torch.zeros(h_ND.shape, dtype=torch.float32, device=h_ND.device) if need_h else None
+        grad_h_ND = torch.zeros(h_ND.shape, dtype=lse_N.dtype, device=h_ND.device) if need_h else None
         grad_w_VD = torch.zeros_like(weight_VD) if need_w else None
         grad_b_V = torch.zeros_like(bias_V) if need_b else None
         # The backward walks vocabulary blocks holding as many logits as a forward chunk: with the
@@ -275,10 +275,15 @@ def _block_logit_grad(h_ND, w_BD, b_B, targets_N, lse_N, scale, softcap) -> torc
     g_NB = x_NB.sub_(lse_N[:, None]).exp_()
     in_block_N = (targets_N >= 0) & (targets_N < g_NB.shape[1])
     # -1 at each target inside the block; a scatter, so the host never reads which rows those are.
-    g_NB.scatter_add_(1, targets_N.clamp(0, g_NB.shape[1] - 1)[:, None], -in_block_N.float()[:, None])
+    g_NB.scatter_add_(1, targets_N.clamp(0, g_NB.shape[1] - 1)[:, None], -in_block_N.to(g_NB.dtype)[:, None])
     if tanh_NB is not None:  # softcap'(u) = 1 - tanh(u / c)^2
         g_NB.mul_(tanh_NB.square_().neg_().add_(1))
     return g_NB.mul_(scale) if scale != 1.0 else g_NB
+
+
+def softmax_dtype(compute_dtype: torch.dtype) -> torch.dtype:
+    """The softmax and loss dtype: float32, or float64 for float64 matmuls (the exactness check's)."""
+    return torch.promote_types(torch.float32, compute_dtype)
 
 
 def _autocast_off(device_type: str):

@@ -40,7 +40,7 @@ from automodel.attention.hf import (
 )
 from automodel.data.sft import end_of_turn_token_id
 from automodel.loss import chunked_cross_entropy_sum, chunked_token_log_probs
-from automodel.models.families import check_model_config, uses_dense_mask
+from automodel.models.families import check_config_fields, check_model_config, config_verdict, table_verdict
 from automodel.models.frozen_base import quantize_frozen_base, store_frozen_base
 from automodel.models.hf_io import UnshardableCheckpoint, export_hf, load_sharded, publish
 from automodel.models.lora import LoraConfig, export_adapter
@@ -198,26 +198,43 @@ def logit_transform(config: PretrainedConfig) -> dict[str, Any]:
 
 
 def setup_checks(
-    spec: ModelSpec, *, cp_size: int, vocab_needed: int | None, max_sample_tokens: int | None
-) -> PretrainedConfig:
+    spec: ModelSpec,
+    *,
+    cp_size: int,
+    vocab_needed: int | None,
+    max_sample_tokens: int | None,
+    row_tokens: int | None = None,
+) -> tuple[PretrainedConfig, dict]:
     """Every check of the model that needs no weights, in the first seconds of a run: config
-    readable, model type verified, features vs backend, tokenizer vs vocabulary, cp_size, windows
-    vs sample length, and the checkpoint's tensor names and shapes from its safetensors headers."""
+    readable, the differential check on this config (``model.verify``; else the table's verdict on
+    the type's default config), features vs backend, tokenizer vs vocabulary, cp_size, windows vs
+    sample length, and the checkpoint's tensor names and shapes from its safetensors headers.
+
+    Returns:
+        The config and the verdict (a table entry: status, features, backends), which
+        :func:`build_model` takes."""
     config = spec.hf_config()
     check_model_sanity(config, max_sample_tokens=max_sample_tokens, exceed_max_positions=spec.exceed_max_positions)
     backend = resolve_attention_backend(spec.attention_backend)
     check_backend_device(backend)
-    check_model_config(
-        config, backend, cp_size=cp_size, vocab_needed=vocab_needed, max_sample_tokens=max_sample_tokens
-    )
+    check_config_fields(config, vocab_needed=vocab_needed)
+    if spec.verify:
+        entry = config_verdict(config, sample_tokens=max_sample_tokens, row_tokens=row_tokens)
+    else:
+        logger.warning(
+            "model.verify=false: this config's packed step is not checked against each sample alone; the "
+            "supported table's verdict on the %s default config is used", config.model_type,
+        )
+        entry = table_verdict(config)
+    check_model_config(config, backend, entry, cp_size=cp_size, max_sample_tokens=max_sample_tokens)
     if spec.pretrained_path is not None:
         with torch.device("meta"):
             meta = AutoModelForCausalLM.from_config(config, trust_remote_code=spec.trust_remote_code)
         check_checkpoint_tensors(
             spec.pretrained_path, {k: tuple(v.shape) for k, v in meta.state_dict().items()},
-            tied=bool(getattr(config, "tie_word_embeddings", False)),
+            tied=bool(getattr(config.get_text_config(), "tie_word_embeddings", False)),
         )
-    return config
+    return config, entry
 
 
 def build_model(
@@ -230,16 +247,15 @@ def build_model(
     cp_comm_type: str = "p2p",
     is_main: bool = True,
     lora: LoraConfig | None = None,
-    dense_mask: bool | None = None,
+    dense_mask: bool = False,
 ) -> CausalLMForTraining:
     """The training model with its weights: meta build, LoRA adapters when ``lora`` is given,
     ``shard(model)`` (FSDP2), materialize on ``device``, then each rank reads its own shards of a local
     safetensors checkpoint (:mod:`automodel.models.hf_io`; otherwise rank 0's weights are broadcast).
 
     ``dense_mask``: run the type's own attention code under a block-diagonal mask instead of the
-    registered THD attention; None reads it from the supported table (the differential check's verdict)."""
+    registered THD attention (the differential check's verdict: ``families.uses_dense_mask``)."""
     register_thd_attention()
-    dense_mask = uses_dense_mask(config) if dense_mask is None else dense_mask
     implementation = own_attention_implementation(config) if dense_mask else THD_ATTENTION
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(
@@ -256,7 +272,7 @@ def build_model(
         store_frozen_base(model, spec.torch_dtype)
     shard(model)
     model.to_empty(device=device)
-    if config.tie_word_embeddings:
+    if getattr(config.get_text_config(), "tie_word_embeddings", False):
         hf.tie_weights()  # to_empty gives each module its own new tensor, untying them
     load_weights(model, spec, config, seed=seed, is_main=is_main, lora=lora)
     if lora is not None and lora.quantize_base == "nf4":

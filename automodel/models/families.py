@@ -1,10 +1,13 @@
 """Which transformers model types train exactly on the THD path, and the checks run at setup.
 
-Support is decided by a differential check, not by hand: ``automodel families --verify``
-(:mod:`automodel.models.verify`) runs every type of transformers' causal-LM table through the
-project's packed step against each sample alone, and writes ``supported.json`` beside this
-module. Setup reads it: a type listed as verified runs (on the backends that compute its
-features); any other type is refused with the reason the check recorded. A type verified with
+Support is decided by a differential check, not by hand (:mod:`automodel.models.verify`): the
+project's packed step against each sample alone. Setup runs it on the run's own config
+(:func:`config_verdict`: shrunk in width only, every layer kind and threshold kept, samples as
+long as the run's longest), cached per config, transformers and project version; the run trains
+only a verified config (on the backends that compute its features) and stops with the reason
+otherwise. ``automodel families --verify`` runs the same check on every type's default config and
+writes ``supported.json`` beside this module: the table users read, and the verdict setup uses
+when ``model.verify=false``. A type verified with
 ``dense_mask`` runs its own attention under a block-diagonal mask
 (:meth:`automodel.attention.metadata.ThdAttentionMetadata.block_causal_mask`), one process per row
 (no context parallelism). Config-level rules come on top: ``dynamic`` / ``longrope`` RoPE depend on the whole row's length, and a window or chunk
@@ -13,14 +16,25 @@ that a backend cannot apply is refused unless every sample fits in it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
 from functools import cache
+from pathlib import Path
 
+import torch.distributed as dist
+import transformers
 from transformers import PretrainedConfig
 
+import automodel
 from automodel.attention.hf import FEATURES
 from automodel.config import ConfigError
-from automodel.models.verify import BACKEND_LACKS, read_table
+from automodel.models.verify import BACKEND_LACKS, check_lengths, read_table, verify_config, width_config
+
+logger = logging.getLogger(__name__)
 
 REFUSED_ROPE_TYPES = ("dynamic", "longrope")
 
@@ -31,10 +45,11 @@ def supported_table() -> dict[str, dict]:
     return read_table()["types"]
 
 
-def uses_dense_mask(config: PretrainedConfig) -> bool:
-    """Whether the type runs its own attention code under a block-diagonal dense mask: the check
-    found the registered THD attention never called or not exact for it, and the dense mask exact."""
-    return "dense_mask" in supported_table().get(config.model_type, {}).get("features", [])
+def uses_dense_mask(entry: dict) -> bool:
+    """Whether a verdict (:func:`config_verdict`, a table entry) runs the type's own attention code
+    under a block-diagonal dense mask: the check found the registered THD attention never called or
+    not exact for it, and the dense mask exact."""
+    return "dense_mask" in entry.get("features", [])
 
 
 def verified_types() -> dict[str, dict]:
@@ -70,11 +85,8 @@ def rope_types(config: PretrainedConfig) -> set[str]:
     return {p.get("rope_type", "default") for p in per_layer}
 
 
-def check_supported_type(config: PretrainedConfig, backend: str) -> dict:
-    """The type's entry in the supported table; a :class:`ConfigError` with the recorded reason
-    unless the differential check verified it, naming the feature that ``backend`` (resolved)
-    cannot compute, or when ``auto_map`` swaps in the checkpoint's own, unverified, model class."""
-    entry = supported_table().get(config.model_type)
+def check_own_class(config: PretrainedConfig) -> None:
+    """A :class:`ConfigError` when ``auto_map`` swaps in the checkpoint's own, unverified, model class."""
     own_class = (getattr(config, "auto_map", None) or {}).get("AutoModelForCausalLM")
     if own_class is not None:  # reached only with model.trust_remote_code=true
         raise ConfigError(
@@ -82,11 +94,90 @@ def check_supported_type(config: PretrainedConfig, backend: str) -> dict:
             f"check never ran (it verifies transformers' classes); delete AutoModelForCausalLM from auto_map to train "
             f"transformers' own {config.model_type!r} class"
         )
-    if entry is None or entry["status"] != "verified":
-        why = "it is not in transformers' causal-LM table" if entry is None else entry["reason"]
+
+
+def table_verdict(config: PretrainedConfig) -> dict:
+    """The shipped table's entry for the type (its default config's verdict), for ``model.verify=false``;
+    a :class:`ConfigError` for a type the table lacks (newer than the table's transformers)."""
+    entry = supported_table().get(config.model_type)
+    if entry is None:
+        raise ConfigError(
+            f"model_type {config.model_type!r} is not in the supported table (made with transformers "
+            f"{read_table()['transformers']}, this is {transformers.__version__}) and model.verify=false skips the "
+            "check on this config; set model.verify=true"
+        )
+    return entry
+
+
+def config_verdict(
+    config: PretrainedConfig, *, sample_tokens: int | None, row_tokens: int | None, cache_dir: Path | None = None
+) -> dict:
+    """The differential check on the run's own config (:func:`~automodel.models.verify.width_config`)
+    with one packed row of samples as long as the run's longest (:func:`~automodel.models.verify.check_lengths`),
+    as a table entry. Cached in ``cache_dir`` (default :func:`exactness_cache_dir`) by the checked
+    config, the lengths, the transformers and project versions: a second run pays nothing. Under
+    ``torch.distributed`` rank 0 runs it and every rank gets its verdict."""
+    checked = width_config(config)
+    lengths = check_lengths(sample_tokens or row_tokens or 64, row_tokens)
+    document = checked.to_dict()
+    document.pop("transformers_version", None)
+    key = hashlib.sha256(
+        json.dumps(
+            [document, lengths, transformers.__version__, automodel.__version__], sort_keys=True, default=str
+        ).encode()
+    ).hexdigest()[:24]
+    path = (cache_dir or exactness_cache_dir()) / f"{config.model_type}-{key}.json"
+    entry = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        entry[0] = _cached_or_checked(checked, lengths, path)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(entry, src=0)
+    return entry[0]
+
+
+def _cached_or_checked(checked: PretrainedConfig, lengths: tuple[int, ...], path: Path) -> dict:
+    what = f"{checked.model_type}, {checked.num_hidden_layers} layers, samples {list(lengths)}"
+    try:
+        entry = json.loads(path.read_text())
+    except (OSError, ValueError):  # absent, or a damaged cache file: checked again and rewritten
+        pass
+    else:
+        logger.info("exactness verified for this config (%s; cached %s)", what, path)
+        return entry
+    logger.info("checking this config's packed step against each sample alone (%s)", what)
+    start = time.perf_counter()
+    verdict = verify_config(checked, lengths)
+    entry = {k: v for k, v in asdict(verdict).items() if v not in ("", [], None)}
+    if verdict.status == "verified":
+        logger.info(
+            "exactness verified for this config (%s; max rel error %.1e, %.1f s)", what, verdict.max_error,
+            time.perf_counter() - start,
+        )
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = path.with_suffix(f".{os.getpid()}.tmp")
+        staging.write_text(json.dumps(entry))
+        staging.replace(path)  # atomic: a reader sees a whole verdict or none
+    except OSError as error:  # an unwritable cache costs the next run the check, nothing else
+        logger.warning("exactness check not cached (%s): %s", path, error)
+    return entry
+
+
+def exactness_cache_dir() -> Path:
+    """``$AUTOMODEL_CACHE/exactness``, else ``$XDG_CACHE_HOME/automodel/exactness``, else ``~/.cache/...``."""
+    root = os.environ.get("AUTOMODEL_CACHE")
+    if root:
+        return Path(root) / "exactness"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "automodel" / "exactness"
+
+
+def check_supported_type(config: PretrainedConfig, backend: str, entry: dict) -> None:
+    """A :class:`ConfigError` with the check's reason unless ``entry`` (the verdict) is verified,
+    naming the feature that ``backend`` (resolved) cannot compute."""
+    if entry["status"] != "verified":
         raise ConfigError(
             f"model_type {config.model_type!r} (model.pretrained_path / model.config) is refused on the THD path: "
-            f"{why}; `automodel families` lists the supported types"
+            f"{entry['reason']}; `automodel families` lists the supported types"
         )
     lacking = sorted(BACKEND_LACKS[backend] & set(entry.get("features", [])))
     if lacking:
@@ -94,28 +185,14 @@ def check_supported_type(config: PretrainedConfig, backend: str) -> dict:
             f"{config.model_type} uses attention {', '.join(lacking)}, which model.attention_backend={backend!r} "
             "cannot compute; set model.attention_backend=portable"
         )
-    return entry
 
 
-def check_model_config(
-    config: PretrainedConfig,
-    backend: str,
-    *,
-    cp_size: int = 1,
-    vocab_needed: int | None = None,
-    max_sample_tokens: int | None = None,
-) -> None:
-    """Refuse at setup what would fail mid-run or train wrongly, as a :class:`ConfigError` naming the
-    field and the fix.
-
-    Args:
-        backend: the resolved attention backend (``portable``, ``te`` or ``varlen``).
-        cp_size: ``parallel.cp_size``.
-        vocab_needed: the tokenizer's size (``len(tokenizer)``); None skips that check.
-        max_sample_tokens: the longest sample the data can produce (``data.max_length``), if known.
-    """
+def check_config_fields(config: PretrainedConfig, *, vocab_needed: int | None = None) -> None:
+    """A :class:`ConfigError` for the config's own fields that no run can train exactly, before the differential check spends
+    its seconds: RoPE scaled by the whole row's length, a tokenizer larger than the vocabulary, and
+    attention dropout (the THD kernels apply none, and dropped probabilities would differ from
+    each sample alone)."""
     model_type = config.model_type
-    entry = check_supported_type(config, backend)
     bad_rope = rope_types(config) & set(REFUSED_ROPE_TYPES)
     if bad_rope:
         raise ConfigError(
@@ -127,6 +204,37 @@ def check_model_config(
             f"the tokenizer (data.tokenizer) has {vocab_needed} tokens but {model_type}'s vocab_size is "
             f"{config.vocab_size}; use the checkpoint's own tokenizer"
         )
+    for name, value in config.to_dict().items():
+        attention = "attn" in name or "attention" in name
+        if attention and ("dropout" in name or "pdrop" in name) and isinstance(value, float) and value > 0:
+            raise ConfigError(
+                f"{model_type} has {name}={value}: the THD attention applies no attention dropout; set {name}: 0.0 "
+                "in model.config (or config.json of model.pretrained_path)"
+            )
+
+
+def check_model_config(
+    config: PretrainedConfig,
+    backend: str,
+    entry: dict,
+    *,
+    cp_size: int = 1,
+    max_sample_tokens: int | None = None,
+) -> None:
+    """Refuse at setup what would fail mid-run or train wrongly with this verdict, as a
+    :class:`ConfigError` naming the field and the fix (the config's own fields:
+    :func:`check_config_fields`).
+
+    Args:
+        backend: the resolved attention backend (``portable``, ``te`` or ``varlen``).
+        entry: the differential check's verdict on this config (:func:`config_verdict`), or the
+            table's on the type's default config (:func:`table_verdict`).
+        cp_size: ``parallel.cp_size``.
+        max_sample_tokens: the longest sample the data can produce (``data.max_length``), if known.
+    """
+    model_type = config.model_type
+    check_own_class(config)
+    check_supported_type(config, backend, entry)
     # A window or chunk applies only where the backend computes it and the check verified it for the type.
     needs, verified = attention_needs(config), set(entry.get("features", []))
     if "sliding_window" in entry.get("ignores", []):  # the check ran with one set: no layer applies it

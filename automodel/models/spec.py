@@ -36,6 +36,10 @@ class ModelSpec:
         exceed_max_positions: let samples (``data.max_length``, else the pack size) be longer than
             the config's ``max_position_embeddings`` (refused by default: positions past it were
             never trained, and absolute embeddings have no row for them).
+        verify: check at setup that this config's packed step equals each sample alone (the
+            differential check of ``automodel families --verify``, on the run's own config and sample
+            lengths; cached, so only a new config pays its seconds); false uses the supported
+            table's verdict on the type's default config, with a warning.
         trust_remote_code: let transformers import Python files shipped with the checkpoint or the
             tokenizer (``auto_map``); refused by default, and passed to every transformers load.
     """
@@ -47,6 +51,7 @@ class ModelSpec:
     activation_checkpointing: bool = False
     trust_remote_code: bool = False
     exceed_max_positions: bool = False
+    verify: bool = True
 
     def __post_init__(self) -> None:
         if (self.pretrained_path is None) == (self.config is None):
@@ -59,6 +64,8 @@ class ModelSpec:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"model.dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.verify, bool):
+            raise ValueError(f"model.verify must be true or false, got {self.verify!r}")
         if not isinstance(self.activation_checkpointing, bool):
             raise ValueError(f"model.activation_checkpointing must be true or false, got {self.activation_checkpointing!r}")
 

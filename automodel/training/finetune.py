@@ -29,7 +29,7 @@ from automodel.distributed.parallel import apply_fsdp, init_distributed
 from automodel.errors import ConfigError, DataError, ModelError, UserError
 from automodel.loss import label_positions
 from automodel.models import CausalLMForTraining, build_model, export_model, setup_checks
-from automodel.models.families import check_supported_type
+from automodel.models.families import check_own_class, check_supported_type, table_verdict, uses_dense_mask
 from automodel.training.checkpoint import Checkpointer, NonFiniteError
 from automodel.training.console import configure_console, on_terminal
 from automodel.training.host_syncs import record_host_syncs
@@ -69,11 +69,14 @@ class FinetuneRecipe:
         except ValueError as error:
             raise ConfigError(str(error)) from None
         configure_console(self.dims.is_main)
-        # The model type and its features against the supported table, before anything is written.
+        # Before anything is written: the checkpoint's own model class, and without model.verify the type
+        # and its features against the supported table (with it, setup_checks runs the check on this config).
         with _as_user_error(ModelError):
-            check_supported_type(
-                self.model_spec.hf_config(), resolve_attention_backend(self.model_spec.attention_backend)
-            )
+            config = self.model_spec.hf_config()
+            check_own_class(config)
+            if not self.model_spec.verify:
+                backend = resolve_attention_backend(self.model_spec.attention_backend)
+                check_supported_type(config, backend, table_verdict(config))
         # Lock, resume checks and the saved recipe: all before any data or model work.
         self.run_dir = RunDirectory(self.output_dir, self.dims.rank)
         run_id, resume_from = self.run_dir.prepare(self.cfg, self.trainer, self.dims.world_size, self.dims.dp_size)
@@ -91,9 +94,9 @@ class FinetuneRecipe:
         with _as_user_error(ConfigError):  # data.tokenizer: a path or name the recipe gives
             self.tokenizer = self.data.load_tokenizer(trust_remote_code=self.model_spec.trust_remote_code)
         with _as_user_error(ModelError):  # every model check that needs no weights, before tokenizing and packing
-            self.hf_config = setup_checks(
+            self.hf_config, self.model_verdict = setup_checks(
                 self.model_spec, cp_size=self.dims.cp_size, vocab_needed=len(self.tokenizer),
-                max_sample_tokens=self._longest_sample(),
+                max_sample_tokens=self._longest_sample(), row_tokens=self._row_tokens(),
             )
             if self.lora is not None:
                 self.lora.check_model(self.hf_config)
@@ -143,6 +146,7 @@ class FinetuneRecipe:
         model = build_model(
             self.model_spec, self.hf_config, device=self.dims.device, shard=shard, seed=self.trainer.seed,
             cp_comm_type=self.parallel_config.cp_comm_type, is_main=self.dims.is_main, lora=self.lora,
+            dense_mask=uses_dense_mask(self.model_verdict),
         )
         parameters = sum(p.numel() for p in model.parameters())
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -111,7 +111,7 @@ def test_default_recipe_trains_and_writes_its_outputs(tmp_path):
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert (out / "hf" / "generation_config.json").is_file() and (out / "hf" / "tokenizer.json").is_file()
     spec = ModelSpec(pretrained_path=str(out / "hf"), attention_backend="portable")
-    ours = build_model(spec, setup_checks(spec, cp_size=1, vocab_needed=None, max_sample_tokens=None),
+    ours = build_model(spec, setup_checks(spec, cp_size=1, vocab_needed=None, max_sample_tokens=None)[0],
                        device=torch.device("cpu"), shard=lambda m: None, seed=0)
     ids = torch.tensor([1, 40, 41, 42, 43, 44, 45, 2])
     meta = ThdAttentionMetadata(torch.tensor([0, 8], dtype=torch.int32), torch.tensor([0, 8], dtype=torch.int32), 8)

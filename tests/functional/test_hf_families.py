@@ -20,6 +20,7 @@ from workers.hf_families import (
 )
 
 from automodel.models import ModelSpec, build_model, setup_checks
+from automodel.models.families import uses_dense_mask
 
 # every verified family; llama first: the bf16 check runs on the first
 DISTRIBUTED_FAMILIES = ["llama", *sorted(set(FAMILIES) - {"llama"})]
@@ -39,8 +40,10 @@ def test_packed_step_equals_each_sample_alone(checkpoints, family):
     sample_list = samples(96)
     ref_loss, ref_grads, _ = reference(path, sample_list)
     spec = ModelSpec(pretrained_path=str(path), attention_backend="portable")
-    config = setup_checks(spec, cp_size=1, vocab_needed=None, max_sample_tokens=None)
-    model = build_model(spec, config, device=torch.device("cpu"), shard=lambda m: None, seed=0)
+    config, verdict = setup_checks(spec, cp_size=1, vocab_needed=None, max_sample_tokens=None)
+    model = build_model(
+        spec, config, device=torch.device("cpu"), shard=lambda m: None, seed=0, dense_mask=uses_dense_mask(verdict)
+    )
     batch = shard(collated(sample_list, 4), 1, 0)
     n_labels = int((batch["labels"] != -100).sum())
     loss = model(batch["input_ids"], batch["position_ids"], batch["labels"], batch["attn_meta"]) / n_labels

@@ -35,7 +35,7 @@ def checkpoints(tmp_path_factory):
 
 def build(path, lora=None):
     spec = ModelSpec(pretrained_path=str(path), attention_backend="portable")
-    config = setup_checks(spec, cp_size=1, vocab_needed=None, max_sample_tokens=None)
+    config, _ = setup_checks(spec, cp_size=1, vocab_needed=None, max_sample_tokens=None)
     return build_model(spec, config, device=torch.device("cpu"), shard=lambda m: None, seed=0, lora=lora)
 
 

@@ -10,6 +10,7 @@ from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 from automodel.attention import ThdAttentionMetadata
 from automodel.attention.hf import AttentionProbe, attach_thd_attention, thd_cores
 from automodel.models import ModelSpec, build_model, check_model_config, setup_checks
+from automodel.models.families import check_config_fields, supported_table, table_verdict
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8)
@@ -128,16 +129,19 @@ def config(model_type: str, **fields):
         (config("mistral", sliding_window=16), "te", {"max_sample_tokens": 17}, "data.max_length"),
         (config("mistral", sliding_window=16), "te", {}, "data.max_length"),
         (config("llama"), "varlen", {"cp_size": 2}, "parallel.cp_size"),
+        (AutoConfig.for_model("gpt2", n_layer=2, attn_pdrop=0.1), "portable", {}, "attn_pdrop=0.1.*set attn_pdrop: 0.0"),
     ],
 )
 def test_setup_refuses_with_the_field_named(cfg, backend, kwargs, field):
     with pytest.raises(ValueError, match=field):
-        check_model_config(cfg, backend, **kwargs)
+        check_config_fields(cfg, vocab_needed=kwargs.pop("vocab_needed", None))
+        check_model_config(cfg, backend, table_verdict(cfg), **kwargs)
 
 
 def test_setup_accepts_a_window_the_samples_stay_within_and_ignores_an_unused_window():
-    check_model_config(config("mistral", sliding_window=16), "te", max_sample_tokens=16)
-    check_model_config(config("qwen2", sliding_window=4, use_sliding_window=False), "te")
+    mistral, qwen2 = config("mistral", sliding_window=16), config("qwen2", sliding_window=4, use_sliding_window=False)
+    check_model_config(mistral, "te", table_verdict(mistral), max_sample_tokens=16)
+    check_model_config(qwen2, "te", table_verdict(qwen2))
 
 
 def test_checkpoint_with_wrong_shapes_or_non_finite_weights_is_refused_naming_the_tensor(tmp_path):
@@ -158,7 +162,7 @@ def test_checkpoint_with_wrong_shapes_or_non_finite_weights_is_refused_naming_th
 
     weights["model.layers.1.mlp.up_proj.weight"][3, 4] = float("nan")
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    config_ = setup_checks(spec, cp_size=1, vocab_needed=None, max_sample_tokens=None)
+    config_, _ = setup_checks(spec, cp_size=1, vocab_needed=None, max_sample_tokens=None)
     with pytest.raises(ValueError, match="'model.layers.1.mlp.up_proj.weight'.*NaN"):
         build_model(spec, config_, device=torch.device("cpu"), shard=lambda m: None, seed=0)
 
@@ -173,7 +177,7 @@ def test_te_standin_through_a_transformers_model_matches_portable(te_standin):
     losses = {}
     for backend, dtype in (("te", torch.bfloat16), ("portable", torch.float32)):
         model_spec = ModelSpec(attention_backend=backend, **spec)
-        cfg = setup_checks(model_spec, cp_size=1, vocab_needed=None, max_sample_tokens=None)
+        cfg, _ = setup_checks(model_spec, cp_size=1, vocab_needed=None, max_sample_tokens=None)
         model = build_model(model_spec, cfg, device=torch.device("cpu"), shard=lambda m: None, seed=0)
         with torch.no_grad():
             losses[backend] = float(model.to(dtype)(ids, positions, labels, meta))
@@ -228,11 +232,12 @@ def test_dense_mask_types_are_refused_where_a_dense_mask_cannot_be_exact():
     from automodel.models.verify import tiny_config
 
     config = tiny_config("falcon")
-    check_model_config(config, "portable")
+    entry = supported_table()["falcon"]
+    check_model_config(config, "portable", entry)
     with pytest.raises(ConfigError, match="parallel.cp_size=2 but falcon's attention is its own code"):
-        check_model_config(config, "portable", cp_size=2)
+        check_model_config(config, "portable", entry, cp_size=2)
     with pytest.raises(ConfigError, match="model.attention_backend='te' cannot compute"):
-        check_model_config(config, "te")
+        check_model_config(config, "te", entry)
     config.alibi = True
     with pytest.raises(ConfigError, match="alibi=true"):
-        check_model_config(config, "portable")
+        check_model_config(config, "portable", entry)

@@ -23,16 +23,16 @@ from transformers import AutoModelForCausalLM
 from automodel.config import ConfigError
 from automodel.distributed.parallel import apply_fsdp
 from automodel.models import ModelSpec, build_model, export_model, setup_checks
-from automodel.models.families import uses_dense_mask
+from automodel.models.families import supported_table, uses_dense_mask
 
 
 def build(path: Path, mesh, dtype: str = "float32", checkpointing: bool = False):
     spec = ModelSpec(pretrained_path=str(path), attention_backend="portable", dtype=dtype,
                      activation_checkpointing=checkpointing)
-    config = setup_checks(spec, cp_size=mesh["cp"].size(), vocab_needed=None, max_sample_tokens=None)
+    config, verdict = setup_checks(spec, cp_size=mesh["cp"].size(), vocab_needed=None, max_sample_tokens=None)
     shard_fn = functools.partial(apply_fsdp, mesh=mesh["dp", "cp"]._flatten(), compute_dtype=spec.torch_dtype)
     return build_model(spec, config, device=torch.device("cpu"), shard=shard_fn, seed=0,
-                       is_main=dist.get_rank() == 0)
+                       is_main=dist.get_rank() == 0, dense_mask=uses_dense_mask(verdict))
 
 
 def step_one(model, mode: str, sample_list, cp_group) -> float:
@@ -113,7 +113,7 @@ def main() -> int:
         sample_list = samples(AutoModelForCausalLM.from_pretrained(path).config.vocab_size)
         ref_loss, ref_grads, ref_model = reference(path, sample_list)
         for mode, mesh in meshes.items():
-            if mode == "cp2" and uses_dense_mask(ref_model.config):  # one dense mask per row: refused at setup
+            if mode == "cp2" and uses_dense_mask(supported_table()[ref_model.config.model_type]):  # one dense mask per row: refused at setup
                 try:
                     build(path, mesh)
                     errors.append(f"{family}: cp2 was not refused for a dense-mask model")

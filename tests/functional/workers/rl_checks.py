@@ -36,7 +36,7 @@ def eager_log_probs(path: Path, sample_list) -> tuple[list[torch.Tensor], dict[s
 def build(path: Path, mesh=None):
     spec = ModelSpec(pretrained_path=str(path), attention_backend="portable")
     cp = 1 if mesh is None else mesh["cp"].size()
-    config = setup_checks(spec, cp_size=cp, vocab_needed=None, max_sample_tokens=None)
+    config, _ = setup_checks(spec, cp_size=cp, vocab_needed=None, max_sample_tokens=None)
     shard_fn = (lambda m: None) if mesh is None else functools.partial(apply_fsdp, mesh=mesh["dp", "cp"]._flatten())
     return build_model(spec, config, device=torch.device("cpu"), shard=shard_fn, seed=0,
                        is_main=not dist.is_initialized() or dist.get_rank() == 0)  # fmt: skip

@@ -37,7 +37,7 @@ class _NoTokenizer:
 
 def build(path: Path, mesh, lora=None):
     spec = ModelSpec(pretrained_path=str(path), attention_backend="portable")
-    config = setup_checks(spec, cp_size=1, vocab_needed=None, max_sample_tokens=None)
+    config, _ = setup_checks(spec, cp_size=1, vocab_needed=None, max_sample_tokens=None)
     return build_model(spec, config, device=torch.device("cpu"), shard=functools.partial(apply_fsdp, mesh=mesh),
                        seed=0, is_main=dist.get_rank() == 0, lora=lora)
 
