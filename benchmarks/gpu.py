@@ -121,7 +121,7 @@ def available_backends(device: torch.device) -> list[str]:
         found.append("te")
     else:
         logging.getLogger(__name__).warning("te skipped: %s", te_import_failure())
-    reason = varlen_unsupported(device=device, dtype=torch.bfloat16, softcap=None, sinks=False, cp_size=1)
+    reason = varlen_unsupported(device=device, dtype=torch.bfloat16, softcap=None, sinks=False)
     if reason is None:
         found.append("varlen")
     else:

@@ -116,5 +116,5 @@ def varlen_reason() -> str | None:
         else torch.device("cpu")
     )
     return varlen_unsupported(
-        device=device, dtype=torch.bfloat16, softcap=None, sinks=False, cp_size=1, head_dim=HEAD_DIM
+        device=device, dtype=torch.bfloat16, softcap=None, sinks=False, head_dim=HEAD_DIM
     )
