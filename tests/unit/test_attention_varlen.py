@@ -163,9 +163,7 @@ def test_padded_offsets_give_real_lengths_result(window):
     ],
 )
 def test_unsupported_features_are_named(kwargs, named):
-    args = (
-        dict(device="cuda", dtype=torch.bfloat16, softcap=None, sinks=False, head_dim=64) | kwargs
-    )
+    args = dict(device="cuda", dtype=torch.bfloat16, softcap=None, sinks=False, head_dim=64) | kwargs
     reason = varlen_unsupported(**args)
     assert reason is not None and named in reason and "varlen" in reason
 
@@ -235,7 +233,9 @@ def test_each_releases_signature_is_read():
 
 
 @pytest.mark.parametrize("version", ["2.10", "2.11", "2.13"])
-@pytest.mark.parametrize(("heads", "window", "scale"), [((4, 4), None, None), ((4, 2), None, 0.3), ((6, 2), 3, 0.3)])
+@pytest.mark.parametrize(
+    ("heads", "window", "scale"), [((4, 4), None, None), ((4, 2), None, 0.3), ((6, 2), 3, 0.3)]
+)
 def test_varlen_attention_through_each_signature(varlen_kernel, version, heads, window, scale):
     """Against the stand-in of each release: the per-sequence reference, forward and backward, or,
     where the release cannot apply the window, a refusal naming the torch version."""

@@ -32,16 +32,22 @@ def reference(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, win
              scale=scale, window_size=tuple(window_size), enable_gqa=enable_gqa, max_q=max_q, max_k=max_k)
     )  # fmt: skip
     if not query.dtype == key.dtype == value.dtype:
-        raise RuntimeError(f"query, key and value must have the same dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
+        raise RuntimeError(
+            f"query, key and value must have the same dtype, got {query.dtype}, {key.dtype}, {value.dtype}"
+        )
     h, h_kv = query.shape[1], key.shape[1]
     if h != h_kv and not (enable_gqa and h % h_kv == 0):
         raise RuntimeError(f"query has {h} heads and key {h_kv}: set enable_gqa=True for GQA")
     for cu in (cu_seq_q, cu_seq_k):
         if cu.dtype != torch.int32 or cu.device != query.device or cu.shape != cu_seq_q.shape:
-            raise RuntimeError(f"cu_seq_q/cu_seq_k must be int32 [N+1] on {query.device}, got {cu.dtype} {cu.shape}")
+            raise RuntimeError(
+                f"cu_seq_q/cu_seq_k must be int32 [N+1] on {query.device}, got {cu.dtype} {cu.shape}"
+            )
     q_lens, k_lens = cu_seq_q.diff().tolist(), cu_seq_k.diff().tolist()
     if max(q_lens, default=0) > max_q or max(k_lens, default=0) > max_k:
-        raise RuntimeError(f"max_q={max_q}, max_k={max_k} below the longest sequence ({max(q_lens)}, {max(k_lens)})")
+        raise RuntimeError(
+            f"max_q={max_q}, max_k={max_k} below the longest sequence ({max(q_lens)}, {max(k_lens)})"
+        )
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     left, right = window_size
     out = torch.zeros_like(query)
