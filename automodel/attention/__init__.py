@@ -2,9 +2,9 @@
 
 Backends: ``"te"`` (Transformer Engine, CUDA), ``"portable"`` (SDPA per sequence, any device),
 ``"varlen"`` (torch's ``varlen_attn``, CUDA, torch >= 2.10) and ``"auto"``: TE when a CUDA device is
-present and TE imports, else varlen on CUDA where this torch has it, else portable. They compute the same function
-of q, k, v and :class:`ThdAttentionMetadata`. Hugging Face models reach them through the registered
-attention function in :mod:`automodel.attention.hf`.
+present and TE imports, else varlen on CUDA where this torch has it, else portable. They compute the
+same function of q, k, v and :class:`ThdAttentionMetadata`. Hugging Face models reach them through the
+registered attention function in :mod:`automodel.attention.hf`.
 """
 
 import torch

@@ -278,15 +278,17 @@ def test_every_backend_gets_one_dtype_through_a_transformers_layer(
     model = LlamaForCausalLM(LlamaConfig(**TINY, attn_implementation=THD_ATTENTION))
     attach_thd_attention(model, backend)
     o_proj_inputs = []
-    model.model.layers[0].self_attn.o_proj.register_forward_pre_hook(lambda m, a: o_proj_inputs.append(a[0].dtype))
+    o_proj = model.model.layers[0].self_attn.o_proj
+    o_proj.register_forward_pre_hook(lambda module, args: o_proj_inputs.append(args[0].dtype))
     lens = [6, 10, 4]
     ids = torch.randint(1, 64, (1, 20), generator=torch.Generator().manual_seed(1))
     positions = torch.cat([torch.arange(n) for n in lens])[None]
+    inputs = dict(input_ids=ids, position_ids=positions, thd_layout=layout(lens, lens))
     if precision == "bf16 model":
-        logits = model.to(torch.bfloat16)(input_ids=ids, position_ids=positions, thd_layout=layout(lens, lens)).logits
+        logits = model.to(torch.bfloat16)(**inputs).logits
     else:
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = model(input_ids=ids, position_ids=positions, thd_layout=layout(lens, lens)).logits
+            logits = model(**inputs).logits
     if backend == "varlen":
         seen = [call["dtypes"] for call in calls]
     assert seen == [(torch.bfloat16,) * 3] * 2  # one call per layer
