@@ -271,6 +271,9 @@ class VarlenCpLayout(NamedTuple):
     max_q: int
     max_k: int
 
+    def to(self, device: torch.device) -> VarlenCpLayout:
+        return VarlenCpLayout(*(x.to(device, non_blocking=True) for x in self[:3]), self.max_q, self.max_k)
+
 
 def varlen_cp_layout(padded_lens: list[int], cp_size: int, cp_rank: int) -> VarlenCpLayout:
     """The kernel layout of CP rank ``cp_rank``'s queries (in ``thd_get_partitioned_indices``
@@ -333,8 +336,7 @@ def cp_layout_on(meta: ThdAttentionMetadata, device: torch.device) -> VarlenCpLa
     cached = _layout_cache
     if cached is not None and cached[0]() is meta and cached[1] == device:
         return cached[2]
-    host = varlen_cp_layout(meta.padded_lens.tolist(), meta.cp_size, meta.cp_rank)
-    layout = VarlenCpLayout(*(x.to(device, non_blocking=True) for x in host[:3]), host.max_q, host.max_k)
+    layout = varlen_cp_layout(meta.padded_lens.tolist(), meta.cp_size, meta.cp_rank).to(device)
     _layout_cache = (weakref.ref(meta), device, layout)
     return layout
 
