@@ -127,7 +127,6 @@ def config(model_type: str, **fields):
         (config("gpt_oss", num_local_experts=2, num_experts_per_tok=1), "te", {"max_sample_tokens": 8}, "sinks"),
         (config("mistral", sliding_window=16), "te", {"max_sample_tokens": 17}, "data.max_length"),
         (config("mistral", sliding_window=16), "te", {}, "data.max_length"),
-        (config("llama"), "varlen", {"cp_size": 2}, "parallel.cp_size"),
     ],
 )
 def test_setup_refuses_with_the_field_named(cfg, backend, kwargs, field):
