@@ -19,6 +19,9 @@ torch   keywords after ``max_q, max_k``                             adapted here
 2.13    ``*, return_aux, scale, window_size, enable_gqa, ...``      nothing
 ======  ==========================================================  =============================
 
+(read from each release's ``torch/nn/attention/varlen.py``; any other release is adapted the same
+way from what its signature shows.)
+
 Sliding window: transformers' ``sliding_window=W`` lets a token see itself and the W - 1 tokens
 before it (``masking_utils.sliding_window_overlay``: ``kv_idx > q_idx - W``; its flash path passes
 ``window_size=(W - 1, W - 1)`` with ``causal=True``). FlashAttention's ``window_size=(left, right)``
@@ -38,7 +41,7 @@ each query chunk is one "sequence" of the kernel whose keys are the prefix of it
 the chunk's end (per-chunk ``cu_seqlens_q``, prefix ``cu_seqlens_k``). FlashAttention aligns the
 causal diagonal bottom-right when a sequence has more keys than queries, so query i of a chunk
 ending at key position p sees keys up to ``p - (chunk length - 1 - i)``: its own global position.
-This is how Transformer Engine's all-gather CP calls the same kernels; memory stays O(L).
+Transformer Engine's all-gather CP lays out its kernel calls the same way; memory stays O(L).
 
 Shape legend: T = tokens of the batch, H = query heads, K = key/value heads, D = head dim,
 N = sequences.
