@@ -183,7 +183,9 @@ def cp_vs_one_process(
             h, h_kv = 4 * cp_size, cp_size  # divisible by cp for a2a
             q, k, v, dout = (x.to(device) for x in random_inputs(sum(padded), h, h_kv, seed))
             ref = run_attention(backend, h, h_kv, meta_full, q, k, v, dout, torch.bfloat16)
-            got = run_attention(backend, h, h_kv, meta, q[idx], k[idx], v[idx], dout[idx], torch.bfloat16, comm)
+            got = run_attention(
+                backend, h, h_kv, meta, q[idx], k[idx], v[idx], dout[idx], torch.bfloat16, comm
+            )
             results.append(
                 compare(
                     f"{backend} cp vs {backend}",
