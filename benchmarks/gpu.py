@@ -10,6 +10,10 @@ chat SFT data, and prints one table row per case:
 - ``padded``: the same samples in padded micro-batches with the same slot budget
   (``pack_size // max_length`` rows of ``max_length``), the best backend;
 - ``ac``: activation checkpointing on, the best backend;
+- ``peer``: plain transformers training, the way the HF Trainer / TRL train by default, on the same
+  samples: its own SDPA attention, padded batches of 8 rows (to the batch's longest), bf16
+  autocast on fp32 weights, fused AdamW; every table ends with the packed/peer ratios of real
+  tokens/s and peak memory, measured side by side;
 - the loss alone: the chunked cross-entropy against full ``[T, V]`` logits (peak memory above
   the inputs, :mod:`benchmarks.loss_memory`).
 
@@ -75,6 +79,7 @@ SHAPES = {"llama3.2-1b": LLAMA3_2_1B, "qwen3-1.7b": QWEN3_1_7B, "tiny": TINY}
 PEAK_BF16 = {"H100 SXM": 989e12, "H100 80GB HBM3": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12,
              "H200": 989e12, "GH200": 989e12, "A100": 312e12, "L40S": 362e12, "B200": 2250e12}  # fmt: skip
 TOKENIZER_SIZE = 512  # the shipped tiny tokenizer: token ids of the synthetic samples stay below it
+PEER_ROWS = 8  # the HF Trainer's and TRL's default per-device batch size
 
 
 @dataclass
@@ -82,7 +87,7 @@ class Case:
     shape: str
     pack_size: int
     backend: str
-    batching: str = "packed"  # or "padded"
+    batching: str = "packed"  # or "padded", or "peer" (plain transformers, backend "sdpa")
     activation_checkpointing: bool = False
 
     @property
@@ -121,7 +126,7 @@ def available_backends(device: torch.device) -> list[str]:
         found.append("te")
     else:
         logging.getLogger(__name__).warning("te skipped: %s", te_import_failure())
-    reason = varlen_unsupported(device=device, dtype=torch.bfloat16, softcap=None, sinks=False, cp_size=1)
+    reason = varlen_unsupported(device=device, dtype=torch.bfloat16, softcap=None, sinks=False)
     if reason is None:
         found.append("varlen")
     else:
@@ -179,7 +184,12 @@ def run_case(case: Case, data: Path, max_length: int, args: argparse.Namespace, 
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-    measured = records[args.warmup :]
+    return summarize(records, parameters, args.warmup)
+
+
+def summarize(records: list[dict], parameters: int, warmup: int) -> dict:
+    """A case's figures from its step records (the first ``warmup`` steps not timed)."""
+    measured = records[warmup:]
     return {
         "records": records,
         "parameters": parameters,
@@ -187,8 +197,68 @@ def run_case(case: Case, data: Path, max_length: int, args: argparse.Namespace, 
         "step_time_s": statistics.median(r["step_time_s"] for r in measured),
         "fill": statistics.mean(r["fill"] for r in measured),
         "peak_memory_gb": max((r.get("peak_memory_gb", float("nan")) for r in records), default=float("nan")),
-        "host_syncs": records[args.warmup - 1].get("host_syncs"),
+        "host_syncs": records[warmup - 1].get("host_syncs"),
     }
+
+
+def peer_batch(samples: list[dict]) -> dict[str, torch.Tensor]:
+    """Token-format samples -> a padded transformers batch ``[B, L]`` (L = the longest sample):
+    ``input_ids`` (0 on padding), ``attention_mask``, ``labels`` (-100 on prompt and padding)."""
+    width = max(len(s["input_ids"]) for s in samples)
+    ids = torch.zeros(len(samples), width, dtype=torch.long)
+    labels = torch.full((len(samples), width), -100, dtype=torch.long)
+    mask = torch.zeros(len(samples), width, dtype=torch.long)
+    for row, sample in enumerate(samples):
+        n = len(sample["input_ids"])
+        ids[row, :n] = torch.tensor(sample["input_ids"])
+        mask[row, :n] = 1
+        labels[row, :n] = ids[row, :n].masked_fill(torch.tensor(sample["loss_mask"]) == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def run_peer(case: Case, data: Path, args: argparse.Namespace) -> dict:
+    """Time ``args.warmup + args.steps`` steps of plain transformers training (see the module
+    docstring) on consecutive batches of ``PEER_ROWS`` samples of ``data``; the figures of
+    :func:`run_case`. Autocast and peak memory on CUDA only, as the recipe's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    shape = dict(SHAPES[case.shape])
+    config = AutoConfig.for_model(shape.pop("model_type"), **shape)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    model.to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    samples = [json.loads(line) for line in data.read_text().splitlines()]
+    records = []
+    try:
+        for step in range(args.warmup + args.steps):
+            batch = peer_batch(samples[step * PEER_ROWS : (step + 1) * PEER_ROWS])
+            batch = {key: x.to(device) for key, x in batch.items()}
+            real, labels = int(batch["attention_mask"].sum()), int((batch["labels"][:, 1:] != -100).sum())
+            start = time.perf_counter()
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+                loss = model(**batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            record = {"step_time_s": seconds, "tokens_per_s": real / seconds, "real_tokens": real,
+                      "label_tokens": labels, "fill": real / batch["input_ids"].numel()}  # fmt: skip
+            if cuda:
+                record["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            records.append(record)
+        parameters = sum(p.numel() for p in model.parameters())
+    finally:
+        del model, optimizer
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    return summarize(records, parameters, args.warmup)
 
 
 def peak_flops(args: argparse.Namespace) -> float | None:
@@ -205,6 +275,7 @@ def cases_for(args: argparse.Namespace, backends: list[str]) -> list[Case]:
     cases = [Case(s, p, b) for s in args.shapes for p in args.pack_sizes for b in backends]
     cases += [Case(s, args.pack_sizes[0], best, batching="padded") for s in args.shapes]
     cases += [Case(args.shapes[0], p, best, activation_checkpointing=True) for p in args.pack_sizes]
+    cases += [Case(s, args.pack_sizes[0], "sdpa", batching="peer") for s in args.shapes]
     return cases
 
 
@@ -240,7 +311,10 @@ def main(argv: list[str] | None = None) -> int:
         for case in cases_for(args, backends):
             start = time.perf_counter()
             try:
-                figures = run_case(case, data, max_length, args, Path(tmp))
+                if case.batching == "peer":
+                    figures = run_peer(case, data, args)
+                else:
+                    figures = run_case(case, data, max_length, args, Path(tmp))
             except Exception as error:  # one failing backend must not hide the other figures
                 logging.getLogger(__name__).exception("%s failed", case.name)
                 results.append({**asdict(case), "name": case.name, "error": f"{type(error).__name__}: {error}"})
@@ -298,9 +372,29 @@ def print_table(results: list[dict], loss_rows: list[dict], device: torch.device
             best = best_packed[(r["shape"], r["pack_size"])]
             print(f"{r['shape']} {tokens_label(r['pack_size'])} {r['backend']}: packed {best['tokens_per_s'] / r['tokens_per_s']:.2f}x "
                   "padded real tokens/s")  # fmt: skip
+    for line in peer_ratios(results):
+        print(line)
     for row in loss_rows:
         print(f"loss {row['case']:<8} T={row['tokens']} V={row['vocab']}: extra {row['extra_gb']:.3f} GB, "
               f"{row['seconds']:.3f} s")  # fmt: skip
+
+
+def peer_ratios(results: list[dict]) -> list[str]:
+    """One line per packed case without activation checkpointing, for each shape with a peer row:
+    packed/peer real tokens/s and peak memory (``-`` where memory is not measured)."""
+    peers = {r["shape"]: r for r in results if r["batching"] == "peer" and "error" not in r}
+    lines = []
+    for r in results:
+        peer = peers.get(r["shape"])
+        if peer is None or r["batching"] != "packed" or r["activation_checkpointing"] or "error" in r:
+            continue
+        memory = r["peak_memory_gb"] / peer["peak_memory_gb"]
+        lines.append(
+            f"{r['shape']} {tokens_label(r['pack_size'])} {r['backend']} packed / peer (transformers sdpa, "
+            f"padded batches of {PEER_ROWS}): {r['tokens_per_s'] / peer['tokens_per_s']:.2f}x real tokens/s, "
+            f"{'-' if memory != memory else f'{memory:.2f}x'} peak memory"
+        )
+    return lines
 
 
 if __name__ == "__main__":

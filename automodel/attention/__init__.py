@@ -1,10 +1,10 @@
 """Attention over THD batches behind one interface; the backend is chosen by config.
 
 Backends: ``"te"`` (Transformer Engine, CUDA), ``"portable"`` (SDPA per sequence, any device),
-``"varlen"`` (torch's ``varlen_attn``, CUDA, no context parallelism) and ``"auto"``: TE when a CUDA
-device is present and TE imports, else varlen on CUDA, else portable. They compute the same function
-of q, k, v and :class:`ThdAttentionMetadata`. Hugging Face models reach them through the registered
-attention function in :mod:`automodel.attention.hf`.
+``"varlen"`` (torch's ``varlen_attn``, CUDA, torch >= 2.10) and ``"auto"``: TE when a CUDA device is
+present and TE imports, else varlen on CUDA where this torch has it, else portable. They compute the
+same function of q, k, v and :class:`ThdAttentionMetadata`. Hugging Face models reach them through the
+registered attention function in :mod:`automodel.attention.hf`.
 """
 
 import torch
@@ -14,6 +14,7 @@ from automodel.attention.checks import CP_COMM_TYPES, check_cp_comm_type
 from automodel.attention.metadata import ThdAttentionMetadata
 from automodel.attention.portable import PortableAttention
 from automodel.attention.te import TransformerEngineAttention
+from automodel.attention.varlen import varlen_missing
 from automodel.te_support import te_pytorch
 
 ATTENTION_BACKENDS = ("auto", "te", "portable", "varlen")
@@ -26,7 +27,9 @@ def resolve_attention_backend(backend: str) -> str:
     if backend == "auto":
         if not torch.cuda.is_available():
             return "portable"
-        return "te" if te_pytorch() is not None else "varlen"
+        if te_pytorch() is not None:
+            return "te"
+        return "varlen" if varlen_missing() is None else "portable"
     return backend
 
 

@@ -12,6 +12,9 @@ attention function (:mod:`automodel.attention.hf`). Checks, each printed as one 
   for each cp_comm_type, with and without padding between sequences, against TE without CP on the
   whole batch, index-selected with the partition indices (as TE's own CP tests compare), forward
   and q/k/v gradients on real tokens.
+- ``varlen vs sdpa`` and ``varlen cp vs varlen``: torch's varlen kernel (:mod:`check_varlen`); the
+  CP row simulates 2 ranks' shards in one process on any GPU, and under torchrun with N > 1 GPUs
+  also runs over all N ranks like ``te cp vs te``.
 - ``cp indices``: TE's ``thd_get_partitioned_indices`` kernel against automodel's torch version.
 
 Run: ``automodel check-gpu`` on one GPU, ``torchrun --nproc-per-node N -m automodel.attention.check_gpu``
@@ -157,12 +160,15 @@ def te_vs_portable(
     return results
 
 
-def te_cp_vs_te(
+def cp_vs_one_process(
     device: torch.device,
     seed: int,
     cp_group: dist.ProcessGroup,
+    backend: str = "te",
     length_mixes: Sequence[tuple[str, list[int]]] = LENGTH_MIXES[1:],
 ) -> list[CheckResult]:
+    """``backend`` with context parallelism over ``cp_group`` against itself without CP (TE: each
+    cp_comm_type; varlen always all-gathers)."""
     cp_size, rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
     results = []
     layouts = []
@@ -173,14 +179,16 @@ def te_cp_vs_te(
         meta_full, meta = make_meta(real, padded, device), make_meta(real, padded, device, cp_group)
         idx = meta.partition_indices[rank].to(device)
         real_local = ~padding_rows(real, padded).to(device)[idx]
-        for comm in CP_COMM_TYPES:
+        for comm in CP_COMM_TYPES if backend == "te" else ("all_gather",):
             h, h_kv = 4 * cp_size, cp_size  # divisible by cp for a2a
             q, k, v, dout = (x.to(device) for x in random_inputs(sum(padded), h, h_kv, seed))
-            ref = run_attention("te", h, h_kv, meta_full, q, k, v, dout, torch.bfloat16)
-            got = run_attention("te", h, h_kv, meta, q[idx], k[idx], v[idx], dout[idx], torch.bfloat16, comm)
+            ref = run_attention(backend, h, h_kv, meta_full, q, k, v, dout, torch.bfloat16)
+            got = run_attention(
+                backend, h, h_kv, meta, q[idx], k[idx], v[idx], dout[idx], torch.bfloat16, comm
+            )
             results.append(
                 compare(
-                    "te cp vs te",
+                    f"{backend} cp vs {backend}",
                     f"{name}, cp {cp_size} {comm}, heads {h}/{h_kv}, rank {rank}",
                     {key: x[real_local] for key, x in got.items()},
                     {key: x[idx][real_local] for key, x in ref.items()},
@@ -241,7 +249,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    from automodel.attention.check_varlen import check_varlen_against_reference, varlen_reason
+    from automodel.attention.check_varlen import (
+        check_varlen_against_reference,
+        varlen_cp_vs_varlen,
+        varlen_reason,
+    )
 
     te_reason, varlen_why = unavailable_reason(), varlen_reason()
     if te_reason is not None and varlen_why is not None:
@@ -264,8 +276,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 results += te_vs_portable(device, args.seed) + cp_indices(device)
             if varlen_why is None:
                 results += check_varlen_against_reference(device, args.seed)
+                results += varlen_cp_vs_varlen(device, args.seed)
         if distributed and te_reason is None:
-            results += te_cp_vs_te(device, args.seed, dist.group.WORLD)
+            results += cp_vs_one_process(device, args.seed, dist.group.WORLD, "te")
+        if distributed and varlen_why is None:
+            results += cp_vs_one_process(device, args.seed, dist.group.WORLD, "varlen")
         if distributed:
             gathered: list[list[CheckResult]] = [[] for _ in range(dist.get_world_size())]
             dist.all_gather_object(gathered, results)

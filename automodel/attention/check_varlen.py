@@ -5,7 +5,8 @@ padding between sequences (the kernel gets the padded offsets), MHA and GQA head
 a window shorter than some sequences, and a window of 1; the varlen backend in bf16 against
 :func:`reference_varlen_attention` in float32 on the same bf16-rounded inputs; out on real rows, and
 dq, dk, dv on all rows (the output gradient is 0 on padding rows, as the loss makes it), within TE's
-bf16 tolerances. ``automodel check-gpu`` runs them wherever the varlen backend can run.
+bf16 tolerances. :func:`varlen_cp_vs_varlen` checks context parallelism through the same kernel.
+``automodel check-gpu`` runs them wherever the varlen backend can run.
 
 Shape legend: T = tokens of the batch, H = query heads, K = key/value heads, D = head dim, L = one
 sequence's length.
@@ -28,8 +29,15 @@ from automodel.attention.check_gpu import (
     padding_cases,
     padding_rows,
     random_inputs,
+    round_up,
 )
-from automodel.attention.varlen import varlen_attention, varlen_unsupported
+from automodel.attention.varlen import (
+    varlen_attention,
+    varlen_cp_layout,
+    varlen_local_queries,
+    varlen_unsupported,
+)
+from automodel.distributed.cp_sharding import thd_get_partitioned_indices
 
 WINDOWS = (None, 48, 1)
 
@@ -108,6 +116,50 @@ def check_varlen_against_reference(
     return results
 
 
+def varlen_cp_vs_varlen(
+    device: torch.device | None = None,
+    seed: int = 0,
+    cp_size: int = 2,
+    length_mixes: Sequence[tuple[str, list[int]]] = LENGTH_MIXES[1:],
+) -> list[CheckResult]:
+    """Context parallelism through the varlen kernel with ``cp_size`` ranks' shards simulated in
+    one process: each rank's queries (per-chunk ``cu_seqlens_q``) against the whole batch's keys
+    (prefix ``cu_seqlens_k``), against the varlen backend without CP; out on real rows, dq, and dk,
+    dv summed over the ranks (what the all-gather's backward reduce-scatters), in bf16, with and
+    without padding, MHA and GQA, with and without a window."""
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    scale = 0.9 / HEAD_DIM**0.5
+    results = []
+    for name, real in length_mixes:
+        padded = round_up(real, 2 * cp_size)
+        cu_padded = torch.tensor([0, *padded]).cumsum(0).to(torch.int32)
+        for label, real_lens in (("padded", real), ("no padding", padded)):
+            pad = padding_rows(real_lens, padded).to(device)
+            for (h, h_kv), window in ((heads, w) for heads in HEADS for w in WINDOWS[:2]):
+                q, k, v, dout = (x.to(device) for x in random_inputs(sum(padded), h, h_kv, seed))
+                dout = dout.view(-1, h, HEAD_DIM)
+                dout[pad] = 0  # the loss reads real tokens only
+                want = _forward_backward(
+                    varlen_attention, q, k, v, dout, torch.bfloat16,
+                    cu_seqlens=cu_padded.to(device), max_seqlen=max(padded), scale=scale, window=window,
+                )  # fmt: skip
+                leaves = [x.to(torch.bfloat16).requires_grad_() for x in (q, k, v)]
+                out = torch.empty_like(leaves[0])
+                for rank in range(cp_size):
+                    idx = thd_get_partitioned_indices(cu_padded, sum(padded), cp_size, rank).long().to(device)
+                    layout = varlen_cp_layout(padded, cp_size, rank).to(device)
+                    local = varlen_local_queries(
+                        leaves[0][idx], leaves[1], leaves[2], layout, scale=scale, window=window
+                    )
+                    local.backward(dout[idx].to(torch.bfloat16))
+                    out[idx] = local.detach()
+                got = dict(out=out[~pad], dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad)
+                want["out"] = want["out"][~pad]
+                case = f"{name}, {label}, cp {cp_size} simulated, heads {h}/{h_kv}, window {window}, T={sum(padded)}"
+                results.append(compare("varlen cp vs varlen", case, got, want, bf16_tolerance(h, h_kv)))
+    return results
+
+
 def varlen_reason() -> str | None:
     """Why the varlen checks cannot run here, or None."""
     device = (
@@ -116,5 +168,5 @@ def varlen_reason() -> str | None:
         else torch.device("cpu")
     )
     return varlen_unsupported(
-        device=device, dtype=torch.bfloat16, softcap=None, sinks=False, cp_size=1, head_dim=HEAD_DIM
+        device=device, dtype=torch.bfloat16, softcap=None, sinks=False, head_dim=HEAD_DIM
     )

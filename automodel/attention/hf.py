@@ -7,6 +7,9 @@ every attention layer. The trainer feeds one packed row (``input_ids [1, T]``, r
 layers hand it down to this function with their own ``scaling``, ``sliding_window``, ``softcap``
 and ``s_aux`` (sinks). No layer reads a device tensor to find the layout.
 
+Every backend gets q, k and v in one compute dtype (:func:`attention_compute_dtype`: the autocast
+dtype under autocast, else the model's) and returns its output in it.
+
 The name is deliberately NOT registered with ``AttentionMaskInterface``: transformers then builds
 no mask at all (``masking_utils._preprocess_mask_arguments`` returns None) and skips its own packed
 detection, which reads the whole row. The flip side, an ``attention_mask`` would be ignored, so
@@ -48,19 +51,12 @@ class BackendFeatures:
     sinks: bool
     mla: bool  # a value head dim other than the query/key one
     dense_mask: bool  # stands for a type's own attention code under a dense mask (torch ops, like portable)
-    context_parallel: bool
 
 
 FEATURES = {
-    "portable": BackendFeatures(
-        window=True, softcap=True, sinks=True, mla=True, dense_mask=True, context_parallel=True
-    ),
-    "te": BackendFeatures(
-        window=False, softcap=False, sinks=False, mla=False, dense_mask=False, context_parallel=True
-    ),
-    "varlen": BackendFeatures(
-        window=True, softcap=False, sinks=False, mla=False, dense_mask=False, context_parallel=False
-    ),
+    "portable": BackendFeatures(window=True, softcap=True, sinks=True, mla=True, dense_mask=True),
+    "te": BackendFeatures(window=False, softcap=False, sinks=False, mla=False, dense_mask=False),
+    "varlen": BackendFeatures(window=True, softcap=False, sinks=False, mla=False, dense_mask=False),
 }
 
 
@@ -109,15 +105,13 @@ class _Core(nn.Module):
         if self.backend == "te":
             return self.inner(q.contiguous(), k.contiguous(), v.contiguous(), meta)
         varlen = importlib.import_module("automodel.attention.varlen")
-        out = varlen.varlen_attention(
-            q,
-            k,
-            v,
-            meta.on_device("cu_seqlens_padded", q.device),
-            meta.max_seqlen,
-            scale=self.scale,
-            window=extras.window,
-        )
+        if meta.cp_size > 1:
+            out = varlen.varlen_context_parallel(q, k, v, meta, scale=self.scale, window=extras.window)
+        else:
+            cu_seqlens_padded = meta.on_device("cu_seqlens_padded", q.device)
+            out = varlen.varlen_attention(
+                q, k, v, cu_seqlens_padded, meta.max_seqlen, scale=self.scale, window=extras.window
+            )
         return out.reshape(q.shape[0], -1)
 
 
@@ -255,7 +249,8 @@ def thd_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """The registered attention function: query ``[1, h, t, d]``, key/value ``[1, h_kv, t, d]``
-    -> (``[1, t, h, d]``, None)."""
+    -> (``[1, t, h, d]``, None), the backend called and the output returned in
+    :func:`attention_compute_dtype`."""
     if attention_mask is not None:
         raise ValueError(
             "the THD attention path got an attention_mask; packed rows carry their layout in thd_layout "
@@ -283,6 +278,18 @@ def thd_attention_forward(
             f"{type(module).__name__} passed scaling={scaling}, its backend was built for {core.scale}"
         )
     window, chunk = mask_restrictions(module, sliding_window)
-    q_thd, k_thd, v_thd = (x[0].transpose(0, 1) for x in (query, key, value))
+    dtype = attention_compute_dtype(query, value)
+    q_thd, k_thd, v_thd = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))
     out = core(q_thd, k_thd, v_thd, thd_layout, LayerExtras(window, softcap, s_aux, chunk))
     return out.view(1, q_thd.shape[0], q_thd.shape[1], -1), None
+
+
+def attention_compute_dtype(query: torch.Tensor, value: torch.Tensor) -> torch.dtype:
+    """The one dtype every backend gets q, k and v in, and returns its output in: the autocast
+    dtype when autocast is on for q's device type (transformers' own SDPA attention runs in it
+    there too), else the value's dtype, the model's (RoPE's float32 cos/sin can promote q and k of
+    a float32 model under autocast to float32 while v, straight from its projection, is bf16)."""
+    device_type = query.device.type
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return value.dtype

@@ -5,11 +5,16 @@ of its own sequence; a padding slot attends causally to the padding slots of its
 So padding never reaches a real token, and every output row is finite.
 
 Without context parallelism each of those spans is one ``scaled_dot_product_attention`` call with
-``is_causal=True`` (a mask only when a sliding window applies). Under context parallelism (CP) the keys and values of all ranks are all-gathered
-over ``meta.cp_group`` (any backend, gloo included; the backward reduce-scatters their gradients to
-their owners), put back in global order with ``meta.partition_indices``, and each local query
-attends at its global position. Masks are per sequence, ``[local tokens of s, tokens of s]``; there
-is never a ``[T, T]`` mask.
+``is_causal=True`` and no mask, on contiguous ``[1, h, L, d]`` inputs with the key/value heads
+repeated to h (no ``enable_gqa``): the form for which SDPA picks its flash or memory-efficient
+kernel on CUDA, O(L) memory. Everything else takes a boolean mask, and SDPA then runs its math
+kernel, which keeps the ``[h, L, L]`` probabilities for the backward, O(L^2) memory: a sliding
+window or chunk shorter than the span, logit softcapping and sinks (computed here with torch ops),
+and context parallelism. Under context parallelism (CP) the keys and values of all ranks are
+all-gathered over ``meta.cp_group`` (any backend, gloo included; the backward reduce-scatters their
+gradients to their owners), put back in global order with ``meta.partition_indices``, and each
+local query attends at its global position. Masks are per sequence, ``[local tokens of s, tokens of
+s]``; there is never a ``[T, T]`` mask. On CUDA the varlen backend computes CP at O(L) memory.
 
 Example, one sequence of 6 real tokens and 2 padding slots, cp_size 2 (chunks of 2): rank 0 holds
 global tokens ``[0 1 6 7]``; token 1 attends to ``{0, 1}``, padding slot 6 to ``{6}``, slot 7 to
@@ -92,10 +97,7 @@ class PortableAttention(nn.Module):
         if meta.cp_size == 1:
             out = self._segments(q, k, v, meta, extras)
         else:
-            kv_local = torch.cat([k, v], dim=-1)  # one collective for both
-            order = inverse_permutation(meta.partition_indices.flatten()).to(q.device, non_blocking=True)
-            kv = gather_tokens(kv_local, meta.cp_group)[order]
-            k_global, v_global = kv.split([self.head_dim, self.head_dim_v], dim=-1)
+            k_global, v_global = gather_global_kv(k, v, meta)
             positions = meta.partition_indices[meta.cp_rank]
             out = local_query_attention(
                 q, k_global, v_global, positions, meta, meta.cp_size, self.softmax_scale, extras
@@ -218,16 +220,25 @@ def _attend(
 def _sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None
 ) -> torch.Tensor:
+    """q ``[n, h, d]``, k/v ``[m, h_kv, d]`` -> ``[n, h, d]``; mask None means top-left causal."""
+    groups = q.shape[1] // k.shape[1]
+    q_1hnd = q.transpose(0, 1)[None].contiguous()
+    k_1hmd, v_1hmd = (x.transpose(0, 1).repeat_interleave(groups, dim=0)[None].contiguous() for x in (k, v))
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        k.transpose(0, 1),
-        v.transpose(0, 1),
-        attn_mask=mask,
-        is_causal=mask is None,
-        scale=scale,
-        enable_gqa=k.shape[1] != q.shape[1],
+        q_1hnd, k_1hmd, v_1hmd, attn_mask=mask, is_causal=mask is None, scale=scale
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
+
+
+def gather_global_kv(
+    k: torch.Tensor, v: torch.Tensor, meta: ThdAttentionMetadata
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's k ``[t, h_kv, d]`` and v ``[t, h_kv, d_v]`` -> the whole batch's ``[T, h_kv, d]``
+    and ``[T, h_kv, d_v]`` in global token order (all-gathered over ``meta.cp_group``, one
+    collective for both; the backward reduce-scatters the gradients to their owners)."""
+    order = inverse_permutation(meta.partition_indices.flatten()).to(k.device, non_blocking=True)
+    kv = gather_tokens(torch.cat([k, v], dim=-1), meta.cp_group)[order]
+    return kv.split([k.shape[-1], v.shape[-1]], dim=-1)
 
 
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:

@@ -2,9 +2,25 @@
 the backend for CUDA machines without Transformer Engine.
 
 What it computes: causal attention inside each sequence of the packed batch, with grouped-query
-attention and an optional sliding window. It has no logit softcapping, no attention sinks and no
-context parallelism; :func:`varlen_unsupported` names what a configuration asks for that it lacks,
-for refusal at setup.
+attention, an optional sliding window and context parallelism (:func:`varlen_context_parallel`).
+It has no logit softcapping and no attention sinks; :func:`varlen_unsupported` names what a
+configuration asks for that it lacks, for refusal at setup.
+
+Every torch in the declared range: ``varlen_attn`` first ships in torch 2.10, and its signature
+grew since (read once with ``inspect.signature``, :class:`VarlenKernel`):
+
+======  ==========================================================  =============================
+torch   keywords after ``max_q, max_k``                             adapted here
+======  ==========================================================  =============================
+<2.10   no ``torch.nn.attention.varlen``                            backend unavailable
+2.10    ``is_causal, return_aux``                                   q pre-scaled, k/v heads
+                                                                    repeated, a window refused
+2.11    ``*, return_aux, scale, window_size``                       k/v heads repeated
+2.13    ``*, return_aux, scale, window_size, enable_gqa, ...``      nothing
+======  ==========================================================  =============================
+
+(read from each release's ``torch/nn/attention/varlen.py``; any other release is adapted the same
+way from what its signature shows.)
 
 Sliding window: transformers' ``sliding_window=W`` lets a token see itself and the W - 1 tokens
 before it (``masking_utils.sliding_window_overlay``: ``kv_idx > q_idx - W``; its flash path passes
@@ -19,18 +35,76 @@ real token still sees exactly the real tokens before it in its own sequence: the
 output, and all gradients when the loss ignores padding rows, equal attention on the real lengths.
 Padding rows attend to their sequence's real tokens too (finite, and ignored by the loss).
 
+Context parallelism: each rank's queries are two chunks of every sequence (chunk ``r`` and
+``2 cp - 1 - r``, :func:`thd_get_partitioned_indices`); after the keys and values are all-gathered,
+each query chunk is one "sequence" of the kernel whose keys are the prefix of its sequence up to
+the chunk's end (per-chunk ``cu_seqlens_q``, prefix ``cu_seqlens_k``). FlashAttention aligns the
+causal diagonal bottom-right when a sequence has more keys than queries, so query i of a chunk
+ending at key position p sees keys up to ``p - (chunk length - 1 - i)``: its own global position.
+Transformer Engine's all-gather CP lays out its kernel calls the same way; memory stays O(L).
+
 Shape legend: T = tokens of the batch, H = query heads, K = key/value heads, D = head dim,
 N = sequences.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
 import torch
+
+from automodel.attention.metadata import ThdAttentionMetadata
 
 FLASH_HEAD_DIM_MAX = 256  # FlashAttention-2: head_dim <= 256 and a multiple of 8
 FLASH_DTYPES = (torch.bfloat16, torch.float16)
 FLASH_MIN_CAPABILITY = (8, 0)  # torch's FlashAttention kernels need Ampere or newer
+VARLEN_MIN_TORCH = "2.10"  # the first release with torch.nn.attention.varlen
 USE_ANOTHER = "choose attention backend 'te' or 'portable'"
+
+
+@dataclass(frozen=True)
+class VarlenKernel:
+    """torch's ``varlen_attn`` and which optional keywords its signature takes."""
+
+    fn: Callable[..., torch.Tensor]
+    takes_scale: bool  # torch >= 2.11
+    takes_window_size: bool  # torch >= 2.11; before, ``is_causal``
+    takes_enable_gqa: bool  # torch >= 2.13
+
+    @classmethod
+    def of(cls, fn: Callable[..., torch.Tensor]) -> VarlenKernel:
+        params = inspect.signature(fn).parameters
+        if "window_size" not in params and "is_causal" not in params:
+            raise ValueError(
+                f"torch {torch.__version__}'s varlen_attn takes neither window_size nor is_causal, so it cannot "
+                f"be asked for causal attention; {USE_ANOTHER}"
+            )
+        return cls(fn, "scale" in params, "window_size" in params, "enable_gqa" in params)
+
+
+@functools.cache
+def installed_varlen_kernel() -> VarlenKernel | None:
+    """This torch's ``varlen_attn``, its signature read once; None before torch 2.10."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return VarlenKernel.of(varlen_attn)
+
+
+def varlen_missing() -> str | None:
+    """Why this torch has no ``varlen_attn``, or None when it has."""
+    if installed_varlen_kernel() is not None:
+        return None
+    return (
+        f"attention backend 'varlen' needs torch >= {VARLEN_MIN_TORCH} (torch.nn.attention.varlen), "
+        f"and this is torch {torch.__version__}; {USE_ANOTHER}"
+    )
 
 
 def varlen_unsupported(
@@ -39,7 +113,6 @@ def varlen_unsupported(
     dtype: torch.dtype,
     softcap: float | None,
     sinks: bool,
-    cp_size: int,
     head_dim: int | None = None,
 ) -> str | None:
     """Why the varlen backend cannot run this configuration, or None when it can.
@@ -48,11 +121,12 @@ def varlen_unsupported(
         device: where attention runs. dtype: the attention compute dtype (the FSDP2 param dtype).
         softcap: the layers' attention logit softcap (Gemma 2), or None.
         sinks: whether the layers pass attention sinks (``s_aux``, GPT-OSS).
-        cp_size: context-parallel degree. head_dim: the layers' head dim, when known.
+        head_dim: the layers' head dim, when known.
     """
+    missing = varlen_missing()
+    if missing is not None:
+        return missing
     name = "attention backend 'varlen' (torch.nn.attention.varlen)"
-    if cp_size > 1:
-        return f"{name} has no context parallelism, but cp_size={cp_size}; {USE_ANOTHER}"
     if softcap is not None:
         return (
             f"{name} has no attention logit softcapping, but the model uses softcap={softcap}; "
@@ -75,10 +149,6 @@ def varlen_unsupported(
     capability = torch.cuda.get_device_capability(device)
     if capability < FLASH_MIN_CAPABILITY:
         return f"{name} needs a GPU of compute capability 8.0 or newer, got {capability}; {USE_ANOTHER}"
-    try:
-        from torch.nn.attention import varlen  # noqa: F401
-    except ImportError as error:
-        return f"{name} is not in torch {torch.__version__} ({error}); {USE_ANOTHER}"
     return None
 
 
@@ -91,6 +161,57 @@ def varlen_window_size(window: int | None) -> tuple[int, int]:
             f"window must be None or a positive int (transformers' sliding_window), got {window!r}"
         )
     return (window - 1, 0)
+
+
+def varlen_call(
+    kernel: VarlenKernel,
+    q_THD: torch.Tensor,
+    k_SKD: torch.Tensor,
+    v_SKD: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    *,
+    scale: float | None,
+    window: int | None,
+) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` for ``kernel.fn``: causal attention (bottom-right aligned where a sequence
+    has more keys than queries), grouped-query heads, ``scale`` and ``window``, in what this
+    kernel's signature takes (see the module docstring). S = key tokens.
+
+    Raises ValueError for a window the kernel cannot apply: one that some sequence exceeds
+    (``max_k > window``) on a torch without ``window_size``.
+    """
+    kwargs: dict = {}
+    groups = q_THD.shape[1] // k_SKD.shape[1]
+    if groups > 1 and kernel.takes_enable_gqa:
+        kwargs["enable_gqa"] = True
+    elif groups > 1:  # query head j uses key/value head j // groups
+        k_SKD, v_SKD = (x.repeat_interleave(groups, dim=1) for x in (k_SKD, v_SKD))
+    default_scale = q_THD.shape[-1] ** -0.5
+    if kernel.takes_scale:
+        kwargs["scale"] = scale
+    elif scale is not None and scale != default_scale:  # the kernel scales by 1/sqrt(D)
+        q_THD = q_THD * (scale / default_scale)
+    if kernel.takes_window_size:
+        kwargs["window_size"] = varlen_window_size(window)
+    else:
+        if window is not None and max_k > window:
+            raise ValueError(
+                f"torch {torch.__version__}'s varlen_attn has no window_size (torch >= 2.11 has it), so it "
+                f"cannot apply sliding_window={window} to sequences of up to {max_k} tokens; upgrade torch, "
+                f"use model.attention_backend=portable, or keep samples within {window} tokens (data.max_length)"
+            )
+        kwargs["is_causal"] = True
+    return (q_THD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, max_q, max_k), kwargs
+
+
+def _kernel() -> VarlenKernel:
+    kernel = installed_varlen_kernel()
+    if kernel is None:
+        raise RuntimeError(varlen_missing())
+    return kernel
 
 
 def varlen_attention(
@@ -116,10 +237,12 @@ def varlen_attention(
 
     Only shapes and dtypes are checked here (no device reads); the layout is the caller's.
     """
-    from torch.nn.attention.varlen import varlen_attn
-
     _check_varlen_args(q_THD, k_THKD, v_THKD, cu_seqlens, max_seqlen)
-    return varlen_attn(
+    if k_THKD.shape[0] != q_THD.shape[0]:
+        raise ValueError(f"q and k/v must hold the same tokens, got {q_THD.shape[0]} and {k_THKD.shape[0]}")
+    kernel = _kernel()
+    args, kwargs = varlen_call(
+        kernel,
         q_THD,
         k_THKD,
         v_THKD,
@@ -128,21 +251,122 @@ def varlen_attention(
         max_seqlen,
         max_seqlen,
         scale=scale,
-        window_size=varlen_window_size(window),
-        enable_gqa=q_THD.shape[1] != k_THKD.shape[1],
+        window=window,
+    )
+    return kernel.fn(*args, **kwargs)
+
+
+class VarlenCpLayout(NamedTuple):
+    """One CP rank's query chunks as sequences of the varlen kernel (host tensors; C = chunks,
+    S = their keys).
+
+    Attributes:
+        key_index: ``[S]`` int64, the global token index of each key, chunk by chunk: the prefix
+            of the chunk's sequence up to the chunk's last token.
+        cu_seqlens_q: ``[C+1]`` int32 offsets of the chunks in this rank's queries.
+        cu_seqlens_k: ``[C+1]`` int32 offsets of their keys in ``key_index``.
+        max_q, max_k: the longest chunk and the longest key prefix.
+    """
+
+    key_index: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+    def to(self, device: torch.device) -> VarlenCpLayout:
+        return VarlenCpLayout(*(x.to(device, non_blocking=True) for x in self[:3]), self.max_q, self.max_k)
+
+
+def varlen_cp_layout(padded_lens: list[int], cp_size: int, cp_rank: int) -> VarlenCpLayout:
+    """The kernel layout of CP rank ``cp_rank``'s queries (in ``thd_get_partitioned_indices``
+    order) against the all-gathered keys in global order, from the padded sequence lengths (each a
+    multiple of ``2 * cp_size``).
+
+    Example, one sequence of 8 tokens, cp_size 2 (chunks of 2): rank 0 holds chunks 0 and 3, so
+    ``cu_seqlens_q = [0, 2, 4]``, keys ``[0 1 | 0 1 2 3 4 5 6 7]``, ``cu_seqlens_k = [0, 2, 10]``.
+    """
+    q_lens, k_lens, key_index = [], [], []
+    start = 0
+    for n in padded_lens:
+        chunk = n // (2 * cp_size)
+        if chunk:
+            for c in (cp_rank, 2 * cp_size - 1 - cp_rank):
+                q_lens.append(chunk)
+                k_lens.append((c + 1) * chunk)
+                key_index.append(torch.arange(start, start + (c + 1) * chunk))
+        start += n
+
+    def offsets(lens: list[int]) -> torch.Tensor:
+        return torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
+
+    return VarlenCpLayout(
+        torch.cat(key_index) if key_index else torch.zeros(0, dtype=torch.int64),
+        offsets(q_lens),
+        offsets(k_lens),
+        max(q_lens, default=0),
+        max(k_lens, default=0),
     )
 
 
+def varlen_local_queries(
+    q_THD: torch.Tensor,
+    k_global: torch.Tensor,
+    v_global: torch.Tensor,
+    layout: VarlenCpLayout,
+    *,
+    scale: float | None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """A CP rank's queries ``[t, H, D]`` (``layout``'s chunks) against the keys and values of the
+    whole batch ``[T, K, D]`` in global order -> ``[t, H, D]``. ``layout``'s tensors on q's device."""
+    _check_varlen_args(q_THD, k_global, v_global, layout.cu_seqlens_q, layout.max_q)
+    kernel = _kernel()
+    args, kwargs = varlen_call(
+        kernel, q_THD, k_global[layout.key_index], v_global[layout.key_index], layout.cu_seqlens_q,
+        layout.cu_seqlens_k, layout.max_q, layout.max_k, scale=scale, window=window,
+    )  # fmt: skip
+    return kernel.fn(*args, **kwargs)
+
+
+_layout_cache: tuple[weakref.ref, torch.device, VarlenCpLayout] | None = None
+
+
+def cp_layout_on(meta: ThdAttentionMetadata, device: torch.device) -> VarlenCpLayout:
+    """:func:`varlen_cp_layout` of this rank, on ``device``; every layer of a step gets the same
+    metadata object, so the last one is kept."""
+    global _layout_cache
+    cached = _layout_cache
+    if cached is not None and cached[0]() is meta and cached[1] == device:
+        return cached[2]
+    layout = varlen_cp_layout(meta.padded_lens.tolist(), meta.cp_size, meta.cp_rank).to(device)
+    _layout_cache = (weakref.ref(meta), device, layout)
+    return layout
+
+
+def varlen_context_parallel(
+    q_THD: torch.Tensor,
+    k_THKD: torch.Tensor,
+    v_THKD: torch.Tensor,
+    meta: ThdAttentionMetadata,
+    *,
+    scale: float | None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """This rank's queries ``[t, H, D]``, keys and values ``[t, K, D]`` under context parallelism
+    -> ``[t, H, D]``: the keys and values are all-gathered over ``meta.cp_group`` (the backward
+    reduce-scatters their gradients) and each query chunk attends to its sequence's prefix."""
+    from automodel.attention.portable import gather_global_kv
+
+    k_global, v_global = gather_global_kv(k_THKD, v_THKD, meta)
+    layout = cp_layout_on(meta, q_THD.device)
+    return varlen_local_queries(q_THD, k_global, v_global, layout, scale=scale, window=window)
+
+
 def _check_varlen_args(q, k, v, cu_seqlens, max_seqlen) -> None:
-    if (
-        q.dim() != 3
-        or k.dim() != 3
-        or k.shape != v.shape
-        or k.shape[0] != q.shape[0]
-        or k.shape[2] != q.shape[2]
-    ):
+    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or k.shape[2] != q.shape[2]:
         raise ValueError(
-            f"q, k, v must be [T, H, D], [T, K, D], [T, K, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+            f"q, k, v must be [T, H, D], [S, K, D], [S, K, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
     if q.shape[1] % k.shape[1]:
         raise ValueError(

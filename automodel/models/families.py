@@ -270,8 +270,3 @@ def check_model_config(
             f"{model_type} with alibi=true builds its ALiBi bias from a [batch, tokens] padding mask, which a "
             "packed row's block-diagonal mask replaces; use a checkpoint with rotary positions (alibi: false)"
         )
-    if cp_size > 1 and not FEATURES[backend].context_parallel:
-        raise ConfigError(
-            f"parallel.cp_size={cp_size} but model.attention_backend={backend!r} cannot shard a sequence; use "
-            "te or portable, or parallel.cp_size=1"
-        )

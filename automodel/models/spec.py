@@ -13,6 +13,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from automodel.attention import ATTENTION_BACKENDS
+from automodel.attention.varlen import varlen_missing
 from automodel.config import refuse_remote_code
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -119,9 +120,14 @@ def check_model_sanity(
 
 
 def check_backend_device(backend: str) -> None:
-    """ValueError at setup for ``varlen`` (torch's CUDA-only ``varlen_attn``) on a machine without CUDA,
-    which would otherwise fail at the first forward."""
-    if backend == "varlen" and not torch.cuda.is_available():
+    """ValueError at setup for ``varlen`` (torch's CUDA-only ``varlen_attn``) on a torch without it or a
+    machine without CUDA, which would otherwise fail at the first forward."""
+    if backend != "varlen":
+        return
+    missing = varlen_missing()
+    if missing is not None:
+        raise ValueError(f"model.attention_backend='varlen': {missing}")
+    if not torch.cuda.is_available():
         raise ValueError(
             "model.attention_backend='varlen' runs torch's varlen_attn, which needs a CUDA GPU, and this machine "
             "has none; use model.attention_backend=auto or portable"

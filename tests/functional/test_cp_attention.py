@@ -1,18 +1,20 @@
 """Context-parallel attention through real torchrun runs over gloo: every rank's output and q/k/v
-gradients equal the single-process result at its tokens (portable backend, and the TE backend
-against the CPU stand-in of Transformer Engine)."""
+gradients equal the single-process result at its tokens (portable backend, the varlen backend
+against the CPU stand-in of torch's varlen_attn, and the TE backend against the CPU stand-in of
+Transformer Engine)."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
 from torchrun import REPO_ROOT, run_torchrun
 
 WORKER = "tests/functional/workers/cp_attention_worker.py"
-# Cases the worker runs on each rank per CP group: 3 portable, 3 TE comm types, check-gpu's CP rows,
-# 1 rejected a2a layout.
-PASS_LINES_PER_GROUP = 8
+# Cases the worker runs on each rank per CP group: 3 portable, check-gpu's varlen CP rows, 3 TE comm
+# types, check-gpu's TE CP rows, 1 rejected a2a layout.
+PASS_LINES_PER_GROUP = 9
 
 
 @pytest.mark.distributed
@@ -21,7 +23,7 @@ def test_cp_attention_matches_single_process():
     result = run_torchrun(
         [WORKER, "--seed", "4"],
         nproc=4,
-        env={"PYTHONPATH": str(REPO_ROOT / "tests" / "te_standin")},
+        env={"PYTHONPATH": os.pathsep.join(str(REPO_ROOT / "tests" / d) for d in ("te_standin", "unit"))},
         timeout=120,
     )
     assert result.returncode == 0, result.stdout

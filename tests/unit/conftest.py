@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import importlib
 import socket
 import sys
 from pathlib import Path
@@ -75,3 +76,29 @@ def llama3_like_tokenizer():
         "{% if add_generation_prompt %}<|hdr|> assistant {% endif %}"
     )
     return tokenizer
+
+
+@pytest.fixture
+def varlen_kernel(monkeypatch: pytest.MonkeyPatch):
+    """``install(version)`` makes torch's ``varlen_attn`` the stand-in with that release's signature
+    (``varlen_standin.BY_VERSION``), or for ``"2.9"`` removes the module as torch 2.9 lacks it;
+    returns the stand-in's call records. automodel's cached kernel lookup is reset around the test."""
+    import torch
+    import varlen_standin
+
+    from automodel.attention.varlen import installed_varlen_kernel
+
+    def install(version: str) -> list[dict]:
+        if version == "2.9":
+            monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", None)
+            monkeypatch.setattr(torch, "__version__", "2.9.0")
+        else:
+            module = importlib.import_module("torch.nn.attention.varlen")
+            monkeypatch.setattr(module, "varlen_attn", varlen_standin.BY_VERSION[version])
+        installed_varlen_kernel.cache_clear()
+        varlen_standin.CALLS.clear()
+        return varlen_standin.CALLS
+
+    yield install
+    monkeypatch.undo()
+    installed_varlen_kernel.cache_clear()

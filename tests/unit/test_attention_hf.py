@@ -128,7 +128,6 @@ def config(model_type: str, **fields):
         (config("gpt_oss", num_local_experts=2, num_experts_per_tok=1), "te", {"max_sample_tokens": 8}, "sinks"),
         (config("mistral", sliding_window=16), "te", {"max_sample_tokens": 17}, "data.max_length"),
         (config("mistral", sliding_window=16), "te", {}, "data.max_length"),
-        (config("llama"), "varlen", {"cp_size": 2}, "parallel.cp_size"),
         (AutoConfig.for_model("gpt2", n_layer=2, attn_pdrop=0.1), "portable", {}, "attn_pdrop=0.1.*set attn_pdrop: 0.0"),
     ],
 )
@@ -241,3 +240,60 @@ def test_dense_mask_types_are_refused_where_a_dense_mask_cannot_be_exact():
     config.alibi = True
     with pytest.raises(ConfigError, match="alibi=true"):
         check_model_config(config, "portable", entry)
+
+
+# ---------------------------------------------------------------------------------------------
+# one compute dtype at the attention boundary
+
+
+@pytest.mark.parametrize("backend", ["portable", "te", "varlen"])
+@pytest.mark.parametrize("precision", ["fp32 model under bf16 autocast", "bf16 model"])
+def test_every_backend_gets_one_dtype_through_a_transformers_layer(
+    backend, precision, request, monkeypatch, varlen_kernel
+):
+    """A tiny LlamaForCausalLM on the registered path: RoPE's float32 cos/sin promote q and k of a
+    float32 model under autocast to float32 while v stays bf16; each backend's entry must still
+    see q, k, v in bf16, and o_proj gets the output in bf16 (what transformers' SDPA returns)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from automodel.attention import PortableAttention, TransformerEngineAttention
+    from automodel.attention.hf import THD_ATTENTION, register_thd_attention
+
+    seen = []
+
+    def record(cls):
+        original = cls.forward
+
+        def forward(self, q, k, v, *args, **kwargs):
+            seen.append((q.dtype, k.dtype, v.dtype))
+            return original(self, q, k, v, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "forward", forward)
+
+    if backend == "te":
+        request.getfixturevalue("te_standin")
+        record(TransformerEngineAttention)
+    elif backend == "varlen":
+        calls = varlen_kernel("2.13")
+    else:
+        record(PortableAttention)
+    register_thd_attention()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY, attn_implementation=THD_ATTENTION))
+    attach_thd_attention(model, backend)
+    o_proj_inputs = []
+    o_proj = model.model.layers[0].self_attn.o_proj
+    o_proj.register_forward_pre_hook(lambda module, args: o_proj_inputs.append(args[0].dtype))
+    lens = [6, 10, 4]
+    ids = torch.randint(1, 64, (1, 20), generator=torch.Generator().manual_seed(1))
+    positions = torch.cat([torch.arange(n) for n in lens])[None]
+    inputs = dict(input_ids=ids, position_ids=positions, thd_layout=layout(lens, lens))
+    if precision == "bf16 model":
+        logits = model.to(torch.bfloat16)(**inputs).logits
+    else:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(**inputs).logits
+    if backend == "varlen":
+        seen = [call["dtypes"] for call in calls]
+    assert seen == [(torch.bfloat16,) * 3] * 2  # one call per layer
+    assert o_proj_inputs == [torch.bfloat16] and torch.isfinite(logits).all()

@@ -242,3 +242,34 @@ def test_build_attention_choices():
         build_attention("flash", 4, 2, 8)
     with pytest.raises(ValueError, match="cp_comm_type must be one of"):
         build_attention("portable", 4, 2, 8, cp_comm_type="ring")
+
+
+def test_plain_causal_spans_call_sdpa_in_its_flash_form_and_masks_only_windows(monkeypatch):
+    """SDPA picks a flash or memory-efficient kernel on CUDA, O(L) memory, only without a mask and
+    without enable_gqa: each plain causal span must be called that way, with contiguous [1, h, L, d]
+    inputs; a window shorter than a span takes a mask (the O(L^2) math kernel). The calls are
+    recorded and passed on to the real SDPA, so the result is checked too."""
+    import torch.nn.functional as F
+
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording_sdpa(q, k, v, *args, **kwargs):
+        calls.append(dict(shapes=(q.shape, k.shape, v.shape), contiguous=all(x.is_contiguous() for x in (q, k, v)),
+                          **kwargs))  # fmt: skip
+        return sdpa(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording_sdpa)
+    real, padded = [5, 3], [7, 3]
+    meta = make_meta(real, padded)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(10, n, 8, generator=g, dtype=torch.float64) for n in (4, 2, 2))
+    out = PortableAttention(4, 2, 8)(q, k, v, meta)
+    torch.testing.assert_close(out, reference_attention(q, k, v, real, padded))
+    # spans: sequence 0's 5 real tokens, its 2 padding slots, sequence 1's 3 real tokens
+    assert [c["shapes"] for c in calls] == [((1, 4, n, 8),) * 3 for n in (5, 2, 3)]
+    assert all(c["contiguous"] and c["attn_mask"] is None and c["is_causal"] for c in calls)
+    assert all("enable_gqa" not in c or c["enable_gqa"] is False for c in calls)
+    calls.clear()
+    PortableAttention(4, 2, 8)(q, k, v, meta, window=4)
+    assert [c["attn_mask"] is None for c in calls] == [False, True, True]  # only the 5-token span exceeds 4

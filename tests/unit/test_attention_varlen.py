@@ -12,7 +12,19 @@ from transformers.masking_utils import causal_mask_function, sliding_window_caus
 
 from automodel.attention import PortableAttention, ThdAttentionMetadata
 from automodel.attention.check_varlen import reference_varlen_attention, varlen_reason, window_causal_mask
-from automodel.attention.varlen import varlen_attention, varlen_unsupported, varlen_window_size
+from automodel.attention.portable import _Extras, local_query_attention
+from automodel.attention.varlen import (
+    VarlenKernel,
+    installed_varlen_kernel,
+    varlen_attention,
+    varlen_cp_layout,
+    varlen_local_queries,
+    varlen_missing,
+    varlen_unsupported,
+    varlen_window_size,
+)
+from automodel.distributed.cp_sharding import thd_get_partitioned_indices
+from automodel.models.spec import check_backend_device
 
 
 def transformers_mask(length: int, window: int | None) -> torch.Tensor:
@@ -64,6 +76,10 @@ class RecordOps(TorchDispatchMode):
 
 @pytest.mark.parametrize(("heads", "window"), [((4, 4), None), ((4, 2), 5), ((6, 1), 1)])
 def test_arguments_reach_torch_varlen_op(heads, window):
+    """This torch's own op, run on meta tensors."""
+    kernel = installed_varlen_kernel()
+    if kernel is None or not kernel.takes_window_size:
+        pytest.skip(f"torch {torch.__version__}'s varlen_attn is covered by the stand-in tests")
     h, h_kv = heads
     q = torch.empty(10, h, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.empty(10, h_kv, 64, device="meta", dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
@@ -74,10 +90,14 @@ def test_arguments_reach_torch_varlen_op(heads, window):
         out.sum().backward()
     assert out.shape == (10, h, 64) and k.grad.shape == k.shape
     (call,) = forward.calls
-    assert [call[name] for name in ("query", "key", "value", "cu_seq_q", "cu_seq_k")] == [q, k, v, cu, cu]
+    assert [call[name] for name in ("query", "cu_seq_q", "cu_seq_k")] == [q, cu, cu]
     assert (call["max_q"], call["max_k"], call["scale"]) == (6, 6, 0.3)
     assert list(call["window_size"]) == list(varlen_window_size(window))
-    assert call["is_causal"] == (window is None) and call["enable_gqa"] == (h != h_kv)
+    assert call["is_causal"] == (window is None)
+    if kernel.takes_enable_gqa:
+        assert [call["key"], call["value"]] == [k, v] and call["enable_gqa"] == (h != h_kv)
+    else:
+        assert call["key"].shape == call["value"].shape == (10, h, 64)
     (call_backward,) = backward.calls
     assert list(call_backward["window_size"]) == list(call["window_size"])
     assert (call_backward["scale"], call_backward["is_causal"]) == (0.3, call["is_causal"])
@@ -134,7 +154,6 @@ def test_padded_offsets_give_real_lengths_result(window):
 @pytest.mark.parametrize(
     ("kwargs", "named"),
     [
-        ({"cp_size": 2}, "cp_size"),
         ({"softcap": 50.0}, "softcap"),
         ({"sinks": True}, "sinks"),
         ({"head_dim": 100}, "head dim"),
@@ -144,9 +163,7 @@ def test_padded_offsets_give_real_lengths_result(window):
     ],
 )
 def test_unsupported_features_are_named(kwargs, named):
-    args = (
-        dict(device="cuda", dtype=torch.bfloat16, softcap=None, sinks=False, cp_size=1, head_dim=64) | kwargs
-    )
+    args = dict(device="cuda", dtype=torch.bfloat16, softcap=None, sinks=False, head_dim=64) | kwargs
     reason = varlen_unsupported(**args)
     assert reason is not None and named in reason and "varlen" in reason
 
@@ -164,6 +181,7 @@ def test_unavailable_here_without_cuda():
         ({"max_seqlen": torch.tensor(6)}, "max_seqlen"),
         ({"k": torch.zeros(10, 3, 8), "v": torch.zeros(10, 3, 8)}, "heads"),
         ({"v": torch.zeros(9, 2, 8)}, "q, k, v"),
+        ({"k": torch.zeros(9, 2, 8), "v": torch.zeros(9, 2, 8)}, "same tokens"),
         ({"window": 0}, "window"),
     ],
 )
@@ -189,3 +207,134 @@ def test_bad_arguments_are_refused_before_the_kernel(change, named):
             scale=None,
             window=args["window"],
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# every torch in the declared range: the kernel's signature read once, the call adapted to it
+
+
+def test_each_releases_signature_is_read():
+    import varlen_standin
+
+    flags = {
+        version: (kernel.takes_scale, kernel.takes_window_size, kernel.takes_enable_gqa)
+        for version, fn in varlen_standin.BY_VERSION.items()
+        for kernel in [VarlenKernel.of(fn)]
+    }
+    assert flags == {"2.10": (False, False, False), "2.11": (True, True, False), "2.13": (True, True, True)}
+    if torch.__version__.startswith("2.13"):  # the stand-in's signature is the installed release's
+        import inspect
+
+        from torch.nn.attention.varlen import varlen_attn
+
+        assert list(inspect.signature(varlen_standin.varlen_attn_2_13).parameters) == list(
+            inspect.signature(varlen_attn).parameters
+        )
+
+
+@pytest.mark.parametrize("version", ["2.10", "2.11", "2.13"])
+@pytest.mark.parametrize(
+    ("heads", "window", "scale"), [((4, 4), None, None), ((4, 2), None, 0.3), ((6, 2), 3, 0.3)]
+)
+def test_varlen_attention_through_each_signature(varlen_kernel, version, heads, window, scale):
+    """Against the stand-in of each release: the per-sequence reference, forward and backward, or,
+    where the release cannot apply the window, a refusal naming the torch version."""
+    calls = varlen_kernel(version)
+    h, h_kv = heads
+    real, padded = [5, 2, 7], [6, 2, 8]
+    cu_real, cu_padded = cumsum(real), cumsum(padded)
+    pad = torch.cat([torch.arange(p) >= r for r, p in zip(real, padded, strict=True)])
+    q, k, v = random_qkv(sum(padded), h, h_kv)
+    dout = torch.randn(q.shape, dtype=torch.float64).masked_fill(pad[:, None, None], 0)
+
+    def run(q, k, v):
+        return varlen_attention(q, k, v, cu_padded, max(padded), scale=scale, window=window)
+
+    if version == "2.10" and window is not None:
+        with pytest.raises(ValueError, match=r"torch .*varlen_attn has no window_size .*sliding_window=3"):
+            run(q, k, v)
+        return
+    got = forward_backward(run, q, k, v, dout)
+    want = forward_backward(
+        lambda q, k, v: reference_varlen_attention(q, k, v, cu_real, cu_padded, scale=scale, window=window),
+        q, k, v, dout,
+    )  # fmt: skip
+    torch.testing.assert_close(got[0][~pad], want[0][~pad], rtol=1e-12, atol=1e-12)
+    for a, b in zip(got[1:], want[1:], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    (call,) = calls
+    gqa = version == "2.13"
+    assert call["heads"] == (h, h_kv if gqa else h) and call["enable_gqa"] == (gqa and h != h_kv)
+    assert call["scale"] == (scale if version != "2.10" else None)
+
+
+def test_torch_without_varlen_reports_the_backend_unavailable(varlen_kernel, monkeypatch):
+    varlen_kernel("2.9")
+    reason = varlen_missing()
+    assert "needs torch >= 2.10" in reason and "this is torch 2.9.0" in reason
+    args = dict(device="cuda", dtype=torch.bfloat16, softcap=None, sinks=False, head_dim=64)
+    assert varlen_unsupported(**args) == reason
+    with pytest.raises(ValueError, match=r"model.attention_backend='varlen'.*torch >= 2.10.*torch 2.9.0"):
+        check_backend_device("varlen")
+    import automodel.attention as attention
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(attention, "te_pytorch", lambda: None)
+    assert attention.resolve_attention_backend("auto") == "portable"
+
+
+# ---------------------------------------------------------------------------------------------
+# context parallelism: per-chunk queries against prefix keys, bottom-right aligned
+
+
+def test_cp_layout_by_hand():
+    # one sequence of 8 tokens over 2 ranks (chunks of 2): rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
+    rank0, rank1 = varlen_cp_layout([8], 2, 0), varlen_cp_layout([8], 2, 1)
+    assert rank0.key_index.tolist() == [0, 1, 0, 1, 2, 3, 4, 5, 6, 7]
+    assert rank0.cu_seqlens_q.tolist() == [0, 2, 4] and rank0.cu_seqlens_k.tolist() == [0, 2, 10]
+    assert (rank0.max_q, rank0.max_k) == (2, 8)
+    assert rank1.key_index.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4, 5]
+    assert rank1.cu_seqlens_k.tolist() == [0, 4, 10] and rank1.cu_seqlens_q.dtype == torch.int32
+    # a second sequence's keys start at its own offset; an empty one adds no chunk
+    two = varlen_cp_layout([4, 0, 4], 2, 1)
+    assert two.key_index.tolist() == [0, 1, 0, 1, 2, 4, 5, 4, 5, 6]
+    assert two.cu_seqlens_q.tolist() == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("version", ["2.11", "2.13"])
+@pytest.mark.parametrize(("cp_size", "window"), [(2, None), (3, None), (2, 3)])
+def test_varlen_cp_equals_the_portable_cp_path_and_one_process(varlen_kernel, version, cp_size, window):
+    """Every rank's queries through the varlen CP layout (the stand-in honouring cu_seqlens_q/k
+    bottom-right) against the portable backend's CP path on the same global keys, and the sum of
+    the ranks' key/value gradients against one process: real rows of out, all of dq, dk, dv."""
+    varlen_kernel(version)
+    real = [5, 1, 9, 3]
+    padded = [-(-n // (2 * cp_size)) * (2 * cp_size) for n in real]
+    cu_real, cu_padded = cumsum(real), cumsum(padded)
+    total = sum(padded)
+    meta = ThdAttentionMetadata(cu_real, cu_padded, max(padded))
+    pad = torch.cat([torch.arange(p) >= r for r, p in zip(real, padded, strict=True)])
+    q, k, v = random_qkv(total, 4, 2)
+    dout = torch.randn(q.shape, dtype=torch.float64).masked_fill(pad[:, None, None], 0)
+    scale = 0.4
+    leaves = {name: [x.clone().requires_grad_() for x in (q, k, v)] for name in ("varlen", "portable")}
+    for rank in range(cp_size):
+        positions = thd_get_partitioned_indices(cu_padded, total, cp_size, rank).long()
+        real_rows = ~pad[positions]
+        lq, lk, lv = leaves["varlen"]
+        layout = varlen_cp_layout(padded, cp_size, rank)
+        got = varlen_local_queries(lq[positions], lk, lv, layout, scale=scale, window=window)
+        pq, pk, pv = leaves["portable"]
+        want = local_query_attention(
+            pq[positions], pk, pv, positions, meta, cp_size, scale, _Extras(window=window)
+        )
+        torch.testing.assert_close(got[real_rows], want[real_rows], rtol=1e-12, atol=1e-12)
+        (got * dout[positions]).sum().backward()
+        (want * dout[positions]).sum().backward()
+    one_process = forward_backward(
+        lambda q, k, v: reference_varlen_attention(q, k, v, cu_real, cu_padded, scale=scale, window=window),
+        q, k, v, dout,
+    )  # fmt: skip
+    for name in ("varlen", "portable"):
+        for a, b in zip(leaves[name], one_process[1:], strict=True):
+            torch.testing.assert_close(a.grad, b, rtol=1e-12, atol=1e-12)

@@ -56,3 +56,18 @@ def test_table_marks_failures():
 def test_tolerances_are_tes():
     assert check_gpu.bf16_tolerance(8, 8) == 2.5e-2
     assert check_gpu.bf16_tolerance(8, 2) == 3.5e-2
+
+
+def test_varlen_cp_row_passes_against_the_standin_on_cpu(varlen_kernel):
+    """check-gpu's "varlen cp vs varlen" row, 2 ranks simulated in one process, with torch's kernel
+    replaced by the CPU stand-in of its 2.13 signature (which honours cu_seqlens_q/k bottom-right)."""
+    from automodel.attention.check_varlen import varlen_cp_vs_varlen
+
+    calls = varlen_kernel("2.13")
+    results = varlen_cp_vs_varlen(torch.device("cpu"), seed=0, length_mixes=[("length mix", [7, 30, 1, 19])])
+    assert len(results) == 2 * 2 * 2  # padding x heads x windows
+    assert all(r.passed for r in results), check_gpu.format_table(results)
+    assert {r.check for r in results} == {"varlen cp vs varlen"}
+    # per simulated rank a call with 2 query chunks per sequence against longer key prefixes
+    cp_calls = [c for c in calls if c["max_k"] > c["max_q"]]
+    assert len(cp_calls) == 2 * len(results)

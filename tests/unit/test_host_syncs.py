@@ -113,10 +113,12 @@ def test_bench_gpu_runs_tiny_on_cpu(tmp_path, capsys):
     assert cli_main(["bench", "gpu", "--steps", "1", "--warmup", "1", "--pack-sizes", "256", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     cases = {c["name"]: c for c in report["cases"]}
-    assert set(cases) == {"tiny 256 portable packed", "tiny 256 portable padded", "tiny 256 portable packed +ac"}
-    for case in cases.values():
+    assert set(cases) == {"tiny 256 portable packed", "tiny 256 portable padded", "tiny 256 portable packed +ac",
+                          "tiny 256 sdpa peer"}  # fmt: skip
+    for name, case in cases.items():
         assert "error" not in case and len(case["records"]) == 2
-        assert all(0 < r["real_tokens"] <= 256 and r["label_tokens"] < r["real_tokens"] for r in case["records"])
+        slots = 8 * 128 if name.endswith("peer") else 256  # the peer: 8 rows of at most max_length
+        assert all(0 < r["real_tokens"] <= slots and r["label_tokens"] < r["real_tokens"] for r in case["records"])
         assert case["mfu"] is None and case["host_syncs"] is None  # neither is measured without CUDA
     # activation checkpointing recomputes, it does not change the numbers
     plain, checkpointed = cases["tiny 256 portable packed"], cases["tiny 256 portable packed +ac"]
@@ -124,6 +126,7 @@ def test_bench_gpu_runs_tiny_on_cpu(tmp_path, capsys):
     assert [row["case"] for row in report["loss"]] == ["chunked", "naive"]
     table = capsys.readouterr().out
     assert "tiny 256 portable: packed" in table and "x padded real tokens/s" in table
+    assert "tiny 256 portable packed / peer (transformers sdpa, padded batches of 8): " in table
 
 
 def test_per_sample_log_prob_sums_never_read_the_device():

@@ -8,7 +8,8 @@ tokens against the same backend without CP on the whole batch, index-selected wi
 indices; forward and q/k/v gradients. Any mismatch raises (non-zero exit). Each rank prints one
 ``CP-ATTENTION PASS ...`` line per case.
 
-Backends: ``portable`` always; ``te`` when ``transformer_engine`` imports (the CPU stand-in in
+Backends: ``portable`` always; ``varlen`` through check-gpu's CP comparison with torch's kernel
+replaced by the CPU stand-in (tests/unit/varlen_standin.py on PYTHONPATH); ``te`` when ``transformer_engine`` imports (the CPU stand-in in
 tests/te_standin on PYTHONPATH), for each cp_comm_type, plus check-gpu's CP comparison.
 """
 
@@ -128,10 +129,18 @@ def check_cp_group(group, seed: int, pack_size: int) -> None:
             f"cp={cp_size} rank={rank} tokens={batch['input_ids'].numel()} max_abs_err {summary}",
             flush=True,
         )
+    # the varlen backend's CP (all-gather over gloo, per-chunk queries against prefix keys) through
+    # check-gpu's comparison, with torch's varlen_attn replaced by the CPU stand-in of its 2.13 signature
+    results = check_gpu.cp_vs_one_process(
+        torch.device("cpu"), seed, group, "varlen", [("length mix", [7, 30, 1, 19])]
+    )
+    if not all(r.passed for r in results):
+        raise AssertionError(check_gpu.format_table(results))
+    print(f"CP-ATTENTION PASS check_gpu varlen cp vs varlen: {len(results)} rows cp={cp_size} rank={rank}", flush=True)
     if te_pytorch() is not None:
         # check-gpu's CP rows, on the stand-in: the same comparison it makes on GPUs.
-        results = check_gpu.te_cp_vs_te(
-            torch.device("cpu"), seed, group, [("length mix", [7, 30, 1, 19])]
+        results = check_gpu.cp_vs_one_process(
+            torch.device("cpu"), seed, group, "te", [("length mix", [7, 30, 1, 19])]
         )
         if not all(r.passed for r in results):
             raise AssertionError(check_gpu.format_table(results))
@@ -152,7 +161,19 @@ def check_cp_group(group, seed: int, pack_size: int) -> None:
             )
 
 
+def use_varlen_standin() -> None:
+    """torch's varlen_attn -> the CPU stand-in (tests/unit/varlen_standin.py, on PYTHONPATH)."""
+    import torch.nn.attention.varlen as torch_varlen
+    import varlen_standin
+
+    from automodel.attention.varlen import installed_varlen_kernel
+
+    torch_varlen.varlen_attn = varlen_standin.varlen_attn_2_13
+    installed_varlen_kernel.cache_clear()
+
+
 def main() -> None:
+    use_varlen_standin()
     parser = argparse.ArgumentParser()
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pack-size", type=int, default=32)

@@ -351,7 +351,15 @@ class DotProductAttention(torch.nn.Module):
 def _dense_thd_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: list[int], real_lens: list[int], scale: float
 ) -> torch.Tensor:
-    """Reference: for each sequence, a full [n, n] causal softmax in float32; other rows zero."""
+    """Reference: for each sequence, a full [n, n] causal softmax in float32; other rows zero.
+    Autocast off: TE's kernels compute in the inputs' dtype whatever autocast says."""
+    with torch.autocast(q.device.type, enabled=False):
+        return _dense_thd_attention_fp32(q, k, v, offsets, real_lens, scale)
+
+
+def _dense_thd_attention_fp32(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: list[int], real_lens: list[int], scale: float
+) -> torch.Tensor:
     t, h, d = q.shape
     group = h // k.shape[1]
     out = torch.zeros(t, h, d, dtype=torch.float32, device=q.device)
