@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     set_model_state_dict,
 )
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from automodel.attention import ThdAttentionMetadata, resolve_attention_backend
@@ -40,7 +41,14 @@ from automodel.attention.hf import (
 )
 from automodel.data.sft import end_of_turn_token_id
 from automodel.loss import chunked_cross_entropy_sum, chunked_token_log_probs
-from automodel.models.families import check_config_fields, check_model_config, config_verdict, table_verdict
+from automodel.models.families import (
+    check_config_fields,
+    check_model_config,
+    check_own_class,
+    check_vocabulary,
+    config_verdict,
+    table_verdict,
+)
 from automodel.models.frozen_base import quantize_frozen_base, store_frozen_base
 from automodel.models.hf_io import UnshardableCheckpoint, export_hf, load_sharded, publish
 from automodel.models.lora import LoraConfig, export_adapter
@@ -205,28 +213,39 @@ def setup_checks(
     max_sample_tokens: int | None,
     row_tokens: int | None = None,
 ) -> tuple[PretrainedConfig, dict]:
-    """Every check of the model that needs no weights, in the first seconds of a run: config
-    readable, the differential check on this config (``model.verify``; else the table's verdict on
-    the type's default config), features vs backend, tokenizer vs vocabulary, cp_size, windows vs
-    sample length, and the checkpoint's tensor names and shapes from its safetensors headers.
+    """Every check of the model that needs no weights: :func:`config_checks`, then
+    :func:`checkpoint_checks`. Returns what :func:`config_checks` returns."""
+    config, entry = config_checks(spec, cp_size=cp_size, max_sample_tokens=max_sample_tokens, row_tokens=row_tokens)
+    checkpoint_checks(spec, config, vocab_needed=vocab_needed)
+    return config, entry
+
+
+def config_checks(
+    spec: ModelSpec, *, cp_size: int, max_sample_tokens: int | None, row_tokens: int | None = None
+) -> tuple[PretrainedConfig, dict]:
+    """The checks that need only the recipe, in the first seconds of a run, before the run directory
+    is written: config readable, its own model class, its fields, the differential check on this
+    config (``model.verify``; else the table's verdict on the type's default config), features vs
+    backend, cp_size, windows vs sample length.
 
     Returns:
-        The config and the verdict (a table entry: status, features, backends), which
-        :func:`build_model` takes."""
+        The config and the verdict (a table entry: status, features, backends), whose
+        ``dense_mask`` (:func:`~automodel.models.families.uses_dense_mask`) :func:`build_model` takes."""
     config = spec.hf_config()
+    check_own_class(config)
     check_model_sanity(config, max_sample_tokens=max_sample_tokens, exceed_max_positions=spec.exceed_max_positions)
     backend = resolve_attention_backend(spec.attention_backend)
     check_backend_device(backend)
-    check_config_fields(config, vocab_needed=vocab_needed)
-    if spec.verify:
-        entry = config_verdict(config, sample_tokens=max_sample_tokens, row_tokens=row_tokens)
-    else:
-        logger.warning(
-            "model.verify=false: this config's packed step is not checked against each sample alone; the "
-            "supported table's verdict on the %s default config is used", config.model_type,
-        )
-        entry = table_verdict(config)
+    check_config_fields(config)
+    entry = model_verdict(spec, config, max_sample_tokens=max_sample_tokens, row_tokens=row_tokens)
     check_model_config(config, backend, entry, cp_size=cp_size, max_sample_tokens=max_sample_tokens)
+    return config, entry
+
+
+def checkpoint_checks(spec: ModelSpec, config: PretrainedConfig, *, vocab_needed: int | None) -> None:
+    """The tokenizer against the vocabulary (``vocab_needed``: ``len(tokenizer)``, None skips it) and
+    the checkpoint's tensor names and shapes from its safetensors headers."""
+    check_vocabulary(config, vocab_needed)
     if spec.pretrained_path is not None:
         with torch.device("meta"):
             meta = AutoModelForCausalLM.from_config(config, trust_remote_code=spec.trust_remote_code)
@@ -234,7 +253,20 @@ def setup_checks(
             spec.pretrained_path, {k: tuple(v.shape) for k, v in meta.state_dict().items()},
             tied=bool(getattr(config.get_text_config(), "tie_word_embeddings", False)),
         )
-    return config, entry
+
+
+def model_verdict(
+    spec: ModelSpec, config: PretrainedConfig, *, max_sample_tokens: int | None, row_tokens: int | None
+) -> dict:
+    """The differential check's verdict on this config (``model.verify``, cached), else the supported
+    table's on the type's default config, with a warning."""
+    if spec.verify:
+        return config_verdict(config, sample_tokens=max_sample_tokens, row_tokens=row_tokens)
+    logger.warning(
+        "model.verify=false: this config's packed step is not checked against each sample alone; the "
+        "supported table's verdict on the %s default config is used", config.model_type,
+    )
+    return table_verdict(config)
 
 
 def build_model(
@@ -348,7 +380,9 @@ def load_from_rank0(
         check_finite(state, f"model.pretrained_path={spec.pretrained_path!r}" if spec.pretrained_path else "init")
         buffers = [{k: v for k, v in source.named_buffers() if k not in persistent}]
         del source
-    distributed = dist.is_initialized()
+    # weights reach the other ranks' shards by broadcast; an unsharded model (the exactness check's,
+    # built on one rank) loads here alone
+    distributed = dist.is_initialized() and any(isinstance(p, DTensor) for p in model.parameters())
     set_model_state_dict(
         model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=distributed)
     )

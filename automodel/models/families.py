@@ -114,8 +114,8 @@ def config_verdict(
 ) -> dict:
     """The differential check on the run's own config (:func:`~automodel.models.verify.width_config`)
     with one packed row of samples as long as the run's longest (:func:`~automodel.models.verify.check_lengths`),
-    as a table entry. Cached in ``cache_dir`` (default :func:`exactness_cache_dir`) by the checked
-    config, the lengths, the transformers and project versions: a second run pays nothing. Under
+    as a table entry. A verified config is cached in ``cache_dir`` (default :func:`exactness_cache_dir`)
+    by the checked config, the lengths, the transformers and project versions: a second run pays nothing. Under
     ``torch.distributed`` rank 0 runs it and every rank gets its verdict."""
     checked = width_config(config)
     lengths = check_lengths(sample_tokens or row_tokens or 64, row_tokens)
@@ -148,11 +148,12 @@ def _cached_or_checked(checked: PretrainedConfig, lengths: tuple[int, ...], path
     start = time.perf_counter()
     verdict = verify_config(checked, lengths)
     entry = {k: v for k, v in asdict(verdict).items() if v not in ("", [], None)}
-    if verdict.status == "verified":
-        logger.info(
-            "exactness verified for this config (%s; max rel error %.1e, %.1f s)", what, verdict.max_error,
-            time.perf_counter() - start,
-        )
+    if verdict.status != "verified":  # not cached: a refusal stops the run, and may come from the machine
+        return entry
+    logger.info(
+        "exactness verified for this config (%s; max rel error %.1e, %.1f s)", what, verdict.max_error,
+        time.perf_counter() - start,
+    )
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         staging = path.with_suffix(f".{os.getpid()}.tmp")
@@ -187,22 +188,17 @@ def check_supported_type(config: PretrainedConfig, backend: str, entry: dict) ->
         )
 
 
-def check_config_fields(config: PretrainedConfig, *, vocab_needed: int | None = None) -> None:
-    """A :class:`ConfigError` for the config's own fields that no run can train exactly, before the differential check spends
-    its seconds: RoPE scaled by the whole row's length, a tokenizer larger than the vocabulary, and
-    attention dropout (the THD kernels apply none, and dropped probabilities would differ from
-    each sample alone)."""
+def check_config_fields(config: PretrainedConfig) -> None:
+    """A :class:`ConfigError` for the config's own fields that no run can train exactly, before the
+    differential check spends its seconds: RoPE scaled by the whole row's length, and attention
+    dropout (the THD kernels apply none, and dropped probabilities would differ from each sample
+    alone)."""
     model_type = config.model_type
     bad_rope = rope_types(config) & set(REFUSED_ROPE_TYPES)
     if bad_rope:
         raise ConfigError(
             f"{model_type}: rope_type {sorted(bad_rope)} depends on the whole packed row's length, so packing "
             "would change it; use a checkpoint with default, linear, yarn or llama3 RoPE"
-        )
-    if vocab_needed is not None and vocab_needed > config.vocab_size:
-        raise ConfigError(
-            f"the tokenizer (data.tokenizer) has {vocab_needed} tokens but {model_type}'s vocab_size is "
-            f"{config.vocab_size}; use the checkpoint's own tokenizer"
         )
     for name, value in config.to_dict().items():
         attention = "attn" in name or "attention" in name
@@ -211,6 +207,15 @@ def check_config_fields(config: PretrainedConfig, *, vocab_needed: int | None = 
                 f"{model_type} has {name}={value}: the THD attention applies no attention dropout; set {name}: 0.0 "
                 "in model.config (or config.json of model.pretrained_path)"
             )
+
+
+def check_vocabulary(config: PretrainedConfig, vocab_needed: int | None) -> None:
+    """A :class:`ConfigError` when the tokenizer (``len(tokenizer)``) is larger than the vocabulary."""
+    if vocab_needed is not None and vocab_needed > config.vocab_size:
+        raise ConfigError(
+            f"the tokenizer (data.tokenizer) has {vocab_needed} tokens but {config.model_type}'s vocab_size is "
+            f"{config.vocab_size}; use the checkpoint's own tokenizer"
+        )
 
 
 def check_model_config(
@@ -233,7 +238,6 @@ def check_model_config(
         max_sample_tokens: the longest sample the data can produce (``data.max_length``), if known.
     """
     model_type = config.model_type
-    check_own_class(config)
     check_supported_type(config, backend, entry)
     # A window or chunk applies only where the backend computes it and the check verified it for the type.
     needs, verified = attention_needs(config), set(entry.get("features", []))

@@ -21,15 +21,16 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from automodel.attention import ThdAttentionMetadata, resolve_attention_backend
+from automodel.attention import ThdAttentionMetadata
 from automodel.config import build_section
 from automodel.data.batching import LoaderEnv
 from automodel.distributed import make_cp_batch_for_te
 from automodel.distributed.parallel import apply_fsdp, init_distributed
 from automodel.errors import ConfigError, DataError, ModelError, UserError
 from automodel.loss import label_positions
-from automodel.models import CausalLMForTraining, build_model, export_model, setup_checks
-from automodel.models.families import check_own_class, check_supported_type, table_verdict, uses_dense_mask
+from automodel.models import CausalLMForTraining, build_model, export_model
+from automodel.models.build import checkpoint_checks, config_checks
+from automodel.models.families import uses_dense_mask
 from automodel.training.checkpoint import Checkpointer, NonFiniteError
 from automodel.training.console import configure_console, on_terminal
 from automodel.training.host_syncs import record_host_syncs
@@ -69,14 +70,12 @@ class FinetuneRecipe:
         except ValueError as error:
             raise ConfigError(str(error)) from None
         configure_console(self.dims.is_main)
-        # Before anything is written: the checkpoint's own model class, and without model.verify the type
-        # and its features against the supported table (with it, setup_checks runs the check on this config).
+        # Before anything is written: the model config, and the differential check on it (model.verify, cached)
         with _as_user_error(ModelError):
-            config = self.model_spec.hf_config()
-            check_own_class(config)
-            if not self.model_spec.verify:
-                backend = resolve_attention_backend(self.model_spec.attention_backend)
-                check_supported_type(config, backend, table_verdict(config))
+            self.hf_config, self.model_verdict = config_checks(
+                self.model_spec, cp_size=self.dims.cp_size, max_sample_tokens=self._longest_sample(),
+                row_tokens=self._row_tokens(),
+            )
         # Lock, resume checks and the saved recipe: all before any data or model work.
         self.run_dir = RunDirectory(self.output_dir, self.dims.rank)
         run_id, resume_from = self.run_dir.prepare(self.cfg, self.trainer, self.dims.world_size, self.dims.dp_size)
@@ -93,11 +92,8 @@ class FinetuneRecipe:
 
         with _as_user_error(ConfigError):  # data.tokenizer: a path or name the recipe gives
             self.tokenizer = self.data.load_tokenizer(trust_remote_code=self.model_spec.trust_remote_code)
-        with _as_user_error(ModelError):  # every model check that needs no weights, before tokenizing and packing
-            self.hf_config, self.model_verdict = setup_checks(
-                self.model_spec, cp_size=self.dims.cp_size, vocab_needed=len(self.tokenizer),
-                max_sample_tokens=self._longest_sample(), row_tokens=self._row_tokens(),
-            )
+        with _as_user_error(ModelError):  # the tokenizer and checkpoint against the model, before tokenizing and packing
+            checkpoint_checks(self.model_spec, self.hf_config, vocab_needed=len(self.tokenizer))
             if self.lora is not None:
                 self.lora.check_model(self.hf_config)
         # rank 0 fills the datasets cache, the others read it; a bad row raised in a worker process

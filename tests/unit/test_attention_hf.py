@@ -10,7 +10,7 @@ from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 from automodel.attention import ThdAttentionMetadata
 from automodel.attention.hf import AttentionProbe, attach_thd_attention, thd_cores
 from automodel.models import ModelSpec, build_model, check_model_config, setup_checks
-from automodel.models.families import check_config_fields, supported_table, table_verdict
+from automodel.models.families import check_config_fields, check_vocabulary, supported_table, table_verdict
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8)
@@ -133,7 +133,8 @@ def config(model_type: str, **fields):
 )
 def test_setup_refuses_with_the_field_named(cfg, backend, kwargs, field):
     with pytest.raises(ValueError, match=field):
-        check_config_fields(cfg, vocab_needed=kwargs.pop("vocab_needed", None))
+        check_config_fields(cfg)
+        check_vocabulary(cfg, kwargs.pop("vocab_needed", None))
         check_model_config(cfg, backend, table_verdict(cfg), **kwargs)
 
 

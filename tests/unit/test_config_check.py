@@ -118,7 +118,7 @@ def test_a_planted_position_bug_in_build_row_fails_the_check(tmp_path, monkeypat
     assert entry["status"] == "refused" and "logits rel err" in entry["reason"]
 
 
-def test_the_verdict_is_cached_and_a_damaged_cache_file_is_checked_again(tmp_path, caplog):
+def test_a_verified_config_is_cached_and_a_damaged_cache_file_is_checked_again(tmp_path, caplog):
     config = AutoConfig.for_model("qwen3", num_hidden_layers=2)
     with caplog.at_level(logging.INFO, logger="automodel.models.families"):
         first = verdict(config, tmp_path, sample_tokens=12)
@@ -130,9 +130,11 @@ def test_the_verdict_is_cached_and_a_damaged_cache_file_is_checked_again(tmp_pat
     assert first["status"] == "verified"
     assert sum("checking this config" in m for m in messages) == 2  # the first run and the damaged file
     assert sum("exactness verified for this config" in m and "cached" in m for m in messages) == 1
-    # another sample length is another check
+    # another sample length is another check; a refusal is not cached (the run stops, and may retry)
     verdict(config, tmp_path, sample_tokens=13)
     assert len(list(tmp_path.glob("qwen3-*.json"))) == 2
+    verdict(AutoConfig.for_model("lfm2", num_hidden_layers=2, layer_types=["conv", "full_attention"]), tmp_path, 12)
+    assert not list(tmp_path.glob("lfm2-*.json"))
 
 
 def test_a_type_the_table_lacks_is_checked_at_setup_and_refused_only_without_verify(
