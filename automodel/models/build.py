@@ -213,10 +213,7 @@ def setup_checks(
     if spec.pretrained_path is not None:
         with torch.device("meta"):
             meta = AutoModelForCausalLM.from_config(config, trust_remote_code=spec.trust_remote_code)
-        check_checkpoint_tensors(
-            spec.pretrained_path, {k: tuple(v.shape) for k, v in meta.state_dict().items()},
-            tied=bool(getattr(config, "tie_word_embeddings", False)),
-        )
+        check_checkpoint_tensors(spec.pretrained_path, meta)
     return config
 
 
