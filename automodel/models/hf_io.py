@@ -44,7 +44,8 @@ from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
-from transformers.core_model_loading import revert_weight_conversion
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import PrefixChange, revert_weight_conversion
 
 from automodel.models.frozen_base import dequantize_float32, is_quantized
 
@@ -136,6 +137,16 @@ class ConversionGroup:
     entries: dict[str, tuple[int, ...]]
 
 
+def remember_conversions(hf: PreTrainedModel) -> None:
+    """Attach to ``hf`` the weight conversion transformers' ``revert_weight_conversion`` would
+    otherwise look up on every call (a walk over all modules each time): the class's mapping as
+    that function builds it for a model made without ``from_pretrained``, kept where
+    ``from_pretrained`` keeps the mapping it used."""
+    if getattr(hf, "_weight_conversions", None) is None:
+        conversions = get_model_conversion_mapping(hf, add_legacy=False)
+        hf._weight_conversions = [c for c in conversions if not isinstance(c, PrefixChange)]
+
+
 def published_entries(hf: PreTrainedModel, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
     """The checkpoint entries ``save_pretrained`` writes for the model tensors ``shapes`` (name ->
     shape), by transformers' reverse conversion for the class on meta tensors: name -> shape."""
@@ -147,6 +158,7 @@ def conversion_groups(hf: PreTrainedModel, shapes: dict[str, tuple[int, ...]]) -
     """``shapes`` (model tensor name -> shape, in model order) split into the groups transformers
     converts together: tensors whose entries share a name. Ordered by each group's last tensor, the
     order in which a pass over the model completes them."""
+    remember_conversions(hf)
     single = {name: published_entries(hf, {name: shape}) for name, shape in shapes.items()}
     members: list[list[str]] = []
     owner: dict[str, int] = {}  # entry name -> index into members
@@ -238,29 +250,50 @@ def load_sharded(hf: PreTrainedModel, path: str | Path, where: str) -> None:
         raise UnshardableCheckpoint(f"{where}: the checkpoint holds tensors the model has no place for, first "
                                     f"{unused[:3]}")
     init_buffers(hf)
+    renamed = {}  # entry name -> the model's tensor it fills as it is (a rename: read slice by slice too)
     with torch.no_grad():
-        dcp.load(match.direct, storage_reader=HuggingFaceStorageReader(str(path)))
         for group in match.converted:  # one group's index tensor at a time
-            _scatter_group(hf, {name: tensors[name] for name in group.tensors}, stored)
+            group_tensors = {name: tensors[name] for name in group.tensors}
+            index, sources = _element_sources(hf, group_tensors)
+            (entry, flat), *others = sources.items()
+            tensor = next(iter(group_tensors.values()))
+            one_to_one = len(group_tensors) == 1 and not others and group.entries[entry] == tuple(tensor.shape)
+            if one_to_one and torch.equal(flat, index):
+                renamed[entry] = tensor
+            else:
+                _scatter_group(group_tensors, sources, stored)
+        dcp.load({**match.direct, **renamed}, storage_reader=HuggingFaceStorageReader(str(path)))
     check_finite_shards({**match.direct, **{n: tensors[n] for g in match.converted for n in g.tensors}}, where)
 
 
-def _scatter_group(hf: PreTrainedModel, tensors: dict[str, torch.Tensor], stored: dict[str, StoredTensor]) -> None:
-    """Copy into this rank's part of each of ``tensors`` (one conversion group) the elements of the
-    checkpoint entries that land in it. Which element goes where comes from transformers' reverse
-    conversion run on one index tensor over the group (4 bytes per element while it loads); an
-    entry (one expert's matrix) is read whole, and only when it touches this rank's parts."""
-    from safetensors import safe_open
-
+def _element_sources(hf: PreTrainedModel, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Where each element of ``tensors`` (one conversion group) is stored: an index over the group's
+    elements (the tensors one after another, flat) and, per checkpoint entry, the index of the
+    element at each of its positions, by transformers' reverse conversion run on that index (4
+    bytes per element of the group while it loads)."""
     total = sum(t.numel() for t in tensors.values())
     index = torch.arange(total, dtype=torch.int32 if total < 2**31 else torch.int64)
-    starts, pieces, start = {}, {}, 0
+    pieces, start = {}, 0
     for name, tensor in tensors.items():
-        starts[name] = start
         pieces[name] = index[start : start + tensor.numel()].view(tensor.shape)
         start += tensor.numel()
-    for key, flat in revert_weight_conversion(hf, pieces).items():
-        flat = flat.reshape(-1).long()
+    sources = revert_weight_conversion(hf, pieces)
+    return index, {key: value.reshape(-1) for key, value in sources.items()}
+
+
+def _scatter_group(tensors: dict[str, torch.Tensor], sources: dict[str, torch.Tensor],
+                   stored: dict[str, StoredTensor]) -> None:
+    """Copy into this rank's part of each of ``tensors`` (one conversion group) the elements of the
+    checkpoint entries that land in it (``sources``: :func:`_element_sources`); an entry (one
+    expert's matrix) is read whole, and only when it touches this rank's parts."""
+    from safetensors import safe_open
+
+    starts, start = {}, 0
+    for name, tensor in tensors.items():
+        starts[name] = start
+        start += tensor.numel()
+    for key, flat in sources.items():
+        flat = flat.long()
         values = None
         for name, tensor in tensors.items():
             local, offsets = _local(tensor)
