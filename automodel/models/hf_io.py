@@ -135,6 +135,7 @@ class ConversionGroup:
 
     tensors: tuple[str, ...]  # transformers names (peft's ``base_layer`` removed)
     entries: dict[str, tuple[int, ...]]
+    renamed: bool = False  # one tensor stored as it is under another name (Mixtral's router)
 
 
 def remember_conversions(hf: PreTrainedModel) -> None:
@@ -147,11 +148,15 @@ def remember_conversions(hf: PreTrainedModel) -> None:
         hf._weight_conversions = [c for c in conversions if not isinstance(c, PrefixChange)]
 
 
-def published_entries(hf: PreTrainedModel, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+def published_entries(hf: PreTrainedModel, shapes: dict[str, tuple[int, ...]]) -> tuple[dict[str, tuple[int, ...]], bool]:
     """The checkpoint entries ``save_pretrained`` writes for the model tensors ``shapes`` (name ->
-    shape), by transformers' reverse conversion for the class on meta tensors: name -> shape."""
-    entries = revert_weight_conversion(hf, {name: torch.empty(shape, device="meta") for name, shape in shapes.items()})
-    return {key: tuple(value.shape) for key, value in entries.items()}
+    shape), by transformers' reverse conversion for the class on meta tensors: name -> shape; and
+    whether the conversion only renames (it hands back the very tensor it was given, where any
+    reordering would make a new one)."""
+    given = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
+    entries = revert_weight_conversion(hf, given)
+    renamed = len(given) == 1 and len(entries) == 1 and next(iter(entries.values())) is next(iter(given.values()))
+    return {key: tuple(value.shape) for key, value in entries.items()}, renamed
 
 
 def conversion_groups(hf: PreTrainedModel, shapes: dict[str, tuple[int, ...]]) -> list[ConversionGroup]:
@@ -162,7 +167,7 @@ def conversion_groups(hf: PreTrainedModel, shapes: dict[str, tuple[int, ...]]) -
     single = {name: published_entries(hf, {name: shape}) for name, shape in shapes.items()}
     members: list[list[str]] = []
     owner: dict[str, int] = {}  # entry name -> index into members
-    for name, entries in single.items():
+    for name, (entries, _) in single.items():
         hits = sorted({owner[entry] for entry in entries if entry in owner})
         target = hits[0] if hits else len(members)
         if not hits:
@@ -177,8 +182,8 @@ def conversion_groups(hf: PreTrainedModel, shapes: dict[str, tuple[int, ...]]) -
     groups = []
     for names in sorted((m for m in members if m), key=lambda m: max(position[n] for n in m)):
         names.sort(key=position.get)
-        entries = single[names[0]] if len(names) == 1 else published_entries(hf, {n: shapes[n] for n in names})
-        groups.append(ConversionGroup(tuple(names), entries))
+        converted = single[names[0]] if len(names) == 1 else published_entries(hf, {n: shapes[n] for n in names})
+        groups.append(ConversionGroup(tuple(names), *converted))
     return groups
 
 
@@ -250,35 +255,29 @@ def load_sharded(hf: PreTrainedModel, path: str | Path, where: str) -> None:
         raise UnshardableCheckpoint(f"{where}: the checkpoint holds tensors the model has no place for, first "
                                     f"{unused[:3]}")
     init_buffers(hf)
-    renamed = {}  # entry name -> the model's tensor it fills as it is (a rename: read slice by slice too)
+    # a renamed tensor is read slice by slice under its stored name, like the others
+    renamed = {next(iter(g.entries)): tensors[g.tensors[0]] for g in match.converted if g.renamed}
     with torch.no_grad():
         for group in match.converted:  # one group's index tensor at a time
-            group_tensors = {name: tensors[name] for name in group.tensors}
-            index, sources = _element_sources(hf, group_tensors)
-            (entry, flat), *others = sources.items()
-            tensor = next(iter(group_tensors.values()))
-            one_to_one = len(group_tensors) == 1 and not others and group.entries[entry] == tuple(tensor.shape)
-            if one_to_one and torch.equal(flat, index):
-                renamed[entry] = tensor
-            else:
-                _scatter_group(group_tensors, sources, stored)
+            if not group.renamed:
+                group_tensors = {name: tensors[name] for name in group.tensors}
+                _scatter_group(group_tensors, _element_sources(hf, group_tensors), stored)
         dcp.load({**match.direct, **renamed}, storage_reader=HuggingFaceStorageReader(str(path)))
     check_finite_shards({**match.direct, **{n: tensors[n] for g in match.converted for n in g.tensors}}, where)
 
 
-def _element_sources(hf: PreTrainedModel, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Where each element of ``tensors`` (one conversion group) is stored: an index over the group's
-    elements (the tensors one after another, flat) and, per checkpoint entry, the index of the
-    element at each of its positions, by transformers' reverse conversion run on that index (4
-    bytes per element of the group while it loads)."""
+def _element_sources(hf: PreTrainedModel, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Where each element of ``tensors`` (one conversion group) is stored: per checkpoint entry, flat,
+    the index of the group element at each of its positions (the group's tensors numbered one after
+    another), by transformers' reverse conversion run on that index (4 bytes per element of the
+    group while it loads)."""
     total = sum(t.numel() for t in tensors.values())
     index = torch.arange(total, dtype=torch.int32 if total < 2**31 else torch.int64)
     pieces, start = {}, 0
     for name, tensor in tensors.items():
         pieces[name] = index[start : start + tensor.numel()].view(tensor.shape)
         start += tensor.numel()
-    sources = revert_weight_conversion(hf, pieces)
-    return index, {key: value.reshape(-1) for key, value in sources.items()}
+    return {key: value.reshape(-1) for key, value in revert_weight_conversion(hf, pieces).items()}
 
 
 def _scatter_group(tensors: dict[str, torch.Tensor], sources: dict[str, torch.Tensor],
