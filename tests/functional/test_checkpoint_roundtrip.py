@@ -59,3 +59,19 @@ def test_world_2_loads_each_ranks_slices_bitwise_and_exports_the_same_files(tmp_
     )
     assert result.returncode == 0, result.stdout[-4000:]
     assert f"checked {len(DISTRIBUTED) * len(LAYOUTS)} checkpoints; 0 failures" in result.stdout, result.stdout[-4000:]
+
+
+def test_a_published_entry_missing_or_misshapen_is_named_at_setup(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = save_checkpoints("mixtral", tmp_path)["one_file"]
+    weights = load_file(path / "model.safetensors")
+    expert = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
+    save_file({k: v for k, v in weights.items() if k != expert}, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"lack 1 tensors the model needs, first \['{expert}'\]"):
+        build(path)
+    router = "model.layers.0.block_sparse_moe.gate.weight"
+    save_file({**weights, router: weights[router][:2]}, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"'{router}' in model.safetensors has shape \(2, 32\), the model built "
+                                         r"from its config.json expects \(4, 32\)"):  # fmt: skip
+        build(path)
