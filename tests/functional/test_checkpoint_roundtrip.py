@@ -54,11 +54,14 @@ def test_world_2_loads_each_ranks_slices_bitwise_and_exports_the_same_files(tmp_
     for model_type in DISTRIBUTED:
         save_checkpoints(model_type, tmp_path / model_type)
     result = run_torchrun(
-        ["tests/functional/workers/checkpoint_roundtrip_worker.py", str(tmp_path), *DISTRIBUTED], nproc=2,
+        ["tests/functional/workers/checkpoint_roundtrip_worker.py", str(tmp_path), *DISTRIBUTED],
+        nproc=2,
         timeout=300,
     )
     assert result.returncode == 0, result.stdout[-4000:]
-    assert f"checked {len(DISTRIBUTED) * len(LAYOUTS)} checkpoints; 0 failures" in result.stdout, result.stdout[-4000:]
+    assert f"checked {len(DISTRIBUTED) * len(LAYOUTS)} checkpoints; 0 failures" in result.stdout, (
+        result.stdout[-4000:]
+    )
 
 
 def test_a_published_entry_missing_or_misshapen_is_named_at_setup(tmp_path):
@@ -67,7 +70,11 @@ def test_a_published_entry_missing_or_misshapen_is_named_at_setup(tmp_path):
     path = save_checkpoints("mixtral", tmp_path)["one_file"]
     weights = load_file(path / "model.safetensors")
     expert = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
-    save_file({k: v for k, v in weights.items() if k != expert}, path / "model.safetensors", metadata={"format": "pt"})
+    save_file(
+        {k: v for k, v in weights.items() if k != expert},
+        path / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     with pytest.raises(ValueError, match=rf"lack 1 tensors the model needs, first \['{expert}'\]"):
         build(path)
     router = "model.layers.0.block_sparse_moe.gate.weight"

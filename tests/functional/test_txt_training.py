@@ -16,7 +16,9 @@ STEPS = ["trainer.max_steps=3", "trainer.export_hf=false", "trainer.progress_bar
 
 @pytest.mark.parametrize("samples, expected_rows", [("lines", 120), ("blocks", 40)])
 def test_a_txt_file_trains(tmp_path, capfd, samples, expected_rows):
-    completions = [json.loads(line)["completion"].strip() for line in TINY_SFT_PATH.read_text().splitlines()[:120]]
+    completions = [
+        json.loads(line)["completion"].strip() for line in TINY_SFT_PATH.read_text().splitlines()[:120]
+    ]
     blocks = ["\n".join(completions[i : i + 3]) for i in range(0, 120, 3)]  # 40 blocks of 3 lines
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(blocks) + "\n")

@@ -24,7 +24,10 @@ def test_lines_and_blocks_by_hand(tmp_path):
     assert rows.column_names == ["text"] and rows["text"][1] == "A new block\n  indented line"
     assert origin(2) == f"{path} line 9"
     rows, origin = load_sft_source(path, split="train[1:]")
-    assert rows["text"] == ["It purred.", "A new block", "  indented line", "last"] and origin(0) == f"{path} line 2"
+    assert (
+        rows["text"] == ["It purred.", "A new block", "  indented line", "last"]
+        and origin(0) == f"{path} line 2"
+    )
 
 
 def test_a_directory_of_txt_files_and_windows_line_ends(tmp_path):

@@ -57,8 +57,9 @@ def build(path: Path, shard=lambda model: None, is_main: bool = True):
     return build_model(spec, config, device=torch.device("cpu"), shard=shard, seed=0, is_main=is_main)
 
 
-def round_trip_errors(path: Path, reference: torch.nn.Module, out: Path, shard=lambda model: None,
-                      rank: int = 0) -> list[str]:
+def round_trip_errors(
+    path: Path, reference: torch.nn.Module, out: Path, shard=lambda model: None, rank: int = 0
+) -> list[str]:
     """Load ``path`` through the sharded path: this rank's shards (and buffers) against
     ``reference`` (``from_pretrained`` of the same tensors) bitwise; the export after 0 steps
     against ``path``'s files (names, dtypes, values), on rank 0. Collective under torchrun."""

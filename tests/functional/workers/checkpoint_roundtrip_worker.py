@@ -16,7 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/functional: the helpers import `workers.`
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1])
+)  # tests/functional: the helpers import `workers.`
 from workers.checkpoint_roundtrip import LAYOUTS, from_pretrained, round_trip_errors  # noqa: E402
 
 from automodel.distributed.parallel import apply_fsdp  # noqa: E402
@@ -31,9 +33,13 @@ def main() -> int:
     for model_type in types:
         reference = from_pretrained(directory / model_type / "one_file")
         for layout in LAYOUTS:
-            found = round_trip_errors(directory / model_type / layout, reference,
-                                      directory / model_type / f"out_{layout}_w2",
-                                      functools.partial(apply_fsdp, mesh=mesh), rank)
+            found = round_trip_errors(
+                directory / model_type / layout,
+                reference,
+                directory / model_type / f"out_{layout}_w2",
+                functools.partial(apply_fsdp, mesh=mesh),
+                rank,
+            )
             errors += [f"{model_type} {layout}: {e}" for e in found]
             checked += 1
     for error in errors:
