@@ -12,7 +12,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from automodel.data.sft import BAD_ROW_MODES, FORMATS, load_tokenizer, tokenize_sft_dataset
-from automodel.data.sources import check_source, load_sft_source
+from automodel.data.sources import TXT_SAMPLES, check_source, is_txt_source, load_sft_source
 
 logger = logging.getLogger(__name__)
 
@@ -22,12 +22,14 @@ class DataSource:
     """One source of rows (an entry of ``data.sources``, or ``data.validation``).
 
     Attributes:
-        source: ``tiny_sft`` (shipped), a json/jsonl/csv/parquet file, a directory or glob of them,
-            a ``save_to_disk`` directory, or a Hub dataset id (``org/name``) in the datasets cache.
+        source: ``tiny_sft`` (shipped), a json/jsonl/csv/parquet/txt file, a directory or glob of
+            them, a ``save_to_disk`` directory, or a Hub dataset id (``org/name``) in the datasets cache.
         split: split to read (``train``, ``train[:1000]``, ``validation``...).
         format: one of ``messages``, ``sharegpt``, ``alpaca``, ``prompt_completion``, ``text``, ``tokens``.
         columns: field -> column name for columns named otherwise, e.g. ``{prompt: question}``.
         weight: share of this source's rows per epoch: 1 all, 0.5 a seeded half, 2 every row twice.
+        txt_samples: a ``.txt`` source's samples (``format: text``): ``lines``, one per non-blank
+            line, or ``blocks``, one per run of lines between blank lines.
     """
 
     source: str
@@ -35,16 +37,25 @@ class DataSource:
     format: str = "prompt_completion"
     columns: dict[str, str] | None = None
     weight: float = 1.0
+    txt_samples: str = "lines"
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
             raise ValueError(f"data.format={self.format!r} for source {self.source!r}: must be one of {tuple(FORMATS)}")
         if not (isinstance(self.weight, (int, float)) and self.weight > 0):
             raise ValueError(f"data.weight={self.weight!r} for source {self.source!r}: must be a positive number")
+        if self.txt_samples not in TXT_SAMPLES:
+            raise ValueError(f"data.txt_samples={self.txt_samples!r} for source {self.source!r}: must be one of "
+                             f"{TXT_SAMPLES}")  # fmt: skip
         check_source(self.source, "data.source")
+        if self.format != "text" and is_txt_source(self.source):
+            raise ValueError(
+                f"data.format={self.format!r} for source {self.source!r}: a .txt file is read as a 'text' column "
+                "(one sample per line, or per block with data.txt_samples=blocks); set data.format=text"
+            )
 
     def tokenize(self, tokenizer: PreTrainedTokenizerBase, **options) -> datasets.Dataset:
-        rows, origin = load_sft_source(self.source, self.split)
+        rows, origin = load_sft_source(self.source, self.split, txt_samples=self.txt_samples)
         return tokenize_sft_dataset(rows, tokenizer, format=self.format, columns=self.columns, origin=origin, **options)
 
 
@@ -60,6 +71,7 @@ class SFTData:
         validation: a validation set: a :class:`DataSource` or a dict of its fields, which default
             to the single training source's (``{split: validation}`` reads another split of it).
         val_fraction: or hold out this fraction of every training source (seeded, before weighting).
+        txt_samples: a ``.txt`` source's samples, ``lines`` or ``blocks`` (see :class:`DataSource`).
         seed: seeds the held-out split and the weighted subsampling.
         num_proc: tokenization processes: ``auto`` (this machine's cores, at most 8), a number, or
             null (in this process).
@@ -69,6 +81,7 @@ class SFTData:
     split: str = "train"
     format: str = "prompt_completion"
     columns: dict[str, str] | None = None
+    txt_samples: str = "lines"
     sources: list[DataSource | dict] | None = None
     tokenizer: str = "tiny"
     max_length: int | None = None
@@ -83,7 +96,8 @@ class SFTData:
             self.num_proc = auto_num_proc()
         if (self.source is None) == (not self.sources):
             raise ValueError("give data.source (one source) or data.sources (a list to mix), and set the other to null")
-        single = {"source": self.source, "split": self.split, "format": self.format, "columns": self.columns}
+        single = {"source": self.source, "split": self.split, "format": self.format, "columns": self.columns,
+                  "txt_samples": self.txt_samples}
         self.sources = [_source(s, {}) for s in self.sources] if self.sources else [DataSource(**single)]
         if self.validation is not None:
             self.validation = _source(self.validation, single if self.source else {})

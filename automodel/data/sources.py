@@ -1,8 +1,9 @@
 """``load_sft_source``: data as users have it -> a ``datasets.Dataset`` of raw rows, and where each came from.
 
-Local json/jsonl/csv/parquet files, directories or globs of them, directories written by
+Local json/jsonl/csv/parquet/txt files, directories or globs of them, directories written by
 ``save_to_disk``, a Hub dataset id already in (or fetchable into) the ``datasets`` cache, and the
-shipped ``"tiny_sft"`` dataset.
+shipped ``"tiny_sft"`` dataset. A ``.txt`` file gives one ``text`` row per line, or per block of
+lines between blank lines (``txt_samples="blocks"``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from automodel.assets import TINY_PREFERENCE_PATH, TINY_SFT_PATH
 
 # Built-in names are reserved: they never resolve to a local path of the same name.
 BUILTIN_SOURCES = {"tiny_sft": TINY_SFT_PATH, "tiny_preference": TINY_PREFERENCE_PATH}
-_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "txt"}
+TXT_SAMPLES = ("lines", "blocks")  # a .txt file's samples: each non-blank line, or each run of non-blank lines
 SUPPORTED_EXTENSIONS = tuple(_BUILDERS)
 _GLOB_CHARS = re.compile(r"[*?\[]")
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
@@ -41,12 +43,13 @@ RAW_ROW_COLUMN = "_raw_json_row"
 @dataclass(frozen=True)
 class RowOrigin:
     """Maps a row of a loaded source back to its file and its place there, 1-based: ``line N`` for
-    JSON files (the file line of the row), else ``row N`` (data rows, a CSV header not counted)."""
+    JSON and text files (the file line of the row, a block's first), else ``row N`` (data rows, a
+    CSV header not counted)."""
 
     files: tuple[str, ...]
     starts: tuple[int, ...]  # first dataset row of each file
     offset: int = 0  # rows of the first file skipped by a split slice such as "train[100:]"
-    lines: tuple[int, ...] | None = None  # JSON sources: the file line of every dataset row
+    lines: tuple[int, ...] | None = None  # JSON and text sources: the file line of every dataset row
 
     def __call__(self, row: int) -> str:
         if self.lines is not None:
@@ -63,6 +66,7 @@ def load_sft_source(
     split: str = "train",
     *,
     cache_dir: str | os.PathLike | None = None,
+    txt_samples: str = "lines",
 ) -> tuple[datasets.Dataset, RowOrigin]:
     """Load raw rows (``messages``, ``prompt``/``completion``, ``text``...) without changing them.
 
@@ -70,7 +74,7 @@ def load_sft_source(
         path_or_name: one of
 
             - a built-in name: ``"tiny_sft"`` (the shipped 3,000-row dataset);
-            - a ``.json``, ``.jsonl``, ``.csv`` or ``.parquet`` file;
+            - a ``.json``, ``.jsonl``, ``.csv``, ``.parquet`` or ``.txt`` file;
             - a directory or glob pattern of such files (all of one type; a directory is searched
               recursively, skipping names that start with ``.`` or ``_``);
             - a directory written by ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk``;
@@ -82,6 +86,9 @@ def load_sft_source(
         cache_dir: where ``datasets`` caches the Arrow conversion (default: its own). JSON and JSONL
             files are parsed row by row in memory instead, so that each row keeps its own types
             (a row typed unlike the others is kept as JSON text in :data:`RAW_ROW_COLUMN`).
+        txt_samples: a ``.txt`` file's rows (column ``text``): ``"lines"``, each line that is not
+            blank; ``"blocks"``, each run of lines between blank lines (a line of only whitespace is
+            blank), its lines joined with ``"\n"``. Blank lines are separators, never rows.
 
     Returns:
         ``(rows, origin)``: the rows unchanged, and ``origin(i)`` -> ``"data/a.jsonl line 4"`` for
@@ -96,15 +103,17 @@ def load_sft_source(
         raise ValueError(f"path_or_name must be a path or a built-in name, got {type(path_or_name).__name__}")
     name = os.fspath(path_or_name)
     check_source(name)
+    if txt_samples not in TXT_SAMPLES:
+        raise ValueError(f"txt_samples={txt_samples!r}: must be one of {TXT_SAMPLES}")
     cache = None if cache_dir is None else str(cache_dir)
     if name in BUILTIN_SOURCES:
-        return _load_files([str(BUILTIN_SOURCES[name])], split, cache)
+        return _load_files([str(BUILTIN_SOURCES[name])], split, cache, txt_samples)
     path = Path(name).expanduser()
     if _GLOB_CHARS.search(name) and not path.exists():
         files = sorted(p for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
         if not files:
             raise ValueError(f"no file matches the pattern {name!r}")
-        return _load_files(files, split, cache)
+        return _load_files(files, split, cache, txt_samples)
     if not path.exists():  # check_source: a Hub id
         return _load_hub(name, split, cache)
     if path.is_dir() and any((path / f).is_file() for f in ("dataset_dict.json", "state.json")):  # save_to_disk
@@ -115,11 +124,13 @@ def load_sft_source(
         files = [f for f in files if _extension(f) in _BUILDERS] or files
         if not files:
             raise ValueError(f"directory {name!r} holds no data files")
-        return _load_files(files, split, cache)
-    return _load_files([str(path)], split, cache)
+        return _load_files(files, split, cache, txt_samples)
+    return _load_files([str(path)], split, cache, txt_samples)
 
 
-def _load_files(files: list[str], split: str, cache_dir: str | None) -> tuple[datasets.Dataset, RowOrigin]:
+def _load_files(
+    files: list[str], split: str, cache_dir: str | None, txt_samples: str = "lines"
+) -> tuple[datasets.Dataset, RowOrigin]:
     extensions = sorted({_extension(f) for f in files})
     unsupported = [e for e in extensions if e not in _BUILDERS]
     if unsupported:
@@ -141,6 +152,8 @@ def _load_files(files: list[str], split: str, cache_dir: str | None) -> tuple[da
     builder = builders.pop()
     if builder == "json":
         return _load_json_files(files, split)
+    if builder == "txt":
+        return _load_txt_files(files, split, txt_samples)
     # One load per file, so that a row can be traced back to its file. CSV cells are text: read as
     # strings, so that a column of numbers ("2", "1652") is not typed as floats for every row.
     parts = [
@@ -194,6 +207,40 @@ def _load_json_files(files: list[str], split: str) -> tuple[datasets.Dataset, Ro
     table = datasets.Dataset.from_dict(columns)
     starts = [next((i for i, e in enumerate(entries) if e[0] >= f), len(entries)) for f in range(len(files))]
     return table, RowOrigin(tuple(files), tuple(starts), lines=tuple(line for _, line, _ in entries))
+
+
+def _load_txt_files(files: list[str], split: str, samples: str) -> tuple[datasets.Dataset, RowOrigin]:
+    """Text files as one ``text`` column (:func:`txt_rows`), each row with its file line."""
+    entries = [(index, line, text) for index, file in enumerate(files) for line, text in txt_rows(file, samples)]
+    (instruction,) = datasets.ReadInstruction.from_spec(split).to_absolute({"train": len(entries)})
+    entries = entries[instruction.from_ : instruction.to]
+    table = datasets.Dataset.from_dict({"text": [text for *_, text in entries]})
+    starts = [next((i for i, e in enumerate(entries) if e[0] >= f), len(entries)) for f in range(len(files))]
+    return table, RowOrigin(tuple(files), tuple(starts), lines=tuple(line for _, line, _ in entries))
+
+
+def txt_rows(file: str, samples: str = "lines") -> list[tuple[int, str]]:
+    """``(first line, text)`` of each sample of a UTF-8 text file: with ``samples="lines"`` every line
+    that is not blank (its line break dropped), with ``"blocks"`` every run of non-blank lines joined
+    with ``"\n"``. Blank (or whitespace-only) lines separate and are never samples. Read here rather
+    than by ``datasets``' text builder, whose paragraphs split on ``"\n\n"`` only (a line of spaces,
+    three line breaks) and whose rows carry no line numbers for error messages.
+
+    Example: ``"a\nb\n\n  \nc\n"`` -> lines ``[(1, "a"), (2, "b"), (5, "c")]``, blocks
+    ``[(1, "a\nb"), (5, "c")]``."""
+    text = _decode_utf8(Path(file).read_bytes(), file)
+    rows: list[tuple[int, list[str]]] = []
+    after_blank = True
+    for number, line in enumerate(text.splitlines(), 1):
+        blank = not line.strip()
+        if not blank and (samples == "lines" or after_blank):
+            rows.append((number, [line]))
+        elif not blank:
+            rows[-1][1].append(line)
+        after_blank = blank
+    if not rows:
+        raise ValueError(f"data file {file} has no text (only blank lines); give a file with text")
+    return [(number, "\n".join(lines)) for number, lines in rows]
 
 
 def _json_rows(file: str) -> list[tuple[int, Any]]:
@@ -308,7 +355,7 @@ def check_source(name: str, field: str = "source") -> None:
 
 
 def _local_text_files(name: str) -> list[str]:
-    """The local json/jsonl/csv files a source names (none for built-in names, Hub ids, saved datasets)."""
+    """The local json/jsonl/csv/txt files a source names (none for built-in names, Hub ids, saved datasets)."""
     path = Path(name).expanduser()
     if name in BUILTIN_SOURCES:
         return []
@@ -320,7 +367,12 @@ def _local_text_files(name: str) -> list[str]:
         files = [p for p in glob.glob(str(path), recursive=True) if Path(p).is_file()]
     else:
         return []
-    return [f for f in files if _extension(f) in (".json", ".jsonl", ".csv")]
+    return [f for f in files if _extension(f) in (".json", ".jsonl", ".csv", ".txt")]
+
+
+def is_txt_source(name: str) -> bool:
+    """Whether a source names local ``.txt`` files (read as a ``text`` column)."""
+    return any(_extension(f) == ".txt" for f in _local_text_files(name))
 
 
 def check_text_file(file: str, head: int = 1 << 16) -> None:

@@ -1,19 +1,27 @@
 """Hugging Face safetensors checkpoints read and written shard by shard: no host holds the model.
 
+Layout: a checkpoint holds each tensor either in the model's own layout or in the published one that
+``save_pretrained`` writes and ``from_pretrained`` converts at load, by transformers' weight
+conversion for the class (``transformers.core_model_loading``: renames such as Mixtral's
+``block_sparse_moe`` -> ``mlp``, merges of per-expert entries into one parameter, splits of a fused
+projection). Only transformers' reverse conversion (``revert_weight_conversion``) is used, on meta
+tensors to learn the names and shapes, and on index tensors to learn which element goes where; the
+model tensors it turns into entries together form a :class:`ConversionGroup`.
+
 Load: every rank reads only the slices its FSDP2 shards own, with ``torch.distributed.checkpoint``'s
 ``HuggingFaceStorageReader`` (a byte-range read per slice, in the checkpoint's dtype, copied into the
-float32 shard). Tensors that transformers converts at load (MoE experts stored one entry per expert,
-fused into one parameter) are mapped through transformers' own reverse conversion applied to an index
-tensor: each checkpoint entry then says which elements of the parameter it fills, and a rank reads
-only the entries that touch its shard. Non-persistent buffers (RoPE ``inv_freq``, Gemma's
-``embed_scale``) are computed on every rank by the model's ``_init_weights``, as ``from_pretrained``
-computes them.
+float32 shard). A group stored in the published layout is mapped through the reverse conversion
+applied to an index tensor: each checkpoint entry then says which elements of which parameter it
+fills, and a rank reads only the entries that touch its shards. Non-persistent buffers (RoPE
+``inv_freq``, Gemma's ``embed_scale``) are computed on every rank by the model's ``_init_weights``,
+as ``from_pretrained`` computes them.
 
 Export: tensors are gathered one at a time (a collective: every rank calls it), rank 0 casts each to
-the export dtype, reverts transformers' conversion and appends it to safetensors files whose headers
-were planned up front from the shapes, so rank 0 holds one full tensor at a time. The directory is
-written as ``<dir>.tmp`` and renamed when complete; a failed write (full disk) removes it and names
-the path and the bytes needed.
+the export dtype and, once a group is complete, reverts transformers' conversion and appends the
+published entries to safetensors files whose headers were planned up front from the shapes, so rank
+0 holds one group's full tensors at a time (usually one tensor). The directory is written as
+``<dir>.tmp`` and renamed when complete; a failed write (full disk) removes it and names the path
+and the bytes needed.
 """
 
 from __future__ import annotations
@@ -36,7 +44,8 @@ from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
-from transformers.core_model_loading import revert_weight_conversion
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import PrefixChange, revert_weight_conversion
 
 from automodel.models.frozen_base import dequantize_float32, is_quantized
 
@@ -116,95 +125,215 @@ def _local(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     return tensor, (0,) * tensor.dim()
 
 
-def conversion_sources(hf: PreTrainedModel, name: str, shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
-    """Checkpoint name -> the flat indices into parameter ``name`` that the entry fills, from
-    transformers' reverse conversion (what ``save_pretrained`` applies) run on an index tensor
-    (4 bytes per element of that one parameter, while it loads)."""
-    numel = math.prod(shape)
-    index = torch.arange(numel, dtype=torch.int32 if numel < 2**31 else torch.int64).view(shape)
-    return revert_weight_conversion(hf, {name: index})
+@dataclass(frozen=True)
+class ConversionGroup:
+    """Model tensors that transformers' weight conversion for the class turns into checkpoint
+    entries together, and those entries (the published layout ``save_pretrained`` writes): name ->
+    shape. Mixtral's fused ``experts.gate_up_proj`` becomes each expert's ``w1`` and ``w3``; HRM's
+    ``gate_proj``, ``q_proj``, ``k_proj``, ``v_proj`` become one ``gqkv_proj``; a tensor the
+    conversion leaves alone or only renames is a group of one."""
+
+    tensors: tuple[str, ...]  # transformers names (peft's ``base_layer`` removed)
+    entries: dict[str, tuple[int, ...]]
+    renamed: bool = False  # one tensor stored as it is under another name (Mixtral's router)
+
+
+def remember_conversions(hf: PreTrainedModel) -> None:
+    """Attach to ``hf`` the weight conversion transformers' ``revert_weight_conversion`` would
+    otherwise look up on every call (a walk over all modules each time): the class's mapping as
+    that function builds it for a model made without ``from_pretrained``, kept where
+    ``from_pretrained`` keeps the mapping it used."""
+    if getattr(hf, "_weight_conversions", None) is None:
+        conversions = get_model_conversion_mapping(hf, add_legacy=False)
+        hf._weight_conversions = [c for c in conversions if not isinstance(c, PrefixChange)]
+
+
+def published_entries(hf: PreTrainedModel, shapes: dict[str, tuple[int, ...]]) -> tuple[dict[str, tuple[int, ...]], bool]:
+    """The checkpoint entries ``save_pretrained`` writes for the model tensors ``shapes`` (name ->
+    shape), by transformers' reverse conversion for the class on meta tensors: name -> shape; and
+    whether the conversion only renames (it hands back the very tensor it was given, where any
+    reordering would make a new one)."""
+    given = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
+    entries = revert_weight_conversion(hf, given)
+    renamed = len(given) == 1 and len(entries) == 1 and next(iter(entries.values())) is next(iter(given.values()))
+    return {key: tuple(value.shape) for key, value in entries.items()}, renamed
+
+
+def conversion_groups(hf: PreTrainedModel, shapes: dict[str, tuple[int, ...]]) -> list[ConversionGroup]:
+    """``shapes`` (model tensor name -> shape, in model order) split into the groups transformers
+    converts together: tensors whose entries share a name. Ordered by each group's last tensor, the
+    order in which a pass over the model completes them."""
+    remember_conversions(hf)
+    single = {name: published_entries(hf, {name: shape}) for name, shape in shapes.items()}
+    members: list[list[str]] = []
+    owner: dict[str, int] = {}  # entry name -> index into members
+    for name, (entries, _) in single.items():
+        hits = sorted({owner[entry] for entry in entries if entry in owner})
+        target = hits[0] if hits else len(members)
+        if not hits:
+            members.append([])
+        members[target].append(name)
+        for other in hits[1:]:  # this tensor joins groups met before: one group
+            members[target] += members[other]
+            members[other] = []
+        owner.update({entry: target for entry, index in owner.items() if index in hits[1:]})
+        owner.update({entry: target for entry in entries})
+    position = {name: i for i, name in enumerate(shapes)}
+    groups = []
+    for names in sorted((m for m in members if m), key=lambda m: max(position[n] for n in m)):
+        names.sort(key=position.get)
+        converted = single[names[0]] if len(names) == 1 else published_entries(hf, {n: shapes[n] for n in names})
+        groups.append(ConversionGroup(tuple(names), *converted))
+    return groups
+
+
+@dataclass
+class CheckpointMatch:
+    """Where each model tensor is in a checkpoint: ``direct``, under its own name (transformers
+    name -> the model's tensor); ``converted``, the groups stored in the published layout that
+    transformers converts at load; ``missing``, the published names of the entries found in
+    neither layout."""
+
+    direct: dict[str, torch.Tensor]
+    converted: list[ConversionGroup]
+    missing: list[str]
+
+
+def match_checkpoint(hf: PreTrainedModel, stored: dict[str, StoredTensor], where: str) -> CheckpointMatch:
+    """Each of ``hf``'s parameters and persistent buffers (a tied tensor once; peft's ``lora_``
+    adapters left out) located in ``stored``, in either layout, as ``from_pretrained`` reads them.
+    Works on a meta model (no tensor data).
+
+    Raises:
+        ValueError: an entry is stored with another shape than the model needs (naming ``where``).
+    """
+    tensors = {checkpoint_name(k): t for k, t in model_tensors(hf).items() if ".lora_" not in k}
+    match = CheckpointMatch({}, [], [])
+    for group in conversion_groups(hf, {name: tuple(t.shape) for name, t in tensors.items()}):
+        own = all(name in stored for name in group.tensors)
+        entries = {name: tuple(tensors[name].shape) for name in group.tensors} if own else group.entries
+        for entry, needed in entries.items():
+            if entry in stored and stored[entry].shape != needed:
+                raise ValueError(
+                    f"{where}: tensor {entry!r} in {stored[entry].file.name} has shape {stored[entry].shape}, the "
+                    f"model built from its config.json expects {needed}; the weights do not match config.json"
+                )
+        absent = [entry for entry in entries if entry not in stored]
+        if absent:
+            match.missing += absent
+        elif own:
+            match.direct.update({name: tensors[name] for name in group.tensors})
+        else:
+            match.converted.append(group)
+    return match
 
 
 def load_sharded(hf: PreTrainedModel, path: str | Path, where: str) -> None:
     """Fill ``hf``'s parameters and persistent buffers (sharded by FSDP2 or not) from the safetensors
     checkpoint at ``path``, each rank reading only its slices; then its non-persistent buffers.
-    Adapter parameters (peft's ``lora_``) are left alone. Collective when a process group exists.
+    The checkpoint may hold each tensor in the model's layout or in the published one that
+    transformers converts at load (:func:`match_checkpoint`). Adapter parameters (peft's ``lora_``)
+    are left alone. Collective when a process group exists.
 
     Raises:
         UnshardableCheckpoint: before any read, with the reason (the caller falls back to a full load).
         ValueError: a tensor's shape differs, or the loaded values hold NaN or inf (naming ``where``).
     """
     stored = stored_tensors(path)
-    direct: dict[str, torch.Tensor] = {}
-    converted: dict[str, tuple[torch.Tensor, list[str]]] = {}  # name -> (parameter, its checkpoint entries)
-    for name, tensor in model_tensors(hf).items():
-        if ".lora_" in name:
-            continue
-        key = checkpoint_name(name)
-        if key in stored:
-            if stored[key].shape != tuple(tensor.shape):
-                raise ValueError(f"{where}: tensor {key!r} has shape {stored[key].shape}, the model expects "
-                                 f"{tuple(tensor.shape)}")
-            direct[key] = tensor
-            continue
-        sources = revert_weight_conversion(hf, {key: torch.empty(tensor.shape, device="meta")})  # names, shapes
-        covered = sum(s.numel() for s in sources.values())
-        wrong = [k for k, s in sources.items() if k not in stored or stored[k].shape != tuple(s.shape)]
-        if wrong or covered != tensor.numel():
-            raise UnshardableCheckpoint(
-                f"{where}: the model's {key!r} is not in the checkpoint, and transformers' conversion maps it to "
-                f"{sorted(sources)[:3]} (not all stored with those shapes)"
-            )
-        converted[key] = (tensor, list(sources))
-    consumed = {checkpoint_name(k) for k in hf.state_dict()} | {k for _, s in converted.values() for k in s}
+    match = match_checkpoint(hf, stored, where)
+    if match.missing:
+        raise UnshardableCheckpoint(f"{where}: the checkpoint lacks {match.missing[:3]} in both the model's layout "
+                                    "and the one transformers converts at load")
+    tensors = {checkpoint_name(k): t for k, t in model_tensors(hf).items() if ".lora_" not in k}
+    for group in match.converted:
+        if sum(map(math.prod, group.entries.values())) != sum(tensors[n].numel() for n in group.tensors):
+            raise UnshardableCheckpoint(f"{where}: transformers builds the model's {list(group.tensors)[:3]} from "
+                                        f"{list(group.entries)[:3]} by more than a reordering")
+    consumed = {checkpoint_name(k) for k in hf.state_dict()} | {k for g in match.converted for k in g.entries}
     unused = sorted(set(stored) - consumed)
     if unused:  # e.g. quantization scales: from_pretrained decides what they mean
         raise UnshardableCheckpoint(f"{where}: the checkpoint holds tensors the model has no place for, first "
                                     f"{unused[:3]}")
     init_buffers(hf)
+    # a renamed tensor is read slice by slice under its stored name, like the others
+    renamed = {next(iter(g.entries)): tensors[g.tensors[0]] for g in match.converted if g.renamed}
     with torch.no_grad():
-        dcp.load(direct, storage_reader=HuggingFaceStorageReader(str(path)))
-        for key, (tensor, _) in converted.items():  # one parameter's index tensor at a time
-            _scatter_sources(tensor, conversion_sources(hf, key, tuple(tensor.shape)), stored)
-    check_finite_shards({**direct, **{k: t for k, (t, _) in converted.items()}}, where)
+        for group in match.converted:  # one group's index tensor at a time
+            if not group.renamed:
+                group_tensors = {name: tensors[name] for name in group.tensors}
+                _scatter_group(group_tensors, _element_sources(hf, group_tensors), stored)
+        dcp.load({**match.direct, **renamed}, storage_reader=HuggingFaceStorageReader(str(path)))
+    check_finite_shards({**match.direct, **{n: tensors[n] for g in match.converted for n in g.tensors}}, where)
 
 
-def _scatter_sources(tensor: torch.Tensor, sources: dict[str, torch.Tensor], stored: dict[str, StoredTensor]) -> None:
-    """Copy into this rank's part of ``tensor`` the elements of each checkpoint entry that land in it
-    (read whole: an entry is one expert's matrix)."""
+def _element_sources(hf: PreTrainedModel, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Where each element of ``tensors`` (one conversion group) is stored: per checkpoint entry, flat,
+    the index of the group element at each of its positions (the group's tensors numbered one after
+    another), by transformers' reverse conversion run on that index (4 bytes per element of the
+    group while it loads)."""
+    total = sum(t.numel() for t in tensors.values())
+    index = torch.arange(total, dtype=torch.int32 if total < 2**31 else torch.int64)
+    pieces, start = {}, 0
+    for name, tensor in tensors.items():
+        pieces[name] = index[start : start + tensor.numel()].view(tensor.shape)
+        start += tensor.numel()
+    return {key: value.reshape(-1) for key, value in revert_weight_conversion(hf, pieces).items()}
+
+
+def _scatter_group(tensors: dict[str, torch.Tensor], sources: dict[str, torch.Tensor],
+                   stored: dict[str, StoredTensor]) -> None:
+    """Copy into this rank's part of each of ``tensors`` (one conversion group) the elements of the
+    checkpoint entries that land in it (``sources``: :func:`_element_sources`); an entry (one
+    expert's matrix) is read whole, and only when it touches this rank's parts."""
     from safetensors import safe_open
 
-    local, offsets = _local(tensor)
-    if local.numel() == 0:
-        return
-    shape = tuple(tensor.shape)
-    low = torch.tensor(offsets)
-    high = low + torch.tensor(local.shape)
+    starts, start = {}, 0
+    for name, tensor in tensors.items():
+        starts[name] = start
+        start += tensor.numel()
     for key, flat in sources.items():
-        coords = torch.stack(torch.unravel_index(flat.reshape(-1).long(), shape), dim=-1)  # [n, dims]
-        inside = ((coords >= low) & (coords < high)).all(dim=-1)
-        if not inside.any():
-            continue
-        with safe_open(stored[key].file, framework="pt") as handle:
-            values = handle.get_tensor(key).reshape(-1)[inside]
-        rows = coords[inside] - low
-        local[tuple(rows.unbind(dim=-1))] = values.to(local.device, local.dtype)
+        flat = flat.long()
+        values = None
+        for name, tensor in tensors.items():
+            local, offsets = _local(tensor)
+            mine = (flat >= starts[name]) & (flat < starts[name] + tensor.numel())
+            if local.numel() == 0 or not mine.any():
+                continue
+            coords = torch.stack(torch.unravel_index(flat[mine] - starts[name], tuple(tensor.shape)), dim=-1)
+            low = torch.tensor(offsets)
+            inside = ((coords >= low) & (coords < low + torch.tensor(local.shape))).all(dim=-1)
+            if not inside.any():
+                continue
+            if values is None:
+                with safe_open(stored[key].file, framework="pt") as handle:
+                    values = handle.get_tensor(key).reshape(-1)
+            rows = coords[inside] - low
+            local[tuple(rows.unbind(dim=-1))] = values[mine][inside].to(local.device, local.dtype)
 
 
 def init_buffers(hf: PreTrainedModel) -> None:
-    """Non-persistent buffers (RoPE ``inv_freq``, Gemma's ``embed_scale``), on this rank, by the
-    model's ``_init_weights`` as ``from_pretrained`` computes them; the modules' parameters are
-    marked initialized so that it leaves them alone."""
-    for module in hf.modules():
+    """Non-persistent buffers (RoPE ``inv_freq``, Gemma's ``embed_scale``, a vision tower's
+    ``position_ids``), on this rank, each module by the ``_init_weights`` of the transformers model
+    that holds it (a composite model's towers have their own), as ``from_pretrained`` computes them;
+    the modules' parameters are marked initialized so that it leaves them alone."""
+    for module, owner in _with_owner(hf, hf):
         if not module._non_persistent_buffers_set:
             continue
         params = list(module.parameters(recurse=False))
         for param in params:
             param._is_hf_initialized = True
         with torch.no_grad():
-            hf._init_weights(module)
+            owner._init_weights(module)
         for param in params:
             del param._is_hf_initialized
+
+
+def _with_owner(module: nn.Module, owner: PreTrainedModel) -> Iterator[tuple[nn.Module, PreTrainedModel]]:
+    """``module`` and its descendants, each with the innermost transformers model holding it."""
+    owner = module if isinstance(module, PreTrainedModel) else owner
+    yield module, owner
+    for child in module.children():
+        yield from _with_owner(child, owner)
 
 
 def check_finite_shards(tensors: dict[str, torch.Tensor], where: str) -> None:
@@ -242,20 +371,20 @@ def _gather(tensor: torch.Tensor) -> torch.Tensor:
     return dequantize_float32(full) if is_quantized(full) else full
 
 
-def export_plan(hf: PreTrainedModel, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+def export_plan(groups: list[ConversionGroup], tensors: dict[str, torch.Tensor], dtype: torch.dtype,
                 max_shard_bytes: int) -> list[dict[str, tuple[tuple[int, ...], torch.dtype]]]:
-    """The files of the export: per file, checkpoint name -> (shape, dtype), in writing order.
-    Names and shapes come from transformers' reverse conversion on meta tensors (no memory)."""
+    """The files of the export: per file, checkpoint name -> (shape, dtype), in writing order (the
+    published layout of each conversion group, group by group)."""
     files: list[dict] = [{}]
     size = 0
-    for name, tensor in tensors.items():
-        meta = torch.empty(tensor.shape, dtype=_export_dtype(tensor, dtype), device="meta")
-        for key, out in revert_weight_conversion(hf, {name: meta}).items():
-            nbytes = out.numel() * out.element_size()
+    for group in groups:
+        out_dtype = _export_dtype(tensors[group.tensors[0]], dtype)
+        for key, shape in group.entries.items():
+            nbytes = math.prod(shape) * torch.empty((), dtype=out_dtype).element_size()
             if files[-1] and size + nbytes > max_shard_bytes:
                 files.append({})
                 size = 0
-            files[-1][key] = (tuple(out.shape), out.dtype)
+            files[-1][key] = (shape, out_dtype)
             size += nbytes
     return files
 
@@ -319,7 +448,8 @@ def export_hf(
     directory = Path(directory)
     staging = directory.with_name(directory.name + ".tmp")
     tensors = {checkpoint_name(k): t for k, t in model_tensors(hf).items() if ".lora_" not in k}
-    plan = export_plan(hf, tensors, dtype, max_shard_bytes)
+    groups = conversion_groups(hf, {name: tuple(t.shape) for name, t in tensors.items()})
+    plan = export_plan(groups, tensors, dtype, max_shard_bytes)
     names = _file_names(len(plan))
     total = sum(math.prod(s) * torch.empty((), dtype=d).element_size() for f in plan for s, d in f.values())
     failure: BaseException | None = None
@@ -337,16 +467,22 @@ def export_hf(
         except OSError as error:
             failure = error
     where = {key: i for i, entries in enumerate(plan) for key in entries}
+    group_of = {name: group for group in groups for name in group.tensors}
+    pending: dict[str, torch.Tensor] = {}  # the gathered tensors of groups not yet complete
     for name, full in full_tensors(hf, merge):  # every rank gathers, in the same order
         if not is_main or failure is not None:
             continue
-        try:
-            out = full.to(_export_dtype(full, dtype)).cpu()
-            for key, value in revert_weight_conversion(hf, {name: out}).items():
-                streams[where[key]].write(key, value)
+        pending[name] = full.to(_export_dtype(full, dtype)).cpu()
+        del full
+        group = group_of[name]
+        if any(n not in pending for n in group.tensors):
+            continue
+        try:  # transformers' reverse conversion: the layout save_pretrained writes
+            out = revert_weight_conversion(hf, {n: pending.pop(n) for n in group.tensors})
+            for key in group.entries:
+                streams[where[key]].write(key, out.pop(key))
         except OSError as error:
             failure = error
-        del full
     if is_main and failure is None:
         try:
             for stream in streams:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from automodel.attention import ATTENTION_BACKENDS
 from automodel.attention.varlen import varlen_missing
@@ -143,28 +143,18 @@ def _floats(node: Any, prefix: str = ""):
             yield from _floats(value, f"{prefix}.{key}" if prefix else str(key))
 
 
-def check_checkpoint_tensors(path: str, expected: dict[str, tuple[int, ...]], tied: bool) -> None:
-    """Compare the safetensors headers of a local checkpoint with the model's state-dict names and
-    shapes, reading no tensor data: every name both have must agree in shape, and every model
-    tensor must be in the checkpoint, except a tied ``lm_head.weight`` and MoE expert tensors, which
-    transformers fuses at load (``from_pretrained`` reports those)."""
-    from automodel.models.hf_io import UnshardableCheckpoint, stored_tensors
+def check_checkpoint_tensors(path: str, meta: PreTrainedModel) -> None:
+    """Compare the safetensors headers of a local checkpoint with the tensors of ``meta`` (the model
+    on the meta device), reading no tensor data: each model tensor must be stored under its own name
+    or in the published layout transformers converts at load (Mixtral's per-expert ``w1``/``w2``/``w3``
+    under ``block_sparse_moe``), with the shapes the model needs (:func:`hf_io.match_checkpoint`)."""
+    from automodel.models.hf_io import UnshardableCheckpoint, match_checkpoint, stored_tensors
 
     try:
         stored = stored_tensors(path)
     except UnshardableCheckpoint:
         return  # a hub id or another format: from_pretrained checks it at load
-    found = set(stored)
-    for name, tensor in stored.items():
-        if name in expected and expected[name] != tensor.shape:
-            raise ValueError(
-                f"model.pretrained_path={path!r}: tensor {name!r} in {tensor.file.name} has shape {tensor.shape}, "
-                f"the model built from its config.json expects {expected[name]}; the weights do not match config.json"
-            )
-    missing = [
-        name for name in expected
-        if name not in found and ".experts." not in name and not (tied and name == "lm_head.weight")
-    ]
+    missing = match_checkpoint(meta, stored, f"model.pretrained_path={path!r}").missing
     if missing:
         raise ValueError(
             f"model.pretrained_path={path!r}: its safetensors files lack {len(missing)} tensors the model "

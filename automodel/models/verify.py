@@ -152,7 +152,8 @@ class Verdict:
 def tiny_config(model_type: str) -> PretrainedConfig:
     """transformers' default config of ``model_type``, every size field shrunk (sub-configs too),
     dropout off, special token ids inside the vocabulary, ``layer_types`` cut to the layer count
-    keeping one layer of each kind; ``is_decoder`` on, as a causal LM of an encoder family
+    keeping one layer of each kind, other per-layer lists cut to the layer count (so that
+    ``save_pretrained`` accepts the config); ``is_decoder`` on, as a causal LM of an encoder family
     (BertGeneration, RoBERTa) is configured to be used."""
     config = AutoConfig.for_model(model_type, is_decoder=True)
     _shrink(config)
@@ -228,7 +229,11 @@ def _cut_depth(config: PretrainedConfig) -> None:
         setattr(config, name, [chosen.index(i) for i in values if i in chosen])
 
 
+_LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")
+
+
 def _shrink(config: PretrainedConfig, widths_only: bool = False) -> None:
+    counts = {name: getattr(config, name) for name in _LAYER_COUNTS if isinstance(getattr(config, name, None), int)}
     sizes = {k: v for k, v in _TINY.items() if not (widths_only and k in _DEPTH_AND_LENGTHS)}
     for name, current in config.to_dict().items():  # family-specific names: *vocab*, hidden_size_*
         if isinstance(current, int) and ("vocab" in name or name.startswith("hidden_size")):
@@ -274,6 +279,11 @@ def _shrink(config: PretrainedConfig, widths_only: bool = False) -> None:
         kinds = list(dict.fromkeys(layer_types))  # first-appearance order
         config.num_hidden_layers = max(layers, len(kinds))
         config.layer_types = (kinds * config.num_hidden_layers)[: config.num_hidden_layers]
+    for count, before in counts.items():  # per-layer lists (GPT-Neo's attention_layers): one entry per layer kept
+        after = getattr(config, count)
+        for name, value in config.to_dict().items():
+            if name != "layer_types" and isinstance(value, list) and len(value) == before > after:
+                setattr(config, name, value[:after])
     for name in ("mlp_layer_types", "mlp_only_layers"):
         value = getattr(config, name, None)
         if isinstance(value, list) and isinstance(layers, int) and len(value) > config.num_hidden_layers:

@@ -1,4 +1,5 @@
-"""load_sft_source: built-in name, json/jsonl/csv/parquet files, directories, globs, saved datasets, Hub ids."""
+"""load_sft_source: built-in name, json/jsonl/csv/parquet files, directories, globs, saved datasets, Hub ids
+(.txt files: test_txt_sources.py)."""
 
 from __future__ import annotations
 
@@ -115,15 +116,15 @@ def test_bad_sources(tmp_path):
     with pytest.raises(ValueError, match=r"no file matches the pattern"):
         load(str(tmp_path / "*.jsonl"))
     (tmp_path / "rows.tsv").write_text("prompt\tcompletion\na\tb\n")
-    with pytest.raises(ValueError, match=r"unsupported file type '.tsv'.*\.json, \.jsonl, \.csv, \.parquet"):
+    with pytest.raises(ValueError, match=r"unsupported file type '.tsv'.*\.json, \.jsonl, \.csv, \.parquet, \.txt"):
         load(tmp_path / "rows.tsv")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="holds no data files"):
         load(tmp_path / "empty")
-    (tmp_path / "texts").mkdir()
-    (tmp_path / "texts" / "notes.txt").write_text("x")
-    with pytest.raises(ValueError, match=r"unsupported file type '.txt'"):
-        load(tmp_path / "texts")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "notes.md").write_text("x")
+    with pytest.raises(ValueError, match=r"unsupported file type '.md'"):
+        load(tmp_path / "notes")
     write_jsonl(tmp_path / "mixed" / "a.jsonl", ROWS)
     datasets.Dataset.from_list(ROWS).to_parquet(str(tmp_path / "mixed" / "b.parquet"))
     with pytest.raises(ValueError, match="must share a format"):
@@ -132,7 +133,7 @@ def test_bad_sources(tmp_path):
         load(tmp_path / "mixed" / "a.jsonl", split="test")
     with pytest.raises(ValueError, match="must be a path"):
         load(3)
-    assert SUPPORTED_EXTENSIONS == (".json", ".jsonl", ".csv", ".parquet")
+    assert SUPPORTED_EXTENSIONS == (".json", ".jsonl", ".csv", ".parquet", ".txt")
 
 
 def test_works_with_the_network_blocked(tmp_path, monkeypatch):
