@@ -102,12 +102,18 @@ def check_model_sanity(
                 f"{name}={value} in the model config: must be a finite number; fix it in model.config (or "
                 "config.json of model.pretrained_path)"
             )
+    if max_sample_tokens is not None:
+        check_max_positions(config, max_sample_tokens, "data.max_length, else the pack size", exceed_max_positions)
+
+
+def check_max_positions(config: PretrainedConfig, sample_tokens: int, source: str, exceed_max_positions: bool) -> None:
+    """ValueError when samples of ``sample_tokens`` tokens (``source`` says where that number comes
+    from) are longer than the config's ``max_position_embeddings``, unless ``model.exceed_max_positions``."""
     limit = getattr(config, "max_position_embeddings", None)
-    if limit is not None and max_sample_tokens is not None and max_sample_tokens > limit and not exceed_max_positions:
+    if limit is not None and sample_tokens > limit and not exceed_max_positions:
         raise ValueError(
-            f"samples may have {max_sample_tokens} tokens (data.max_length, else the pack size) but the model's "
-            f"max_position_embeddings is {limit}; set data.max_length <= {limit}, or model.exceed_max_positions=true "
-            "to train past it anyway"
+            f"samples may have {sample_tokens} tokens ({source}) but the model's max_position_embeddings is "
+            f"{limit}; set data.max_length <= {limit}, or model.exceed_max_positions=true to train past it anyway"
         )
 
 

@@ -13,6 +13,7 @@ decision is broadcast so that every rank fails (or resumes) alike.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -78,6 +79,40 @@ def recipe_changes(old: DictConfig, new: DictConfig) -> tuple[list[str], list[st
             line = f"{key}: {a.get(key, '<absent>')!r} -> {b.get(key, '<absent>')!r}"
             (accepted if _is_mutable(key) else refused).append(line)
     return refused, accepted
+
+
+def check_ranks_agree(cfg: DictConfig) -> None:
+    """ConfigError on every rank when the ranks of one job resolved different recipes (nodes started
+    with other overrides would each train with their own lr, data split...): a hash of the resolved
+    recipe is compared first, then the differing keys are named with each rank's value. Collective."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    world = dist.get_world_size()
+    recipe = OmegaConf.to_container(cfg)
+    digests: list[Any] = [None] * world
+    dist.all_gather_object(digests, hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest())
+    if len(set(digests)) == 1:
+        return
+    recipes: list[Any] = [None] * world
+    dist.all_gather_object(recipes, recipe)
+    flat = [flatten(r) for r in recipes]
+    lines = []
+    for key in sorted(set().union(*flat)):
+        ranks_of: dict[str, list[int]] = {}
+        for rank, values in enumerate(flat):
+            ranks_of.setdefault(repr(values.get(key, "<absent>")), []).append(rank)
+        if len(ranks_of) > 1:
+            lines.append(f"{key}: " + "; ".join(f"{value} on rank(s) {_ranks(r)}" for value, r in ranks_of.items()))
+    listed = "\n  ".join(lines)
+    raise ConfigError(
+        f"the {world} ranks of this job resolved different recipes (rank {dist.get_rank()} reports):\n  {listed}\n"
+        "give every node and process the same recipe and overrides"
+    )
+
+
+def _ranks(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:8]))
+    return shown + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
 
 
 class RunDirectory:

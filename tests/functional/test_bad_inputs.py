@@ -4,7 +4,10 @@ functions: each raises its error class naming the field, before any data work (t
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import sys
 from pathlib import Path
 
 import datasets
@@ -22,6 +25,9 @@ from automodel.distributed import make_cp_batch_for_te, process_input_for_thd, t
 from automodel.distributed.thd import BatchKeyError
 from automodel.training.finetune import run
 from automodel.training.run_dir import RunDirectory
+
+sys.path.insert(0, str(Path(__file__).parent))
+from torchrun import run_torchrun  # noqa: E402
 
 FAST = ["data.split='train[:64]'", "packing.packed_sequence_size=256", "trainer.progress_bar=false",
         "trainer.export_hf=false", "trainer.max_steps=2"]
@@ -86,6 +92,9 @@ RECIPE_CASES = [
     (["parallel.cp_comm_type=ring"], "cp_comm_type"),
     (["parallel.timeout_minutes=-1"], "parallel.timeout_minutes"),
     (["data.source=/nonexistent/train.jsonl"], "data.source"),
+    (["data.source="], "data.source='' is empty"),  # Path('') is '.': every data file under the cwd
+    (["data.source=' '"], "data.source=' ' is empty"),
+    (["data.source=/dev/null"], "not a regular file or directory"),
     (["data.format=alpacca"], "data.format"),
     (["trainer.seed=-1"], "trainer.seed"),
     (["trainer.output_dir=null"], "trainer.output_dir"),
@@ -294,3 +303,48 @@ def test_a_bad_input_to_a_public_function_fails_naming_the_field_before_packing(
 
 def test_the_battery_has_at_least_40_cases():
     assert len(RECIPE_CASES) + len(FUNCTION_CASES) >= 40
+
+
+def _hung(signum, frame):
+    raise TimeoutError("blocked reading the FIFO")
+
+
+def test_a_fifo_as_data_source_is_refused_not_read_forever(tmp_path, data_work):
+    os.mkfifo(tmp_path / "data.jsonl")
+    previous = signal.signal(signal.SIGALRM, _hung)
+    signal.alarm(60)  # a read of the FIFO would block forever: fail instead
+    try:
+        with pytest.raises(ConfigError, match="data.source=.*data.jsonl' is not a regular file or directory"):
+            run(load_recipe("tiny_llama_sft", [*FAST, f"trainer.output_dir={tmp_path / 'run'}",
+                                               f"data.source={tmp_path / 'data.jsonl'}"]))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert data_work == []
+
+
+def test_ranks_started_with_different_recipes_all_stop_naming_the_keys(tmp_path):
+    """Two ranks of one torchrun job, each with its own optim.lr (as two nodes typed two commands):
+    both stop with exit code 2 before any data work, each naming the key and both values."""
+    command = (
+        f"exec {sys.executable} -m automodel finetune tiny_llama_sft {' '.join(repr(o) for o in FAST)} "
+        f"trainer.output_dir={tmp_path / 'run'} optim.lr=$((LOCAL_RANK + 1))e-3"
+    )
+    result = run_torchrun(["--no-python", "bash", "-c", command], nproc=2)
+    assert "exitcode  : 2" in result.stdout, result.stdout[-3000:]
+    for rank in (0, 1):
+        assert (f"config error: the 2 ranks of this job resolved different recipes (rank {rank} reports): "
+                "optim.lr: 0.001 on rank(s) 0; 0.002 on rank(s) 1") in result.stdout, result.stdout[-3000:]
+    assert "data:" not in result.stdout and not (tmp_path / "run").exists()
+
+
+DPO_FAST = ["data.split='train[:64]'", "trainer.max_steps=2", "trainer.progress_bar=false", "trainer.export_hf=false"]
+
+
+def test_dpo_samples_longer_than_max_position_embeddings_are_refused_before_the_model(tmp_path):
+    """DPO has no length bound in the recipe (data.max_length null): the tokenized pairs are measured."""
+    with pytest.raises(ConfigError, match=r"samples may have \d+ tokens \(the longest tokenized sample\) but the "
+                                          "model's max_position_embeddings is 16"):
+        run(load_recipe("tiny_llama_dpo", [*DPO_FAST, f"trainer.output_dir={tmp_path}",
+                                           "model.config.max_position_embeddings=16"]))
+    assert not list(tmp_path.glob("checkpoints/*")) and '"step"' not in (tmp_path / "metrics.jsonl").read_text()
