@@ -348,3 +348,37 @@ def test_dpo_samples_longer_than_max_position_embeddings_are_refused_before_the_
         run(load_recipe("tiny_llama_dpo", [*DPO_FAST, f"trainer.output_dir={tmp_path}",
                                            "model.config.max_position_embeddings=16"]))
     assert not list(tmp_path.glob("checkpoints/*")) and '"step"' not in (tmp_path / "metrics.jsonl").read_text()
+
+
+def test_a_damaged_run_json_or_config_yaml_is_named_with_the_way_out(tmp_path):
+    """A 0-byte run.json or a cut config.yaml (a disk full when they were written) used to answer every
+    later run with a JSONDecodeError; now each is named with what to do."""
+    overrides = [*FAST, "trainer.max_steps=1", f"trainer.output_dir={tmp_path}"]
+    run(load_recipe("tiny_llama_sft", overrides))
+    run_id = json.loads((tmp_path / "run.json").read_text())["run_id"]
+    recipe = (tmp_path / "config.yaml").read_text()
+
+    (tmp_path / "config.yaml").write_text(recipe[: len(recipe) // 2] + "  [")
+    with pytest.raises(ConfigError, match=r"config.yaml is damaged .*delete it to resume"):
+        run(load_recipe("tiny_llama_sft", overrides))
+    (tmp_path / "config.yaml").write_text("")
+    with pytest.raises(ConfigError, match=r"config.yaml is damaged \(it lacks the recipe sections"):
+        run(load_recipe("tiny_llama_sft", overrides))
+    (tmp_path / "config.yaml").write_text(recipe)
+
+    (tmp_path / "run.json").write_text("")
+    with pytest.raises(ConfigError) as error:
+        run(load_recipe("tiny_llama_sft", overrides))
+    assert "run.json is damaged (JSONDecodeError" in str(error.value)
+    assert f'write {{"run_id": "{run_id}"}} into it' in str(error.value) and "trainer.overwrite=true" in str(error.value)
+
+
+def test_run_files_are_written_whole_or_not_at_all(tmp_path):
+    """write_atomic: a write that fails part-way leaves the previous content, not a cut file."""
+    from automodel.training.run_dir import write_atomic
+
+    file = tmp_path / "run.json"
+    write_atomic(file, '{"run_id": "a"}')
+    with pytest.raises(UnicodeEncodeError):
+        write_atomic(file, '{"run_id": "' + "b" * 100_000 + '\udc80"}')  # fails after 100 kB were encoded
+    assert file.read_text() == '{"run_id": "a"}'
