@@ -382,3 +382,44 @@ def test_run_files_are_written_whole_or_not_at_all(tmp_path):
     with pytest.raises(UnicodeEncodeError):
         write_atomic(file, '{"run_id": "' + "b" * 100_000 + '\udc80"}')  # fails after 100 kB were encoded
     assert file.read_text() == '{"run_id": "a"}'
+
+
+def _turns(user: str, answer: str) -> list[dict]:
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+
+
+def test_dpo_pairs_that_cannot_teach_are_counted_and_refused_or_skipped(tmp_path, caplog):
+    """chosen == rejected trains at loss log 2 with grad norm 0; other prompt turns per side do not
+    cancel. Both are refused before tokenizing (naming the first line of each kind), or dropped
+    and counted with data.on_bad_row=skip."""
+    from automodel.data.preference import PreferenceData
+
+    rows = [
+        {"chosen": _turns("2+2?", "4"), "rejected": _turns("2+2?", "5")},
+        {"chosen": _turns("2+3?", "5"), "rejected": _turns("2+3?", "5")},  # identical
+        {"chosen": _turns("3+3?", "6"), "rejected": _turns("3+4?", "9")},  # other prompt
+        {"chosen": _turns("1+1?", "2"), "rejected": _turns("1+1?", "3")},
+        {"chosen": _turns("1+2?", "3"), "rejected": _turns("1+2?", "3")},  # identical
+    ]
+    source = tmp_path / "pairs.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    tokenizer = SFTData(tokenizer="tiny").load_tokenizer()
+    with pytest.raises(ValueError) as error:
+        PreferenceData(source=str(source), format="messages").build(tokenizer)
+    assert str(error.value) == (
+        f"{source}: 3 of 5 preference pairs cannot teach anything: 2 with chosen identical to rejected (first: "
+        f"{source} line 2); 1 with different prompt turns in chosen and rejected (first: {source} line 3); fix "
+        "them, or set data.on_bad_row=skip to drop them (counted)"
+    )
+    with caplog.at_level("WARNING"):
+        pairs, _ = PreferenceData(source=str(source), format="messages", on_bad_row="skip").build(tokenizer)
+    assert "dropped 3 of 5 preference pairs" in caplog.text
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps(rows[i]) + "\n" for i in (0, 3)))
+    expected, _ = PreferenceData(source=str(good), format="messages").build(tokenizer)
+    assert len(pairs) == 2 and pairs.to_dict() == expected.to_dict()
+
+    text = tmp_path / "text.jsonl"
+    text.write_text(json.dumps({"prompt": "Q", "chosen": " a", "rejected": " a"}) + "\n")
+    with pytest.raises(ValueError, match=f"1 of 1 preference pairs .*chosen identical to rejected \\(first: {text} line 1\\)"):
+        PreferenceData(source=str(text)).build(tokenizer)
