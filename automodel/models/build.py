@@ -198,11 +198,13 @@ def logit_transform(config: PretrainedConfig) -> dict[str, Any]:
 
 
 def setup_checks(
-    spec: ModelSpec, *, cp_size: int, vocab_needed: int | None, max_sample_tokens: int | None
+    spec: ModelSpec, *, cp_size: int, vocab_needed: int | None, max_sample_tokens: int | None,
+    lora: LoraConfig | None = None,
 ) -> PretrainedConfig:
     """Every check of the model that needs no weights, in the first seconds of a run: config
     readable, model type verified, features vs backend, tokenizer vs vocabulary, cp_size, windows
-    vs sample length, and the checkpoint's tensor names and shapes from its safetensors headers."""
+    vs sample length, the checkpoint's tensor names and shapes from its safetensors headers, and
+    ``lora``'s targets against the model's modules."""
     config = spec.hf_config()
     check_model_sanity(config, max_sample_tokens=max_sample_tokens, exceed_max_positions=spec.exceed_max_positions)
     backend = resolve_attention_backend(spec.attention_backend)
@@ -210,13 +212,17 @@ def setup_checks(
     check_model_config(
         config, backend, cp_size=cp_size, vocab_needed=vocab_needed, max_sample_tokens=max_sample_tokens
     )
+    if spec.pretrained_path is None and lora is None:
+        return config
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config, trust_remote_code=spec.trust_remote_code)
     if spec.pretrained_path is not None:
-        with torch.device("meta"):
-            meta = AutoModelForCausalLM.from_config(config, trust_remote_code=spec.trust_remote_code)
         check_checkpoint_tensors(
             spec.pretrained_path, {k: tuple(v.shape) for k, v in meta.state_dict().items()},
             tied=bool(getattr(config, "tie_word_embeddings", False)),
         )
+    if lora is not None:
+        lora.check_model(meta)
     return config
 
 

@@ -95,10 +95,8 @@ class FinetuneRecipe:
         with _as_user_error(ModelError):  # every model check that needs no weights, before tokenizing and packing
             self.hf_config = setup_checks(
                 self.model_spec, cp_size=self.dims.cp_size, vocab_needed=len(self.tokenizer),
-                max_sample_tokens=self._longest_sample(),
+                max_sample_tokens=self._longest_sample(), lora=self.lora,
             )
-            if self.lora is not None:
-                self.lora.check_model(self.hf_config)
         # rank 0 fills the datasets cache, the others read it; a bad row raised in a worker process
         # of datasets.map arrives here as the worker's ValueError
         with _main_rank_first(self.dims.is_main), _as_user_error(DataError):

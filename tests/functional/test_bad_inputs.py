@@ -102,6 +102,9 @@ RECIPE_CASES = [
     (["trainer.tracking.tensorboard=maybe"], "trainer.tracking.tensorboard"),
     (["+peft=lora", "peft.export_merged=maybe"], "peft.export_merged"),
     (["+peft=lora", "peft.target_modules=[lm_head]"], "peft.target_modules"),  # tied to the embeddings
+    # untied: the chunked loss reads lm_head.weight without the adapter, which would get no gradient
+    (["+peft=lora", "peft.target_modules=[q_proj,lm_head]", "model.config.tie_word_embeddings=false"],
+     "includes the output head 'lm_head'"),
     (["model.config.num_hidden_layers=0"], "num_hidden_layers=0"),
     (["model.config.rms_norm_eps=nan"], "rms_norm_eps=nan"),
     (["model.config.rope_theta=nan"], "rope_theta=nan"),
