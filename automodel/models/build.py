@@ -218,7 +218,7 @@ def setup_checks(
         meta = AutoModelForCausalLM.from_config(config, trust_remote_code=spec.trust_remote_code)
     if spec.pretrained_path is not None:
         check_checkpoint_tensors(
-            spec.pretrained_path, {k: tuple(v.shape) for k, v in meta.state_dict().items()},
+            spec.pretrained_path, meta.state_dict(),
             tied=bool(getattr(config, "tie_word_embeddings", False)),
         )
     if lora is not None:

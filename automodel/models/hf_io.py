@@ -63,6 +63,7 @@ class ExportWriteError(OSError):
 class StoredTensor:
     file: Path
     shape: tuple[int, ...]
+    dtype: str  # safetensors' name: F32, BF16, I8, ...
 
 
 def stored_tensors(path: str | Path) -> dict[str, StoredTensor]:
@@ -82,7 +83,8 @@ def stored_tensors(path: str | Path) -> dict[str, StoredTensor]:
         try:
             with safe_open(file, framework="pt") as handle:
                 for name in handle.keys():
-                    found[name] = StoredTensor(file, tuple(handle.get_slice(name).get_shape()))
+                    tensor = handle.get_slice(name)
+                    found[name] = StoredTensor(file, tuple(tensor.get_shape()), tensor.get_dtype())
         except Exception as error:  # noqa: BLE001 - safetensors raises its own SafetensorError (not exported)
             raise ValueError(
                 f"model.pretrained_path={str(path)!r}: {file} is not a readable safetensors file ({error}); it is "

@@ -3,13 +3,14 @@ from scratch. Either way the model is a transformers class."""
 
 from __future__ import annotations
 
-import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, PretrainedConfig
 
 from automodel.attention import ATTENTION_BACKENDS
@@ -70,18 +71,33 @@ class ModelSpec:
         """The transformers config; a checkpoint's unreadable config.json is a ValueError naming it."""
         if self.config is not None:
             fields = dict(self.config)
-            return AutoConfig.for_model(fields.pop("model_type"), **fields)
+            _check_sizes(fields, "model.config")
+            try:
+                return AutoConfig.for_model(fields.pop("model_type"), **fields)
+            except StrictDataclassError as error:  # transformers' typed fields: an int where a float goes...
+                raise ValueError(f"model.config: {' '.join(str(error).split())}; write it as that type (1.0 for a float)") from None
         path = Path(self.pretrained_path)
         if path.is_dir() and not (path / "config.json").is_file():
             raise ValueError(f"model.pretrained_path={self.pretrained_path!r} holds no config.json")
         refuse_remote_code(path, "model.pretrained_path", self.trust_remote_code)
         try:
             return AutoConfig.from_pretrained(self.pretrained_path, trust_remote_code=self.trust_remote_code)
-        except (OSError, ValueError, json.JSONDecodeError) as error:
+        except (OSError, ValueError, ArithmeticError, StrictDataclassError) as error:
             raise ValueError(
                 f"model.pretrained_path={self.pretrained_path!r}: cannot read its config ({error}); point it at a "
                 "local Hugging Face checkpoint directory or a hub id already in the local cache"
             ) from None
+
+
+# Sizes and counts a model divides by or allocates with: 0 is a traceback (or an empty model) later.
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+
+
+def _check_sizes(fields: dict[str, Any], where: str) -> None:
+    for name in _SIZES:
+        value = fields.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise ValueError(f"{name}={value} in {where}: must be at least 1")
 
 
 def check_model_sanity(
@@ -96,12 +112,29 @@ def check_model_sanity(
             f"num_hidden_layers={layers!r} in the model config (model.config, or config.json of "
             "model.pretrained_path): a model needs at least 1 layer"
         )
-    for name, value in _floats(config.to_dict()):
+    where = "fix it in model.config (or config.json of model.pretrained_path)"
+    fields = config.to_dict()
+    _check_sizes(fields, "the model config (model.config, or config.json of model.pretrained_path)")
+    for name, value in _numbers(fields):
         if not math.isfinite(value):
-            raise ValueError(
-                f"{name}={value} in the model config: must be a finite number; fix it in model.config (or "
-                "config.json of model.pretrained_path)"
-            )
+            raise ValueError(f"{name}={value} in the model config: must be a finite number; {where}")
+        if _POSITIVE.search(name) and not value > 0:  # a division by it, or a power of it: NaN at step 1
+            raise ValueError(f"{name}={value} in the model config: must be positive; {where}")
+    if fields.get("quantization_config"):
+        method = fields["quantization_config"].get("quant_method", "?")
+        raise ValueError(
+            f"the model config has a quantization_config (quant_method {method!r}): training reads and exports "
+            "unquantized weights, and the export would keep a quantization_config that does not match them; give the "
+            "unquantized checkpoint (peft.quantize_base=nf4 quantizes the frozen base itself)"
+        )
+    vocab = fields.get("vocab_size")
+    for name in ("bos_token_id", "eos_token_id"):
+        ids = fields.get(name)
+        for token in ids if isinstance(ids, list) else [ids]:
+            if token is not None and (not isinstance(token, int) or token < 0 or (vocab and token >= vocab)):
+                raise ValueError(
+                    f"{name}={ids!r} in the model config: token ids are in [0, vocab_size={vocab}); {where}"
+                )
     if max_sample_tokens is not None:
         check_max_positions(config, max_sample_tokens, "data.max_length, else the pack size", exceed_max_positions)
 
@@ -127,18 +160,23 @@ def check_backend_device(backend: str) -> None:
         )
 
 
-def _floats(node: Any, prefix: str = ""):
-    """``(dotted name, value)`` for every float in a config dict, nested dicts included."""
-    if isinstance(node, float):
+# Config numbers a model divides by or raises to a power: zero or negative makes step 1 NaN.
+_POSITIVE = re.compile(r"(^|\.)(rope_theta|factor|partial_rotary_factor|\w*_eps|\w*epsilon)$")
+
+
+def _numbers(node: Any, prefix: str = ""):
+    """``(dotted name, value)`` for every number in a config dict, nested dicts included."""
+    if isinstance(node, (int, float)) and not isinstance(node, bool):
         yield prefix, node
     elif isinstance(node, dict):
         for key, value in node.items():
-            yield from _floats(value, f"{prefix}.{key}" if prefix else str(key))
+            yield from _numbers(value, f"{prefix}.{key}" if prefix else str(key))
 
 
-def check_checkpoint_tensors(path: str, expected: dict[str, tuple[int, ...]], tied: bool) -> None:
-    """Compare the safetensors headers of a local checkpoint with the model's state-dict names and
-    shapes, reading no tensor data: every name both have must agree in shape, and every model
+def check_checkpoint_tensors(path: str, expected: dict[str, torch.Tensor], tied: bool) -> None:
+    """Compare the safetensors headers of a local checkpoint with the model's state dict (meta
+    tensors), reading no tensor data: every name both have must agree in shape, a float tensor
+    of the model must be stored as floats (not integers, which a load would cast), and every model
     tensor must be in the checkpoint, except a tied ``lm_head.weight`` and MoE expert tensors, which
     transformers fuses at load (``from_pretrained`` reports those)."""
     from automodel.models.hf_io import UnshardableCheckpoint, stored_tensors
@@ -149,10 +187,19 @@ def check_checkpoint_tensors(path: str, expected: dict[str, tuple[int, ...]], ti
         return  # a hub id or another format: from_pretrained checks it at load
     found = set(stored)
     for name, tensor in stored.items():
-        if name in expected and expected[name] != tensor.shape:
+        if name not in expected:
+            continue
+        if tuple(expected[name].shape) != tensor.shape:
             raise ValueError(
                 f"model.pretrained_path={path!r}: tensor {name!r} in {tensor.file.name} has shape {tensor.shape}, "
-                f"the model built from its config.json expects {expected[name]}; the weights do not match config.json"
+                f"the model built from its config.json expects {tuple(expected[name].shape)}; the weights do not "
+                "match config.json"
+            )
+        if expected[name].is_floating_point() and not tensor.dtype.startswith(("F", "BF")):
+            raise ValueError(
+                f"model.pretrained_path={path!r}: tensor {name!r} in {tensor.file.name} is stored as {tensor.dtype} "
+                "(integers: quantized or packed weights), where the model has float weights; give the checkpoint "
+                "with float weights"
             )
     missing = [
         name for name in expected

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import datasets
 import pytest
+import safetensors.torch
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -109,6 +110,17 @@ RECIPE_CASES = [
     (["model.config.rms_norm_eps=nan"], "rms_norm_eps=nan"),
     (["model.config.rope_theta=nan"], "rope_theta=nan"),
     (["model.config.max_position_embeddings=16"], "max_position_embeddings is 16"),  # data.max_length=512
+    # values that made step 1 NaN, blamed on lr or data; and ones an export carried on unchecked
+    (["model.config.rope_theta=0"], "rope_theta=0"),
+    (["model.config.rms_norm_eps=-1.0"], "rms_norm_eps=-1.0"),
+    (["model.config.rms_norm_eps=-1"], "model.config: Validation error for field 'rms_norm_eps'"),  # an int: typed field
+    (["model.config.num_attention_heads=0"], "num_attention_heads=0"),
+    (["model.config.hidden_size=0"], "hidden_size=0"),
+    (["+model.config.rope_parameters={rope_type:linear,factor:0.0,rope_theta:10000.0}"], "rope_parameters.factor=0.0"),
+    (["+model.config.rope_parameters={rope_type:linear,factor:-2.0,rope_theta:10000.0}"], "rope_parameters.factor=-2.0"),
+    (["+model.config.bos_token_id=-5"], "bos_token_id=-5"),
+    (["+model.config.eos_token_id=[2,512]"], "eos_token_id=[2, 512]"),  # vocab_size 512
+    (["+model.config.quantization_config={quant_method:bitsandbytes,load_in_4bit:true}"], "quantization_config"),
     *([] if torch.cuda.is_available() else [(["model.attention_backend=varlen"], "model.attention_backend='varlen'")]),
     # model types the differential check refused, and a feature the backend lacks (supported.json)
     (["model.config.model_type=bart"], "model_type 'bart' (model.pretrained_path / model.config) is refused"),
@@ -158,6 +170,10 @@ def _checkpoint_dir(tmp_path: Path, weights: str, **config) -> Path:
         weights_file.write_bytes(weights_file.read_bytes()[: weights_file.stat().st_size // 2])
     elif weights == "garbage":
         weights_file.write_bytes(b"not a safetensors file")
+    elif weights == "integer":  # one float weight stored as int8 (a load would cast it silently)
+        tensors = safetensors.torch.load_file(weights_file)
+        tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int8)
+        safetensors.torch.save_file(tensors, weights_file, metadata={"format": "pt"})
     if config:
         file = directory / "config.json"
         file.write_text(json.dumps({**json.loads(file.read_text()), **config}))
@@ -193,6 +209,9 @@ FILE_CASES = {
         "own model code (modeling_x.M)"),
     "truncated safetensors": (lambda t: _checkpoint(t, "truncated"), "model.safetensors"),
     "garbage safetensors": (lambda t: _checkpoint(t, "garbage"), "model.safetensors"),
+    "integer weight tensor": (lambda t: _checkpoint(t, "integer"), "'model.norm.weight' in model.safetensors is stored as I8"),
+    "quantization_config in config.json": (
+        lambda t: _checkpoint(t, "good", quantization_config={"quant_method": "fp8"}), "quant_method 'fp8'"),
 }  # fmt: skip
 
 
