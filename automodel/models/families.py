@@ -73,15 +73,9 @@ def rope_types(config: PretrainedConfig) -> set[str]:
 def check_supported_type(config: PretrainedConfig, backend: str) -> dict:
     """The type's entry in the supported table; a :class:`ConfigError` with the recorded reason
     unless the differential check verified it, naming the feature that ``backend`` (resolved)
-    cannot compute, or when ``auto_map`` swaps in the checkpoint's own, unverified, model class."""
+    cannot compute (a checkpoint's own model class in ``auto_map`` is refused earlier, by
+    :meth:`automodel.models.spec.ModelSpec.hf_config`, before its configuration code runs)."""
     entry = supported_table().get(config.model_type)
-    own_class = (getattr(config, "auto_map", None) or {}).get("AutoModelForCausalLM")
-    if own_class is not None:  # reached only with model.trust_remote_code=true
-        raise ConfigError(
-            f"model.pretrained_path: config.json's auto_map builds the checkpoint's own model code ({own_class}), which the differential "
-            f"check never ran (it verifies transformers' classes); delete AutoModelForCausalLM from auto_map to train "
-            f"transformers' own {config.model_type!r} class"
-        )
     if entry is None or entry["status"] != "verified":
         why = "it is not in transformers' causal-LM table" if entry is None else entry["reason"]
         raise ConfigError(

@@ -64,8 +64,12 @@ class LoraConfig:
             raise ValueError("peft.target_modules is empty; name modules (q_proj,v_proj...) or use all-linear")
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ValueError(f"peft.rank must be a positive int, got {self.rank!r}")
-        if not self.alpha > 0:
-            raise ValueError(f"peft.alpha must be positive, got {self.alpha!r}")
+        # alpha / rank scales the adapter's output and gradients: 1e30 overflows them at step 1
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 < self.alpha / self.rank <= 1e3:
+            raise ValueError(
+                f"peft.alpha={self.alpha!r} with peft.rank={self.rank}: alpha / rank scales the update and must be in "
+                "(0, 1000] (alpha = 2 x rank is common)"
+            )
         if not 0 <= self.dropout < 1:
             raise ValueError(f"peft.dropout must be in [0, 1), got {self.dropout!r}")
         if self.quantize_base not in (None, "nf4"):

@@ -3,6 +3,7 @@ from scratch. Either way the model is a transformers class."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -80,6 +81,7 @@ class ModelSpec:
         if path.is_dir() and not (path / "config.json").is_file():
             raise ValueError(f"model.pretrained_path={self.pretrained_path!r} holds no config.json")
         refuse_remote_code(path, "model.pretrained_path", self.trust_remote_code)
+        _refuse_own_model_class(path / "config.json")
         try:
             return AutoConfig.from_pretrained(self.pretrained_path, trust_remote_code=self.trust_remote_code)
         except (OSError, ValueError, ArithmeticError, StrictDataclassError) as error:
@@ -87,6 +89,23 @@ class ModelSpec:
                 f"model.pretrained_path={self.pretrained_path!r}: cannot read its config ({error}); point it at a "
                 "local Hugging Face checkpoint directory or a hub id already in the local cache"
             ) from None
+
+
+def _refuse_own_model_class(file: Path) -> None:
+    """ValueError when a checkpoint's config.json maps ``AutoModelForCausalLM`` to its own code
+    (``auto_map``, reached with model.trust_remote_code=true): the differential check verifies
+    transformers' classes, never that code. Read as JSON, before its configuration code could run."""
+    try:
+        auto_map = json.loads(file.read_text()).get("auto_map") or {}
+    except (OSError, ValueError, AttributeError):
+        return  # no readable local config.json: a hub id, or AutoConfig names the problem
+    own_class = auto_map.get("AutoModelForCausalLM") if isinstance(auto_map, dict) else None
+    if own_class is not None:
+        raise ValueError(
+            f"model.pretrained_path: {file}'s auto_map builds the checkpoint's own model code ({own_class}), which the "
+            "differential check never ran (it verifies transformers' classes); delete AutoModelForCausalLM from "
+            "auto_map to train transformers' own class of its model_type"
+        )
 
 
 # Sizes and counts a model divides by or allocates with: 0 is a traceback (or an empty model) later.

@@ -29,7 +29,14 @@ from filelock import FileLock, Timeout
 from omegaconf import DictConfig, OmegaConf
 
 from automodel.config import SECTIONS, ConfigError
-from automodel.training.checkpoint import META, Checkpointer, CheckpointInfo, read_info, verify_checkpoint
+from automodel.training.checkpoint import (
+    META,
+    Checkpointer,
+    CheckpointInfo,
+    UnsafeCheckpointError,
+    read_info,
+    verify_checkpoint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -290,6 +297,14 @@ class RunDirectory:
                 )
             for line in accepted:
                 logger.info("resume with a changed setting: %s", line)
+        lr, scheduler = cfg.optim.lr, latest.scheduler
+        if set(scheduler.get("base_lrs") or [None]) != {lr} or scheduler.get("last_epoch") != latest.step:
+            raise UnsafeCheckpointError(
+                f"{latest.path / META} has the scheduler state base_lrs={scheduler.get('base_lrs')!r}, "
+                f"last_epoch={scheduler.get('last_epoch')!r}, but this run has optim.lr={lr} and the checkpoint is of "
+                f"step {latest.step}: the file was edited or damaged; delete that checkpoint directory to resume from "
+                "the previous one, or start a new trainer.output_dir"
+            )
         stop = trainer.stop_at_step or trainer.max_steps
         if latest.step > stop:
             which = f"trainer.stop_at_step={trainer.stop_at_step}" if trainer.stop_at_step else "trainer.max_steps"

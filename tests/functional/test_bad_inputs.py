@@ -3,8 +3,10 @@ functions: each raises its error class naming the field, before any data work (t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import pickle
 import shutil
 import signal
 import sys
@@ -24,6 +26,7 @@ from automodel.data.collate import RowLengthError
 from automodel.data.sft_data import SFTData
 from automodel.distributed import make_cp_batch_for_te, process_input_for_thd, thd_get_partitioned_indices
 from automodel.distributed.thd import BatchKeyError
+from automodel.training.checkpoint import read_dcp_metadata
 from automodel.training.finetune import run
 from automodel.training.run_dir import RunDirectory
 
@@ -102,6 +105,7 @@ RECIPE_CASES = [
     (["trainer.output_dir=''"], "trainer.output_dir"),
     (["trainer.tracking.tensorboard=maybe"], "trainer.tracking.tensorboard"),
     (["+peft=lora", "peft.export_merged=maybe"], "peft.export_merged"),
+    (["+peft=lora", "peft.alpha=1e30"], "peft.alpha=1e+30 with peft.rank=8"),
     (["+peft=lora", "peft.target_modules=[lm_head]"], "peft.target_modules"),  # tied to the embeddings
     # untied: the chunked loss reads lm_head.weight without the adapter, which would get no gradient
     (["+peft=lora", "peft.target_modules=[q_proj,lm_head]", "model.config.tie_word_embeddings=false"],
@@ -363,6 +367,11 @@ def test_ranks_started_with_different_recipes_all_stop_naming_the_keys(tmp_path)
 DPO_FAST = ["data.split='train[:64]'", "trainer.max_steps=2", "trainer.progress_bar=false", "trainer.export_hf=false"]
 
 
+def test_a_dpo_beta_that_overflows_step_1_is_refused_at_setup(tmp_path):
+    with pytest.raises(ConfigError, match=r"dpo.beta must be a positive number up to 1000 .*got 1e\+30"):
+        run(load_recipe("tiny_llama_dpo", [*DPO_FAST, f"trainer.output_dir={tmp_path}", "dpo.beta=1e30"]))
+
+
 def test_dpo_samples_longer_than_max_position_embeddings_are_refused_before_the_model(tmp_path):
     """DPO has no length bound in the recipe (data.max_length null): the tokenized pairs are measured."""
     with pytest.raises(ConfigError, match=r"samples may have \d+ tokens \(the longest tokenized sample\) but the "
@@ -372,7 +381,7 @@ def test_dpo_samples_longer_than_max_position_embeddings_are_refused_before_the_
     assert not list(tmp_path.glob("checkpoints/*")) and '"step"' not in (tmp_path / "metrics.jsonl").read_text()
 
 
-def test_a_damaged_run_json_or_config_yaml_is_named_with_the_way_out(tmp_path):
+def test_damaged_or_edited_run_files_are_named_with_the_way_out(tmp_path):
     """A 0-byte run.json or a cut config.yaml (a disk full when they were written) used to answer every
     later run with a JSONDecodeError; now each is named with what to do."""
     overrides = [*FAST, "trainer.max_steps=1", f"trainer.output_dir={tmp_path}"]
@@ -393,6 +402,25 @@ def test_a_damaged_run_json_or_config_yaml_is_named_with_the_way_out(tmp_path):
         run(load_recipe("tiny_llama_sft", overrides))
     assert "run.json is damaged (JSONDecodeError" in str(error.value)
     assert f'write {{"run_id": "{run_id}"}} into it' in str(error.value) and "trainer.overwrite=true" in str(error.value)
+    (tmp_path / "run.json").write_text(json.dumps({"run_id": run_id}))
+
+    # files that steer a resume without running code: the scheduler state in meta.json, DCP's storage paths
+    checkpoint = tmp_path / "checkpoints" / "step_00000001"
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    edited = {**meta, "scheduler": {**meta["scheduler"], "base_lrs": [200.0]}}
+    (checkpoint / "meta.json").write_text(json.dumps(edited))
+    more_steps = [*overrides, "trainer.max_steps=2"]
+    with pytest.raises(ConfigError, match=r"meta.json has the scheduler state base_lrs=\[200.0\].*optim.lr=0.002"):
+        run(load_recipe("tiny_llama_sft", more_steps))
+    (checkpoint / "meta.json").write_text(json.dumps(meta))
+    metadata = read_dcp_metadata(checkpoint)
+    metadata.storage_data = {k: dataclasses.replace(v, relative_path="../../../../outside.distcp")
+                             for k, v in metadata.storage_data.items()}  # fmt: skip
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
+    meta["files"][".metadata"] = (checkpoint / ".metadata").stat().st_size  # sizes agree: only the paths are wrong
+    (checkpoint / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ConfigError, match=r"\.metadata points storage at '../../../../outside.distcp', outside"):
+        run(load_recipe("tiny_llama_sft", more_steps))
 
 
 def test_run_files_are_written_whole_or_not_at_all(tmp_path):
@@ -445,3 +473,34 @@ def test_dpo_pairs_that_cannot_teach_are_counted_and_refused_or_skipped(tmp_path
     text.write_text(json.dumps({"prompt": "Q", "chosen": " a", "rejected": " a"}) + "\n")
     with pytest.raises(ValueError, match=f"1 of 1 preference pairs .*chosen identical to rejected \\(first: {text} line 1\\)"):
         PreferenceData(source=str(text)).build(tokenizer)
+
+
+
+def test_an_edited_pack_cache_entry_is_refused(tmp_path):
+    from automodel.data.pack_cache import cached_pack_dataset
+
+    rows = _rows(3, 4, 5, 2)
+    first = cached_pack_dataset(rows, "train", 8, cache_dir=tmp_path)
+    assert cached_pack_dataset(rows, "train", 8, cache_dir=tmp_path).to_dict() == first.to_dict()  # read back
+    (arrow,) = tmp_path.glob("packed-*/*.arrow")
+    data = bytearray(arrow.read_bytes())
+    data[-200] ^= 1  # one bit of the packed rows
+    arrow.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=f"pack cache entry {arrow.parent} does not match the digest"):
+        cached_pack_dataset(rows, "train", 8, cache_dir=tmp_path)
+
+
+def test_a_checkpoints_own_model_class_is_refused_before_its_configuration_code_runs(tmp_path):
+    """With model.trust_remote_code=true the own AutoModelForCausalLM was refused only after
+    AutoConfig had imported the checkpoint's configuration_*.py."""
+    directory = _checkpoint_dir(tmp_path, "good", auto_map={
+        "AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XForCausalLM"})
+    marker = tmp_path / "configuration code ran"
+    (directory / "configuration_x.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n"
+        "from transformers import LlamaConfig\nclass XConfig(LlamaConfig):\n    model_type = 'llama'\n"
+    )
+    with pytest.raises(ConfigError, match=r"own model code \(modeling_x.XForCausalLM\)"):
+        run(load_recipe("tiny_llama_sft", [*FAST, f"trainer.output_dir={tmp_path / 'run'}", "model=hf_checkpoint",
+                                           f"model.pretrained_path={directory}", "model.trust_remote_code=true"]))
+    assert not marker.exists()
