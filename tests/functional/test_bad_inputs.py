@@ -504,3 +504,14 @@ def test_a_checkpoints_own_model_class_is_refused_before_its_configuration_code_
         run(load_recipe("tiny_llama_sft", [*FAST, f"trainer.output_dir={tmp_path / 'run'}", "model=hf_checkpoint",
                                            f"model.pretrained_path={directory}", "model.trust_remote_code=true"]))
     assert not marker.exists()
+
+
+
+@pytest.mark.parametrize("override", ["trainer.output_dir=~/x", "data.source=donn\u00e9es.jsonl"])
+def test_an_override_hydra_cannot_lex_says_to_quote_it(override):
+    key, _, value = override.partition("=")
+    with pytest.raises(ConfigError) as error:
+        load_recipe("tiny_llama_sft", [override])
+    assert f"quote the value: \"{key}='{value}'\"" in str(error.value), str(error.value)
+    quoted = load_recipe("tiny_llama_sft", [f"{key}='{value}'"])  # the way out works
+    assert quoted[key.split(".")[0]][key.split(".")[1]] == value
