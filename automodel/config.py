@@ -112,6 +112,14 @@ def load_recipe(recipe: str, overrides: list[str] | tuple[str, ...] = ()) -> Dic
         if unknown:  # the same "did you mean" as a typo in a YAML file
             groups_only = [o for o in overrides if "." not in o.split("=", 1)[0]]
             raise ConfigError(_unknown_key_message(unknown.group(1), _compose(path, groups_only))) from None
+        unreadable = [o for o in overrides if "=" in o and f"LexerNoViableAltException: {o}" in str(error)]
+        if unreadable:  # ~/..., non-ASCII letters: Hydra's override grammar reads only quoted strings there
+            key, _, value = unreadable[0].partition("=")
+            raise ConfigError(
+                f"override {unreadable[0]!r}: Hydra's override grammar cannot read {value!r} unquoted (a ~, a non-ASCII "
+                f"letter, ...); quote the value: \"{key}='{value}'\" (the double quotes keep the single ones from the "
+                "shell)"
+            ) from None
         raise ConfigError(f"recipe {path.name}: {error}") from None
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:

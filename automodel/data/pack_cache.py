@@ -4,6 +4,7 @@
 the input tokens, every packing parameter and the packer's code version. Layout of ``cache_dir``::
 
     packed-<key>/        a complete entry: save_to_disk Arrow files (renamed into place when complete)
+                         and ``digest.json``, their xxh3-128 (checked before every read)
     packed-<key>.lock    a ``filelock`` lock: the kernel releases it when its holder dies
 
 Every process takes the lock in turn; the first packs and writes the entry, the others find it
@@ -31,6 +32,8 @@ from automodel.data import collate, packing, planning
 from automodel.data.packing import _check_arguments, _select_split, _token_columns, pack_dataset
 
 logger = logging.getLogger(__name__)
+
+DIGEST = "digest.json"
 
 
 def _packer_code_version() -> str:
@@ -92,13 +95,32 @@ def cached_pack_dataset(
     key = pack_cache_key(selected, None, **parameters)
     entry = root / f"packed-{key}"
     with FileLock(root / f"packed-{key}.lock", timeout=wait_timeout_s):
-        if not entry.is_dir():
+        if not (entry / DIGEST).is_file():  # none, or written before entries carried their digest
+            shutil.rmtree(entry, ignore_errors=True)
             start = time.perf_counter()
             packed = pack_dataset(selected, None, **parameters)
             staging = root / f"tmp-{key}-{os.getpid()}"
             shutil.rmtree(staging, ignore_errors=True)  # a dead writer's leftovers: we hold the lock
             packed.save_to_disk(str(staging))
+            (staging / DIGEST).write_text(json.dumps({"xxh3_128": entry_digest(staging)}))
             os.rename(staging, entry)
             logger.info("pack cache: packed %d rows into %s in %.1f s", len(packed), entry, time.perf_counter() - start)
     logger.info("pack cache: reading %s", entry)
+    written = json.loads((entry / DIGEST).read_text()).get("xxh3_128")
+    if entry_digest(entry) != written:
+        raise ValueError(
+            f"pack cache entry {entry} does not match the digest it was written with (its files were changed or "
+            "damaged after packing); delete that directory and it is packed again"
+        )
     return datasets.load_from_disk(str(entry))
+
+
+def entry_digest(directory: Path) -> str:
+    """xxh3-128 of every file of a cache entry but ``digest.json``, names and bytes, in name order."""
+    digest = xxhash.xxh3_128()
+    for file in sorted(p for p in directory.iterdir() if p.name != DIGEST):
+        digest.update(file.name.encode() + b"\0")
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()

@@ -18,6 +18,7 @@ a pair is two SFT samples; the pair dataset has ``chosen_*`` and ``rejected_*`` 
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from transformers import PreTrainedTokenizerBase
 
 from automodel.data.batching import LoaderEnv, Prepared, _groups, _Mode
 from automodel.data.collate import build_row, packed_sequence_thd_collater
-from automodel.data.sft import load_tokenizer, tokenize_sft_dataset
+from automodel.data.sft import BAD_ROW_MODES, load_tokenizer, tokenize_sft_dataset
 from automodel.data.sources import check_source, load_sft_source
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,9 @@ class PreferenceData:
         columns: field -> column name, e.g. ``{chosen: accepted, rejected: declined}``.
         tokenizer: ``tiny`` or a local tokenizer directory.
         max_length: cut each side to at most this many tokens.
+        on_bad_row: a pair that cannot teach anything (chosen identical to rejected, or ``messages``
+            whose prompt turns differ between the sides): ``error`` (counted and refused, naming the
+            first of each kind) or ``skip`` (dropped, counted and logged).
         validation: a validation source (``{source, split}``; format and columns as for training).
         val_fraction: or hold out this fraction of the pairs (seeded).
         seed: seeds the held-out split.
@@ -60,6 +64,7 @@ class PreferenceData:
     columns: dict[str, str] | None = None
     tokenizer: str = "tiny"
     max_length: int | None = None
+    on_bad_row: str = "error"
     validation: dict | None = None
     val_fraction: float | None = None
     seed: int = 1234
@@ -74,6 +79,8 @@ class PreferenceData:
                 f"{PREFERENCE_FORMATS[self.format]}"
             )
         check_source(self.source, "data.source")
+        if self.on_bad_row not in BAD_ROW_MODES:
+            raise ValueError(f"data.on_bad_row must be one of {BAD_ROW_MODES}, got {self.on_bad_row!r}")
         if self.validation is not None and (not isinstance(self.validation, dict) or set(self.validation) - {"source", "split"}):
             raise ValueError(f"data.validation must be a mapping with source and/or split, got {self.validation!r}")
         if self.val_fraction is not None and not 0 < self.val_fraction < 1:
@@ -99,6 +106,18 @@ class PreferenceData:
     def _pairs(self, source: str, split: str, tokenizer: PreTrainedTokenizerBase) -> datasets.Dataset:
         rows, origin = load_sft_source(source, split)
         columns = {field: (self.columns or {}).get(field, field) for field in PREFERENCE_FORMATS[self.format]}
+        bad = bad_pairs(rows, self.format, columns)
+        if bad:
+            counts, firsts = collections.Counter(reason for _, reason in bad), {}
+            for row, reason in bad:
+                firsts.setdefault(reason, row)
+            listed = "; ".join(f"{n} with {reason} (first: {origin(firsts[reason])})" for reason, n in counts.items())
+            if self.on_bad_row == "error":
+                raise ValueError(
+                    f"{source}: {len(bad)} of {len(rows)} preference pairs cannot teach anything: {listed}; fix them, "
+                    "or set data.on_bad_row=skip to drop them (counted)"
+                )
+            logger.warning("%s: dropped %d of %d preference pairs: %s", source, len(bad), len(rows), listed)
         sides = []
         for side in SIDES:  # each side is one SFT sample of the pair
             mapping = {"messages": columns[side]} if self.format == "messages" else {
@@ -112,7 +131,34 @@ class PreferenceData:
                     f"cut by data.max_length={self.max_length}); both sides of every pair must keep a response"
                 )
             sides.append(tokenized.rename_columns({c: f"{side}_{c}" for c in _SAMPLE_COLUMNS}))
-        return datasets.concatenate_datasets(sides, axis=1)
+        pairs = datasets.concatenate_datasets(sides, axis=1)
+        # dropped after tokenizing, so that the tokenizer's messages name the rows' own lines
+        return pairs.select(sorted(set(range(len(pairs))) - {row for row, _ in bad})) if bad else pairs
+
+
+def bad_pairs(rows: datasets.Dataset, format: str, columns: dict[str, str]) -> list[tuple[int, str]]:
+    """``(row, reason)`` for each pair DPO cannot learn from: chosen identical to rejected (its loss
+    is log 2 with zero gradient whatever the model), or, for ``messages``, sides whose turns before
+    the last assistant turn differ (the prompts would not cancel). Rows whose fields are not text or
+    conversations are left to the tokenizer, which names them."""
+    chosen, rejected = rows[columns["chosen"]], rows[columns["rejected"]]
+    bad = []
+    for row, (a, b) in enumerate(zip(chosen, rejected)):
+        kind = str if format == "prompt_completion" else list
+        if not (isinstance(a, kind) and isinstance(b, kind)):
+            continue
+        if a == b:
+            bad.append((row, "chosen identical to rejected"))
+        elif kind is list and _prompt_turns(a) != _prompt_turns(b):
+            bad.append((row, "different prompt turns in chosen and rejected"))
+    return bad
+
+
+def _prompt_turns(conversation: list) -> list:
+    """The turns before the last assistant turn."""
+    last = max((i for i, turn in enumerate(conversation) if isinstance(turn, dict) and turn.get("role") == "assistant"),
+               default=len(conversation))  # fmt: skip
+    return conversation[:last]
 
 
 def pair_samples(pair: dict[str, Any]) -> list[dict[str, Any]]:

@@ -340,8 +340,21 @@ def _load_hub(name: str, split: str, cache_dir: str | None) -> tuple[datasets.Da
 
 def check_source(name: str, field: str = "source") -> None:
     """ValueError naming ``field`` unless ``name`` is a built-in name, an existing path, a glob
-    pattern or a Hub id: the check a recipe's sources get before anything is loaded."""
-    exists = name in BUILTIN_SOURCES or Path(name).expanduser().exists()
+    pattern or a Hub id: the check a recipe's sources get before anything is loaded. An empty name
+    (an unset shell variable) would be ``Path('.')``, every data file under the working directory,
+    and a FIFO or device would block the loader forever: both refused."""
+    if isinstance(name, str) and not name.strip():
+        raise ValueError(
+            f"{field}={name!r} is empty (an unset shell variable?); give a data file, directory, glob pattern, Hub "
+            f"dataset id or built-in name ({', '.join(BUILTIN_SOURCES)})"
+        )
+    path = Path(name).expanduser()
+    if name not in BUILTIN_SOURCES and path.exists() and not (path.is_file() or path.is_dir()):
+        raise ValueError(
+            f"{field}={name!r} is not a regular file or directory (a FIFO, socket or device would block or never "
+            "end); give a data file or a directory of them"
+        )
+    exists = name in BUILTIN_SOURCES or path.exists()
     if not (exists or _GLOB_CHARS.search(name) or is_hub_id(name)):
         raise ValueError(
             f"{field}={name!r} does not exist: pass an existing file, directory or glob pattern, a "

@@ -11,6 +11,7 @@ import datetime
 import os
 import types
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -79,9 +80,11 @@ class ParallelDims:
         return self.rank == 0
 
 
-def init_distributed(config: ParallelConfig) -> ParallelDims:
+def init_distributed(config: ParallelConfig, on_group: Callable[[], None] | None = None) -> ParallelDims:
     """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR... in the
-    environment), or form a one-process group without torchrun. nccl on CUDA, gloo on CPU."""
+    environment), or form a one-process group without torchrun. nccl on CUDA, gloo on CPU.
+    ``on_group`` runs on every rank once the group forms, before the mesh, whose shape all ranks
+    must agree on (the recipe check of :func:`automodel.training.run_dir.check_ranks_agree`)."""
     use_cuda = torch.cuda.is_available()
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world_size = int(os.environ["WORLD_SIZE"]) if launched else 1
@@ -108,6 +111,8 @@ def init_distributed(config: ParallelConfig) -> ParallelDims:
             dist.init_process_group(backend, timeout=timeout)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    if on_group is not None:
+        on_group()
     dp_size = world_size // config.cp_size
     mesh = init_device_mesh(device.type, (dp_size, config.cp_size), mesh_dim_names=("dp", "cp"))
     return ParallelDims(dist.get_rank(), world_size, dp_size, config.cp_size, device, mesh)

@@ -44,7 +44,6 @@ from automodel.loss import chunked_cross_entropy_sum, chunked_token_log_probs
 from automodel.models.families import (
     check_config_fields,
     check_model_config,
-    check_own_class,
     check_vocabulary,
     config_verdict,
     table_verdict,
@@ -212,11 +211,12 @@ def setup_checks(
     vocab_needed: int | None,
     max_sample_tokens: int | None,
     row_tokens: int | None = None,
+    lora: LoraConfig | None = None,
 ) -> tuple[PretrainedConfig, dict]:
     """Every check of the model that needs no weights: :func:`config_checks`, then
     :func:`checkpoint_checks`. Returns what :func:`config_checks` returns."""
     config, entry = config_checks(spec, cp_size=cp_size, max_sample_tokens=max_sample_tokens, row_tokens=row_tokens)
-    checkpoint_checks(spec, config, vocab_needed=vocab_needed)
+    checkpoint_checks(spec, config, vocab_needed=vocab_needed, lora=lora)
     return config, entry
 
 
@@ -224,7 +224,7 @@ def config_checks(
     spec: ModelSpec, *, cp_size: int, max_sample_tokens: int | None, row_tokens: int | None = None
 ) -> tuple[PretrainedConfig, dict]:
     """The checks that need only the recipe, in the first seconds of a run, before the run directory
-    is written: config readable, its own model class, its fields, the differential check on this
+    is written: config readable (and no model class of its own: :meth:`ModelSpec.hf_config`), its fields, the differential check on this
     config (``model.verify``; else the table's verdict on the type's default config), features vs
     backend, cp_size, windows vs sample length.
 
@@ -232,7 +232,6 @@ def config_checks(
         The config and the verdict (a table entry: status, features, backends), whose
         ``dense_mask`` (:func:`~automodel.models.families.uses_dense_mask`) :func:`build_model` takes."""
     config = spec.hf_config()
-    check_own_class(config)
     check_model_sanity(config, max_sample_tokens=max_sample_tokens, exceed_max_positions=spec.exceed_max_positions)
     backend = resolve_attention_backend(spec.attention_backend)
     check_backend_device(backend)
@@ -242,14 +241,21 @@ def config_checks(
     return config, entry
 
 
-def checkpoint_checks(spec: ModelSpec, config: PretrainedConfig, *, vocab_needed: int | None) -> None:
-    """The tokenizer against the vocabulary (``vocab_needed``: ``len(tokenizer)``, None skips it) and
-    the checkpoint's tensor names and shapes from its safetensors headers."""
+def checkpoint_checks(
+    spec: ModelSpec, config: PretrainedConfig, *, vocab_needed: int | None, lora: LoraConfig | None = None
+) -> None:
+    """The tokenizer against the vocabulary (``vocab_needed``: ``len(tokenizer)``, None skips it),
+    the checkpoint's tensor names, shapes and dtypes from its safetensors headers, and ``lora``'s
+    targets against the model's modules."""
     check_vocabulary(config, vocab_needed)
+    if spec.pretrained_path is None and lora is None:
+        return
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config, trust_remote_code=spec.trust_remote_code)
     if spec.pretrained_path is not None:
-        with torch.device("meta"):
-            meta = AutoModelForCausalLM.from_config(config, trust_remote_code=spec.trust_remote_code)
         check_checkpoint_tensors(spec.pretrained_path, meta)
+    if lora is not None:
+        lora.check_model(meta)
 
 
 def model_verdict(

@@ -85,17 +85,6 @@ def rope_types(config: PretrainedConfig) -> set[str]:
     return {p.get("rope_type", "default") for p in per_layer}
 
 
-def check_own_class(config: PretrainedConfig) -> None:
-    """A :class:`ConfigError` when ``auto_map`` swaps in the checkpoint's own, unverified, model class."""
-    own_class = (getattr(config, "auto_map", None) or {}).get("AutoModelForCausalLM")
-    if own_class is not None:  # reached only with model.trust_remote_code=true
-        raise ConfigError(
-            f"model.pretrained_path: config.json's auto_map builds the checkpoint's own model code ({own_class}), which the differential "
-            f"check never ran (it verifies transformers' classes); delete AutoModelForCausalLM from auto_map to train "
-            f"transformers' own {config.model_type!r} class"
-        )
-
-
 def table_verdict(config: PretrainedConfig) -> dict:
     """The shipped table's entry for the type (its default config's verdict), for ``model.verify=false``;
     a :class:`ConfigError` for a type the table lacks (newer than the table's transformers)."""
@@ -174,7 +163,9 @@ def exactness_cache_dir() -> Path:
 
 def check_supported_type(config: PretrainedConfig, backend: str, entry: dict) -> None:
     """A :class:`ConfigError` with the check's reason unless ``entry`` (the verdict) is verified,
-    naming the feature that ``backend`` (resolved) cannot compute."""
+    naming the feature that ``backend`` (resolved) cannot compute (a checkpoint's own model class in
+    ``auto_map`` is refused earlier, by :meth:`automodel.models.spec.ModelSpec.hf_config`, before its
+    configuration code runs)."""
     if entry["status"] != "verified":
         raise ConfigError(
             f"model_type {config.model_type!r} (model.pretrained_path / model.config) is refused on the THD path: "

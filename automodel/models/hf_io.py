@@ -72,6 +72,7 @@ class ExportWriteError(OSError):
 class StoredTensor:
     file: Path
     shape: tuple[int, ...]
+    dtype: str  # safetensors' name: F32, BF16, I8, ...
 
 
 def stored_tensors(path: str | Path) -> dict[str, StoredTensor]:
@@ -91,7 +92,8 @@ def stored_tensors(path: str | Path) -> dict[str, StoredTensor]:
         try:
             with safe_open(file, framework="pt") as handle:
                 for name in handle.keys():
-                    found[name] = StoredTensor(file, tuple(handle.get_slice(name).get_shape()))
+                    tensor = handle.get_slice(name)
+                    found[name] = StoredTensor(file, tuple(tensor.get_shape()), tensor.get_dtype())
         except Exception as error:  # noqa: BLE001 - safetensors raises its own SafetensorError (not exported)
             raise ValueError(
                 f"model.pretrained_path={str(path)!r}: {file} is not a readable safetensors file ({error}); it is "
@@ -205,18 +207,26 @@ def match_checkpoint(hf: PreTrainedModel, stored: dict[str, StoredTensor], where
     Works on a meta model (no tensor data).
 
     Raises:
-        ValueError: an entry is stored with another shape than the model needs (naming ``where``).
+        ValueError: an entry is stored with another shape than the model needs, or as integers where
+            the model has floats (naming ``where``).
     """
     tensors = {checkpoint_name(k): t for k, t in model_tensors(hf).items() if ".lora_" not in k}
     match = CheckpointMatch({}, [], [])
     for group in conversion_groups(hf, {name: tuple(t.shape) for name, t in tensors.items()}):
         own = all(name in stored for name in group.tensors)
         entries = {name: tuple(tensors[name].shape) for name in group.tensors} if own else group.entries
+        floating = all(tensors[name].is_floating_point() for name in group.tensors)
         for entry, needed in entries.items():
             if entry in stored and stored[entry].shape != needed:
                 raise ValueError(
                     f"{where}: tensor {entry!r} in {stored[entry].file.name} has shape {stored[entry].shape}, the "
                     f"model built from its config.json expects {needed}; the weights do not match config.json"
+                )
+            if entry in stored and floating and not stored[entry].dtype.startswith(("F", "BF")):
+                raise ValueError(
+                    f"{where}: tensor {entry!r} in {stored[entry].file.name} is stored as {stored[entry].dtype} "
+                    "(integers: quantized or packed weights), where the model has float weights; give the "
+                    "checkpoint with float weights"
                 )
         absent = [entry for entry in entries if entry not in stored]
         if absent:

@@ -64,8 +64,12 @@ class LoraConfig:
             raise ValueError("peft.target_modules is empty; name modules (q_proj,v_proj...) or use all-linear")
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ValueError(f"peft.rank must be a positive int, got {self.rank!r}")
-        if not self.alpha > 0:
-            raise ValueError(f"peft.alpha must be positive, got {self.alpha!r}")
+        # alpha / rank scales the adapter's output and gradients: 1e30 overflows them at step 1
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 < self.alpha / self.rank <= 1e3:
+            raise ValueError(
+                f"peft.alpha={self.alpha!r} with peft.rank={self.rank}: alpha / rank scales the update and must be in "
+                "(0, 1000] (alpha = 2 x rank is common)"
+            )
         if not 0 <= self.dropout < 1:
             raise ValueError(f"peft.dropout must be in [0, 1), got {self.dropout!r}")
         if self.quantize_base not in (None, "nf4"):
@@ -82,15 +86,20 @@ class LoraConfig:
                     f"peft.quantize_base=nf4 needs torchao ({error}); pip install 'automodel[qlora]'"
                 ) from None
 
-    def check_model(self, config) -> None:
-        """ValueError before any data work when an adapter would sit on the output head that the
-        model ties to its input embeddings (one tensor under two names: the adapter cannot follow)."""
+    def check_model(self, model: torch.nn.Module) -> None:
+        """ValueError before any data work when a target is the output head of ``model`` (the
+        transformers model, on the meta device): the loss reads the head's weight directly, chunk
+        by chunk over the vocabulary, and never calls the module, so an adapter there would get no
+        gradient; a head tied to the input embeddings is one tensor under two names besides."""
+        head = model.get_output_embeddings()
+        name = next((n for n, m in model.named_modules() if m is head), None)
         targets = [] if self.target_modules == "all-linear" else self.target_modules  # all-linear skips the head
-        if getattr(config, "tie_word_embeddings", False) and any(t.split(".")[-1] == "lm_head" for t in targets):
+        if name is not None and any(name == t or name.endswith("." + t) for t in targets):
+            tied = ", and this model ties it to its input embeddings" if getattr(model.config, "tie_word_embeddings", False) else ""
             raise ValueError(
-                f"peft.target_modules={self.target_modules!r} includes lm_head, which this model ties to its input "
-                "embeddings (tie_word_embeddings=true); drop lm_head from the targets, or use a model whose head "
-                "is not tied"
+                f"peft.target_modules={self.target_modules!r} includes the output head {name!r}: the loss reads its "
+                f"weight directly (chunked over the vocabulary) and never calls it, so an adapter there would not be "
+                f"trained{tied}; drop {name} from the targets"
             )
 
     def peft_config(self) -> peft.LoraConfig:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from automodel.attention import ATTENTION_BACKENDS
@@ -78,18 +80,51 @@ class ModelSpec:
         """The transformers config; a checkpoint's unreadable config.json is a ValueError naming it."""
         if self.config is not None:
             fields = dict(self.config)
-            return AutoConfig.for_model(fields.pop("model_type"), **fields)
+            _check_sizes(fields, "model.config")
+            try:
+                return AutoConfig.for_model(fields.pop("model_type"), **fields)
+            except StrictDataclassError as error:  # transformers' typed fields: an int where a float goes...
+                raise ValueError(f"model.config: {' '.join(str(error).split())}; write it as that type (1.0 for a float)") from None
         path = Path(self.pretrained_path)
         if path.is_dir() and not (path / "config.json").is_file():
             raise ValueError(f"model.pretrained_path={self.pretrained_path!r} holds no config.json")
         refuse_remote_code(path, "model.pretrained_path", self.trust_remote_code)
+        _refuse_own_model_class(path / "config.json")
         try:
             return AutoConfig.from_pretrained(self.pretrained_path, trust_remote_code=self.trust_remote_code)
-        except (OSError, ValueError, json.JSONDecodeError) as error:
+        except (OSError, ValueError, ArithmeticError, StrictDataclassError) as error:
             raise ValueError(
                 f"model.pretrained_path={self.pretrained_path!r}: cannot read its config ({error}); point it at a "
                 "local Hugging Face checkpoint directory or a hub id already in the local cache"
             ) from None
+
+
+def _refuse_own_model_class(file: Path) -> None:
+    """ValueError when a checkpoint's config.json maps ``AutoModelForCausalLM`` to its own code
+    (``auto_map``, reached with model.trust_remote_code=true): the differential check verifies
+    transformers' classes, never that code. Read as JSON, before its configuration code could run."""
+    try:
+        auto_map = json.loads(file.read_text()).get("auto_map") or {}
+    except (OSError, ValueError, AttributeError):
+        return  # no readable local config.json: a hub id, or AutoConfig names the problem
+    own_class = auto_map.get("AutoModelForCausalLM") if isinstance(auto_map, dict) else None
+    if own_class is not None:
+        raise ValueError(
+            f"model.pretrained_path: {file}'s auto_map builds the checkpoint's own model code ({own_class}), which the "
+            "differential check never ran (it verifies transformers' classes); delete AutoModelForCausalLM from "
+            "auto_map to train transformers' own class of its model_type"
+        )
+
+
+# Sizes and counts a model divides by or allocates with: 0 is a traceback (or an empty model) later.
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+
+
+def _check_sizes(fields: dict[str, Any], where: str) -> None:
+    for name in _SIZES:
+        value = fields.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise ValueError(f"{name}={value} in {where}: must be at least 1")
 
 
 def check_model_sanity(
@@ -104,18 +139,41 @@ def check_model_sanity(
             f"num_hidden_layers={layers!r} in the model config (model.config, or config.json of "
             "model.pretrained_path): a model needs at least 1 layer"
         )
-    for name, value in _floats(config.to_dict()):
+    where = "fix it in model.config (or config.json of model.pretrained_path)"
+    fields = config.to_dict()
+    _check_sizes(fields, "the model config (model.config, or config.json of model.pretrained_path)")
+    for name, value in _numbers(fields):
         if not math.isfinite(value):
-            raise ValueError(
-                f"{name}={value} in the model config: must be a finite number; fix it in model.config (or "
-                "config.json of model.pretrained_path)"
-            )
-    limit = getattr(config, "max_position_embeddings", None)
-    if limit is not None and max_sample_tokens is not None and max_sample_tokens > limit and not exceed_max_positions:
+            raise ValueError(f"{name}={value} in the model config: must be a finite number; {where}")
+        if _POSITIVE.search(name) and not value > 0:  # a division by it, or a power of it: NaN at step 1
+            raise ValueError(f"{name}={value} in the model config: must be positive; {where}")
+    if fields.get("quantization_config"):
+        method = fields["quantization_config"].get("quant_method", "?")
         raise ValueError(
-            f"samples may have {max_sample_tokens} tokens (data.max_length, else the pack size) but the model's "
-            f"max_position_embeddings is {limit}; set data.max_length <= {limit}, or model.exceed_max_positions=true "
-            "to train past it anyway"
+            f"the model config has a quantization_config (quant_method {method!r}): training reads and exports "
+            "unquantized weights, and the export would keep a quantization_config that does not match them; give the "
+            "unquantized checkpoint (peft.quantize_base=nf4 quantizes the frozen base itself)"
+        )
+    vocab = fields.get("vocab_size")
+    for name in ("bos_token_id", "eos_token_id"):
+        ids = fields.get(name)
+        for token in ids if isinstance(ids, list) else [ids]:
+            if token is not None and (not isinstance(token, int) or token < 0 or (vocab and token >= vocab)):
+                raise ValueError(
+                    f"{name}={ids!r} in the model config: token ids are in [0, vocab_size={vocab}); {where}"
+                )
+    if max_sample_tokens is not None:
+        check_max_positions(config, max_sample_tokens, "data.max_length, else the pack size", exceed_max_positions)
+
+
+def check_max_positions(config: PretrainedConfig, sample_tokens: int, source: str, exceed_max_positions: bool) -> None:
+    """ValueError when samples of ``sample_tokens`` tokens (``source`` says where that number comes
+    from) are longer than the config's ``max_position_embeddings``, unless ``model.exceed_max_positions``."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and sample_tokens > limit and not exceed_max_positions:
+        raise ValueError(
+            f"samples may have {sample_tokens} tokens ({source}) but the model's max_position_embeddings is "
+            f"{limit}; set data.max_length <= {limit}, or model.exceed_max_positions=true to train past it anyway"
         )
 
 
@@ -134,13 +192,17 @@ def check_backend_device(backend: str) -> None:
         )
 
 
-def _floats(node: Any, prefix: str = ""):
-    """``(dotted name, value)`` for every float in a config dict, nested dicts included."""
-    if isinstance(node, float):
+# Config numbers a model divides by or raises to a power: zero or negative makes step 1 NaN.
+_POSITIVE = re.compile(r"(^|\.)(rope_theta|factor|partial_rotary_factor|\w*_eps|\w*epsilon)$")
+
+
+def _numbers(node: Any, prefix: str = ""):
+    """``(dotted name, value)`` for every number in a config dict, nested dicts included."""
+    if isinstance(node, (int, float)) and not isinstance(node, bool):
         yield prefix, node
     elif isinstance(node, dict):
         for key, value in node.items():
-            yield from _floats(value, f"{prefix}.{key}" if prefix else str(key))
+            yield from _numbers(value, f"{prefix}.{key}" if prefix else str(key))
 
 
 def check_checkpoint_tensors(path: str, meta: PreTrainedModel) -> None:

@@ -102,6 +102,14 @@ def verify_checkpoint(path: Path) -> None:
     value of the shards with ``weights_only=True`` (tensors are read that way by DCP itself), the RNG
     files with ``weights_only=True``. UnsafeCheckpointError naming the first file refused."""
     metadata = read_dcp_metadata(path)
+    root = Path(path).resolve()
+    for storage in metadata.storage_data.values():  # DCP joins these to the checkpoint path and reads them
+        if not (root / storage.relative_path).resolve().is_relative_to(root):
+            raise UnsafeCheckpointError(
+                f"{Path(path) / '.metadata'} points storage at {storage.relative_path!r}, outside {path}; a checkpoint "
+                "reads only its own files: delete that checkpoint directory to resume from the previous one, or start "
+                "a new trainer.output_dir"
+            )
     storage_of = {index.fqn: storage for index, storage in metadata.storage_data.items()}
     for index, entry in metadata.state_dict_metadata.items():
         if not isinstance(entry, BytesStorageMetadata):

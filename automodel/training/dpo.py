@@ -16,7 +16,6 @@ optimizer state: +1x parameter memory and one extra forward per micro-batch).
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +34,9 @@ logger = logging.getLogger("automodel")
 _SUMMED = ("loss", "reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy", "logp_chosen", "logp_rejected")
 
 
+MAX_BETA = 1e3
+
+
 @dataclass
 class DPOConfig:
     """The ``dpo`` section: ``beta`` scales the implicit reward (log-ratio to the reference)."""
@@ -42,8 +44,9 @@ class DPOConfig:
     beta: float = 0.1
 
     def __post_init__(self) -> None:
-        if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) or not 0 < self.beta < math.inf:
-            raise ValueError(f"dpo.beta must be a positive number (0.1 is common), got {self.beta!r}")
+        # beta scales the gradient: 1e30 overflows it at step 1, where the failure would be blamed on lr or data
+        if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) or not 0 < self.beta <= MAX_BETA:
+            raise ValueError(f"dpo.beta must be a positive number up to {MAX_BETA:g} (0.1 is common), got {self.beta!r}")
 
 
 def dpo_terms(policy_P2: torch.Tensor, reference_P2: torch.Tensor, beta: float) -> dict[str, torch.Tensor]:

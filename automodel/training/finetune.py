@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pyarrow.compute
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
@@ -31,12 +32,13 @@ from automodel.loss import label_positions
 from automodel.models import CausalLMForTraining, build_model, export_model
 from automodel.models.build import checkpoint_checks, config_checks
 from automodel.models.families import uses_dense_mask
+from automodel.models.spec import check_max_positions
 from automodel.training.checkpoint import Checkpointer, NonFiniteError
 from automodel.training.console import configure_console, on_terminal
 from automodel.training.host_syncs import record_host_syncs
 from automodel.training.metrics import open_metrics_log, plot_loss_curve, read_metrics
 from automodel.training.model_card import write_adapter_card
-from automodel.training.run_dir import RECIPE, RunDirectory
+from automodel.training.run_dir import RECIPE, RunDirectory, check_ranks_agree
 from automodel.training.validation import evaluate
 
 logger = logging.getLogger("automodel")
@@ -66,7 +68,7 @@ class FinetuneRecipe:
         # A process group the caller made (a notebook, a larger job) is used and left open at cleanup.
         self._owns_process_group = not dist.is_initialized()
         try:
-            self.dims = init_distributed(self.parallel_config)
+            self.dims = init_distributed(self.parallel_config, on_group=functools.partial(check_ranks_agree, self.cfg))
         except ValueError as error:
             raise ConfigError(str(error)) from None
         configure_console(self.dims.is_main)
@@ -92,14 +94,18 @@ class FinetuneRecipe:
 
         with _as_user_error(ConfigError):  # data.tokenizer: a path or name the recipe gives
             self.tokenizer = self.data.load_tokenizer(trust_remote_code=self.model_spec.trust_remote_code)
-        with _as_user_error(ModelError):  # the tokenizer and checkpoint against the model, before tokenizing and packing
-            checkpoint_checks(self.model_spec, self.hf_config, vocab_needed=len(self.tokenizer))
-            if self.lora is not None:
-                self.lora.check_model(self.hf_config)
+        with _as_user_error(ModelError):  # the tokenizer, checkpoint and LoRA targets, before tokenizing and packing
+            checkpoint_checks(self.model_spec, self.hf_config, vocab_needed=len(self.tokenizer), lora=self.lora)
         # rank 0 fills the datasets cache, the others read it; a bad row raised in a worker process
         # of datasets.map arrives here as the worker's ValueError
         with _main_rank_first(self.dims.is_main), _as_user_error(DataError):
             dataset, self.val_dataset = self.data.build(self.tokenizer)
+        if self._longest_sample() is None:  # no bound in the recipe (DPO pairs): the samples themselves
+            with _as_user_error(ModelError):
+                check_max_positions(
+                    self.hf_config, _longest_tokenized(dataset, self.val_dataset), "the longest tokenized sample",
+                    self.model_spec.exceed_max_positions,
+                )
         padding_idx = self.tokenizer.pad_token_id
         env = LoaderEnv(
             dp_rank=self.dims.dp_rank, dp_size=self.dims.dp_size, cp_size=self.dims.cp_size, seed=self.trainer.seed,
@@ -372,6 +378,18 @@ class FinetuneRecipe:
                 self.run_dir.release()
             if self._owns_process_group and dist.is_initialized():
                 dist.destroy_process_group()
+
+
+def _longest_tokenized(*datasets: Any) -> int:
+    """The most tokens of any sample of the tokenized ``datasets`` (None skipped): every
+    ``*input_ids`` column (both sides of a preference pair), read as Arrow list lengths."""
+    longest = 0
+    for dataset in filter(None, datasets):
+        for name in dataset.column_names:
+            if name.endswith("input_ids"):
+                lengths = pyarrow.compute.list_value_length(dataset.data.column(name))
+                longest = max(longest, pyarrow.compute.max(lengths).as_py() or 0)
+    return longest
 
 
 @contextlib.contextmanager

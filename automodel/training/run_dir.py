@@ -13,6 +13,7 @@ decision is broadcast so that every rank fails (or resumes) alike.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -27,8 +28,15 @@ import torch.distributed as dist
 from filelock import FileLock, Timeout
 from omegaconf import DictConfig, OmegaConf
 
-from automodel.config import ConfigError
-from automodel.training.checkpoint import META, Checkpointer, CheckpointInfo, read_info, verify_checkpoint
+from automodel.config import SECTIONS, ConfigError
+from automodel.training.checkpoint import (
+    META,
+    Checkpointer,
+    CheckpointInfo,
+    UnsafeCheckpointError,
+    read_info,
+    verify_checkpoint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +86,52 @@ def recipe_changes(old: DictConfig, new: DictConfig) -> tuple[list[str], list[st
             line = f"{key}: {a.get(key, '<absent>')!r} -> {b.get(key, '<absent>')!r}"
             (accepted if _is_mutable(key) else refused).append(line)
     return refused, accepted
+
+
+def check_ranks_agree(cfg: DictConfig) -> None:
+    """ConfigError on every rank when the ranks of one job resolved different recipes (nodes started
+    with other overrides would each train with their own lr, data split...): a hash of the resolved
+    recipe is compared first, then the differing keys are named with each rank's value. Collective."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    world = dist.get_world_size()
+    recipe = OmegaConf.to_container(cfg)
+    digests: list[Any] = [None] * world
+    dist.all_gather_object(digests, hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest())
+    if len(set(digests)) == 1:
+        return
+    recipes: list[Any] = [None] * world
+    dist.all_gather_object(recipes, recipe)
+    flat = [flatten(r) for r in recipes]
+    lines = []
+    for key in sorted(set().union(*flat)):
+        ranks_of: dict[str, list[int]] = {}
+        for rank, values in enumerate(flat):
+            ranks_of.setdefault(repr(values.get(key, "<absent>")), []).append(rank)
+        if len(ranks_of) > 1:
+            values = "; ".join(f"{value} on rank(s) {_ranks(r)}" for value, r in ranks_of.items())
+            lines.append(f"{key}: {values}")
+    listed = "\n  ".join(lines)
+    raise ConfigError(
+        f"the {world} ranks of this job resolved different recipes (rank {dist.get_rank()} reports):\n  {listed}\n"
+        "give every node and process the same recipe and overrides"
+    )
+
+
+def write_atomic(file: Path, text: str) -> None:
+    """``file`` holds ``text`` or its previous content, never a part: written beside it, flushed to
+    disk, then renamed over it (a full disk or a kill leaves the old file and a stray ``.tmp``)."""
+    staging = file.with_name(file.name + ".tmp")
+    with open(staging, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(staging, file)
+
+
+def _ranks(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:8]))
+    return shown + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
 
 
 class RunDirectory:
@@ -158,7 +212,7 @@ class RunDirectory:
 
     def _decide(self, cfg: DictConfig, trainer, world_size: int, dp_size: int) -> tuple[str, CheckpointInfo | None]:
         saved_run = self.path / RUN
-        run_id = json.loads(saved_run.read_text())["run_id"] if saved_run.is_file() else None
+        run_id = self._saved_run_id() if saved_run.is_file() else None
         latest = None
         if trainer.resume == "auto" and run_id is not None:
             latest = Checkpointer(self.path, trainer.keep_last, 0, world_size, run_id).latest()
@@ -182,9 +236,51 @@ class RunDirectory:
                 elif target.exists():
                     target.unlink()
             run_id = uuid.uuid4().hex
-            saved_run.write_text(json.dumps({"run_id": run_id}))
-        (self.path / RECIPE).write_text(OmegaConf.to_yaml(cfg))
+            write_atomic(saved_run, json.dumps({"run_id": run_id}))
+        write_atomic(self.path / RECIPE, OmegaConf.to_yaml(cfg))
         return run_id, latest
+
+    def _saved_run_id(self) -> str:
+        """``run.json``'s run id; ConfigError naming the file and the ways out when it is damaged (a
+        0-byte or cut file from a disk that filled up before writes were atomic, or an edit)."""
+        file = self.path / RUN
+        try:
+            run_id = json.loads(file.read_text()).get("run_id")
+        except (OSError, ValueError, AttributeError) as error:
+            run_id, problem = None, f"{type(error).__name__}: {error}"
+        else:
+            problem = f"no string run_id in {file.read_text()[:80]!r}"
+        if isinstance(run_id, str) and run_id:
+            return run_id
+        found = sorted({
+            json.loads((p / META).read_text()).get("run_id") for p in Checkpointer(self.path, 1, 0, 1, "").step_dirs()
+            if (p / META).is_file()
+        } - {None})  # fmt: skip
+        resume = ""
+        if len(found) == 1:
+            resume = f'write {{"run_id": "{found[0]}"}} into it (the run id its checkpoints carry) to resume, or '
+        raise ConfigError(
+            f"{file} is damaged ({problem}); it holds the id of the run in {self.path}: {resume}delete it and start "
+            "over with trainer.resume=never trainer.overwrite=true, or use a new trainer.output_dir"
+        )
+
+    def _saved_recipe(self) -> DictConfig:
+        """``config.yaml``, the recipe of the run; ConfigError naming it and the ways out when it is
+        not a recipe (0 bytes, cut, edited)."""
+        file = self.path / RECIPE
+        try:
+            saved = OmegaConf.load(file)
+        except Exception as error:  # noqa: BLE001 - yaml's and OmegaConf's errors alike: a damaged file
+            saved, problem = None, f"{type(error).__name__}: {str(error).splitlines()[0]}"
+        else:
+            problem = "it lacks the recipe sections " + str([k for k in SECTIONS if k not in saved])
+        if isinstance(saved, DictConfig) and all(k in saved for k in SECTIONS):
+            return saved
+        raise ConfigError(
+            f"{file} is damaged ({problem}); it holds the recipe the checkpoints were trained with: delete it to resume "
+            "without comparing the recipes (this run's recipe is saved in its place), or start over with "
+            "trainer.resume=never trainer.overwrite=true, or use a new trainer.output_dir"
+        )
 
     def _check_resume(self, cfg: DictConfig, trainer, latest: CheckpointInfo, world_size: int, dp_size: int) -> None:
         ways_out = (
@@ -193,7 +289,7 @@ class RunDirectory:
         )
         recipe = self.path / RECIPE
         if recipe.is_file():
-            refused, accepted = recipe_changes(OmegaConf.load(recipe), cfg)
+            refused, accepted = recipe_changes(self._saved_recipe(), cfg)
             if refused:
                 listed = "\n  ".join(refused)
                 raise ConfigError(
@@ -201,6 +297,14 @@ class RunDirectory:
                 )
             for line in accepted:
                 logger.info("resume with a changed setting: %s", line)
+        lr, scheduler = cfg.optim.lr, latest.scheduler
+        if set(scheduler.get("base_lrs") or [None]) != {lr} or scheduler.get("last_epoch") != latest.step:
+            raise UnsafeCheckpointError(
+                f"{latest.path / META} has the scheduler state base_lrs={scheduler.get('base_lrs')!r}, "
+                f"last_epoch={scheduler.get('last_epoch')!r}, but this run has optim.lr={lr} and the checkpoint is of "
+                f"step {latest.step}: the file was edited or damaged; delete that checkpoint directory to resume from "
+                "the previous one, or start a new trainer.output_dir"
+            )
         stop = trainer.stop_at_step or trainer.max_steps
         if latest.step > stop:
             which = f"trainer.stop_at_step={trainer.stop_at_step}" if trainer.stop_at_step else "trainer.max_steps"

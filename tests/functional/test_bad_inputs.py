@@ -3,12 +3,18 @@ functions: each raises its error class naming the field, before any data work (t
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import pickle
 import shutil
+import signal
+import sys
 from pathlib import Path
 
 import datasets
 import pytest
+import safetensors.torch
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -20,8 +26,12 @@ from automodel.data.collate import RowLengthError
 from automodel.data.sft_data import SFTData
 from automodel.distributed import make_cp_batch_for_te, process_input_for_thd, thd_get_partitioned_indices
 from automodel.distributed.thd import BatchKeyError
+from automodel.training.checkpoint import read_dcp_metadata
 from automodel.training.finetune import run
 from automodel.training.run_dir import RunDirectory
+
+sys.path.insert(0, str(Path(__file__).parent))
+from torchrun import run_torchrun  # noqa: E402
 
 FAST = ["data.split='train[:64]'", "packing.packed_sequence_size=256", "trainer.progress_bar=false",
         "trainer.export_hf=false", "trainer.max_steps=2"]
@@ -86,17 +96,35 @@ RECIPE_CASES = [
     (["parallel.cp_comm_type=ring"], "cp_comm_type"),
     (["parallel.timeout_minutes=-1"], "parallel.timeout_minutes"),
     (["data.source=/nonexistent/train.jsonl"], "data.source"),
+    (["data.source="], "data.source='' is empty"),  # Path('') is '.': every data file under the cwd
+    (["data.source=' '"], "data.source=' ' is empty"),
+    (["data.source=/dev/null"], "not a regular file or directory"),
     (["data.format=alpacca"], "data.format"),
     (["trainer.seed=-1"], "trainer.seed"),
     (["trainer.output_dir=null"], "trainer.output_dir"),
     (["trainer.output_dir=''"], "trainer.output_dir"),
     (["trainer.tracking.tensorboard=maybe"], "trainer.tracking.tensorboard"),
     (["+peft=lora", "peft.export_merged=maybe"], "peft.export_merged"),
+    (["+peft=lora", "peft.alpha=1e30"], "peft.alpha=1e+30 with peft.rank=8"),
     (["+peft=lora", "peft.target_modules=[lm_head]"], "peft.target_modules"),  # tied to the embeddings
+    # untied: the chunked loss reads lm_head.weight without the adapter, which would get no gradient
+    (["+peft=lora", "peft.target_modules=[q_proj,lm_head]", "model.config.tie_word_embeddings=false"],
+     "includes the output head 'lm_head'"),
     (["model.config.num_hidden_layers=0"], "num_hidden_layers=0"),
     (["model.config.rms_norm_eps=nan"], "rms_norm_eps=nan"),
     (["model.config.rope_theta=nan"], "rope_theta=nan"),
     (["model.config.max_position_embeddings=16"], "max_position_embeddings is 16"),  # data.max_length=512
+    # values that made step 1 NaN, blamed on lr or data; and ones an export carried on unchecked
+    (["model.config.rope_theta=0"], "rope_theta=0"),
+    (["model.config.rms_norm_eps=-1.0"], "rms_norm_eps=-1.0"),
+    (["model.config.rms_norm_eps=-1"], "model.config: Validation error for field 'rms_norm_eps'"),  # an int: typed field
+    (["model.config.num_attention_heads=0"], "num_attention_heads=0"),
+    (["model.config.hidden_size=0"], "hidden_size=0"),
+    (["+model.config.rope_parameters={rope_type:linear,factor:0.0,rope_theta:10000.0}"], "rope_parameters.factor=0.0"),
+    (["+model.config.rope_parameters={rope_type:linear,factor:-2.0,rope_theta:10000.0}"], "rope_parameters.factor=-2.0"),
+    (["+model.config.bos_token_id=-5"], "bos_token_id=-5"),
+    (["+model.config.eos_token_id=[2,512]"], "eos_token_id=[2, 512]"),  # vocab_size 512
+    (["+model.config.quantization_config={quant_method:bitsandbytes,load_in_4bit:true}"], "quantization_config"),
     *([] if torch.cuda.is_available() else [(["model.attention_backend=varlen"], "model.attention_backend='varlen'")]),
     # model types the differential check refused, and a feature the backend lacks (supported.json)
     (["model.config.model_type=bart"], "model_type 'bart' (model.pretrained_path / model.config) is refused"),
@@ -146,6 +174,10 @@ def _checkpoint_dir(tmp_path: Path, weights: str, **config) -> Path:
         weights_file.write_bytes(weights_file.read_bytes()[: weights_file.stat().st_size // 2])
     elif weights == "garbage":
         weights_file.write_bytes(b"not a safetensors file")
+    elif weights == "integer":  # one float weight stored as int8 (a load would cast it silently)
+        tensors = safetensors.torch.load_file(weights_file)
+        tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int8)
+        safetensors.torch.save_file(tensors, weights_file, metadata={"format": "pt"})
     if config:
         file = directory / "config.json"
         file.write_text(json.dumps({**json.loads(file.read_text()), **config}))
@@ -181,6 +213,9 @@ FILE_CASES = {
         "own model code (modeling_x.M)"),
     "truncated safetensors": (lambda t: _checkpoint(t, "truncated"), "model.safetensors"),
     "garbage safetensors": (lambda t: _checkpoint(t, "garbage"), "model.safetensors"),
+    "integer weight tensor": (lambda t: _checkpoint(t, "integer"), "'model.norm.weight' in model.safetensors is stored as I8"),
+    "quantization_config in config.json": (
+        lambda t: _checkpoint(t, "good", quantization_config={"quant_method": "fp8"}), "quant_method 'fp8'"),
 }  # fmt: skip
 
 
@@ -294,3 +329,189 @@ def test_a_bad_input_to_a_public_function_fails_naming_the_field_before_packing(
 
 def test_the_battery_has_at_least_40_cases():
     assert len(RECIPE_CASES) + len(FUNCTION_CASES) >= 40
+
+
+def _hung(signum, frame):
+    raise TimeoutError("blocked reading the FIFO")
+
+
+def test_a_fifo_as_data_source_is_refused_not_read_forever(tmp_path, data_work):
+    os.mkfifo(tmp_path / "data.jsonl")
+    previous = signal.signal(signal.SIGALRM, _hung)
+    signal.alarm(60)  # a read of the FIFO would block forever: fail instead
+    try:
+        with pytest.raises(ConfigError, match="data.source=.*data.jsonl' is not a regular file or directory"):
+            run(load_recipe("tiny_llama_sft", [*FAST, f"trainer.output_dir={tmp_path / 'run'}",
+                                               f"data.source={tmp_path / 'data.jsonl'}"]))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert data_work == []
+
+
+def test_ranks_started_with_different_recipes_all_stop_naming_the_keys(tmp_path):
+    """Two ranks of one torchrun job, each with its own optim.lr (as two nodes typed two commands):
+    both stop with exit code 2 before any data work, each naming the key and both values."""
+    command = (
+        f"exec {sys.executable} -m automodel finetune tiny_llama_sft {' '.join(repr(o) for o in FAST)} "
+        f"trainer.output_dir={tmp_path / 'run'} optim.lr=$((LOCAL_RANK + 1))e-3"
+    )
+    result = run_torchrun(["--no-python", "bash", "-c", command], nproc=2)
+    assert "exitcode  : 2" in result.stdout, result.stdout[-3000:]
+    for rank in (0, 1):
+        assert (f"config error: the 2 ranks of this job resolved different recipes (rank {rank} reports): "
+                "optim.lr: 0.001 on rank(s) 0; 0.002 on rank(s) 1") in result.stdout, result.stdout[-3000:]
+    assert "data:" not in result.stdout and not (tmp_path / "run").exists()
+
+
+DPO_FAST = ["data.split='train[:64]'", "trainer.max_steps=2", "trainer.progress_bar=false", "trainer.export_hf=false"]
+
+
+def test_a_dpo_beta_that_overflows_step_1_is_refused_at_setup(tmp_path):
+    with pytest.raises(ConfigError, match=r"dpo.beta must be a positive number up to 1000 .*got 1e\+30"):
+        run(load_recipe("tiny_llama_dpo", [*DPO_FAST, f"trainer.output_dir={tmp_path}", "dpo.beta=1e30"]))
+
+
+def test_dpo_samples_longer_than_max_position_embeddings_are_refused_before_the_model(tmp_path):
+    """DPO has no length bound in the recipe (data.max_length null): the tokenized pairs are measured."""
+    with pytest.raises(ConfigError, match=r"samples may have \d+ tokens \(the longest tokenized sample\) but the "
+                                          "model's max_position_embeddings is 16"):
+        run(load_recipe("tiny_llama_dpo", [*DPO_FAST, f"trainer.output_dir={tmp_path}",
+                                           "model.config.max_position_embeddings=16"]))
+    assert not list(tmp_path.glob("checkpoints/*")) and '"step"' not in (tmp_path / "metrics.jsonl").read_text()
+
+
+def test_damaged_or_edited_run_files_are_named_with_the_way_out(tmp_path):
+    """A 0-byte run.json or a cut config.yaml (a disk full when they were written) used to answer every
+    later run with a JSONDecodeError; now each is named with what to do."""
+    overrides = [*FAST, "trainer.max_steps=1", f"trainer.output_dir={tmp_path}"]
+    run(load_recipe("tiny_llama_sft", overrides))
+    run_id = json.loads((tmp_path / "run.json").read_text())["run_id"]
+    recipe = (tmp_path / "config.yaml").read_text()
+
+    (tmp_path / "config.yaml").write_text(recipe[: len(recipe) // 2] + "  [")
+    with pytest.raises(ConfigError, match=r"config.yaml is damaged .*delete it to resume"):
+        run(load_recipe("tiny_llama_sft", overrides))
+    (tmp_path / "config.yaml").write_text("")
+    with pytest.raises(ConfigError, match=r"config.yaml is damaged \(it lacks the recipe sections"):
+        run(load_recipe("tiny_llama_sft", overrides))
+    (tmp_path / "config.yaml").write_text(recipe)
+
+    (tmp_path / "run.json").write_text("")
+    with pytest.raises(ConfigError) as error:
+        run(load_recipe("tiny_llama_sft", overrides))
+    assert "run.json is damaged (JSONDecodeError" in str(error.value)
+    assert f'write {{"run_id": "{run_id}"}} into it' in str(error.value) and "trainer.overwrite=true" in str(error.value)
+    (tmp_path / "run.json").write_text(json.dumps({"run_id": run_id}))
+
+    # files that steer a resume without running code: the scheduler state in meta.json, DCP's storage paths
+    checkpoint = tmp_path / "checkpoints" / "step_00000001"
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    edited = {**meta, "scheduler": {**meta["scheduler"], "base_lrs": [200.0]}}
+    (checkpoint / "meta.json").write_text(json.dumps(edited))
+    more_steps = [*overrides, "trainer.max_steps=2"]
+    with pytest.raises(ConfigError, match=r"meta.json has the scheduler state base_lrs=\[200.0\].*optim.lr=0.002"):
+        run(load_recipe("tiny_llama_sft", more_steps))
+    (checkpoint / "meta.json").write_text(json.dumps(meta))
+    metadata = read_dcp_metadata(checkpoint)
+    metadata.storage_data = {k: dataclasses.replace(v, relative_path="../../../../outside.distcp")
+                             for k, v in metadata.storage_data.items()}  # fmt: skip
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
+    meta["files"][".metadata"] = (checkpoint / ".metadata").stat().st_size  # sizes agree: only the paths are wrong
+    (checkpoint / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ConfigError, match=r"\.metadata points storage at '../../../../outside.distcp', outside"):
+        run(load_recipe("tiny_llama_sft", more_steps))
+
+
+def test_run_files_are_written_whole_or_not_at_all(tmp_path):
+    """write_atomic: a write that fails part-way leaves the previous content, not a cut file."""
+    from automodel.training.run_dir import write_atomic
+
+    file = tmp_path / "run.json"
+    write_atomic(file, '{"run_id": "a"}')
+    with pytest.raises(UnicodeEncodeError):
+        write_atomic(file, '{"run_id": "' + "b" * 100_000 + '\udc80"}')  # fails after 100 kB were encoded
+    assert file.read_text() == '{"run_id": "a"}'
+
+
+def _turns(user: str, answer: str) -> list[dict]:
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+
+
+def test_dpo_pairs_that_cannot_teach_are_counted_and_refused_or_skipped(tmp_path, caplog):
+    """chosen == rejected trains at loss log 2 with grad norm 0; other prompt turns per side do not
+    cancel. Both are refused before tokenizing (naming the first line of each kind), or dropped
+    and counted with data.on_bad_row=skip."""
+    from automodel.data.preference import PreferenceData
+
+    rows = [
+        {"chosen": _turns("2+2?", "4"), "rejected": _turns("2+2?", "5")},
+        {"chosen": _turns("2+3?", "5"), "rejected": _turns("2+3?", "5")},  # identical
+        {"chosen": _turns("3+3?", "6"), "rejected": _turns("3+4?", "9")},  # other prompt
+        {"chosen": _turns("1+1?", "2"), "rejected": _turns("1+1?", "3")},
+        {"chosen": _turns("1+2?", "3"), "rejected": _turns("1+2?", "3")},  # identical
+    ]
+    source = tmp_path / "pairs.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    tokenizer = SFTData(tokenizer="tiny").load_tokenizer()
+    with pytest.raises(ValueError) as error:
+        PreferenceData(source=str(source), format="messages").build(tokenizer)
+    assert str(error.value) == (
+        f"{source}: 3 of 5 preference pairs cannot teach anything: 2 with chosen identical to rejected (first: "
+        f"{source} line 2); 1 with different prompt turns in chosen and rejected (first: {source} line 3); fix "
+        "them, or set data.on_bad_row=skip to drop them (counted)"
+    )
+    with caplog.at_level("WARNING"):
+        pairs, _ = PreferenceData(source=str(source), format="messages", on_bad_row="skip").build(tokenizer)
+    assert "dropped 3 of 5 preference pairs" in caplog.text
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps(rows[i]) + "\n" for i in (0, 3)))
+    expected, _ = PreferenceData(source=str(good), format="messages").build(tokenizer)
+    assert len(pairs) == 2 and pairs.to_dict() == expected.to_dict()
+
+    text = tmp_path / "text.jsonl"
+    text.write_text(json.dumps({"prompt": "Q", "chosen": " a", "rejected": " a"}) + "\n")
+    with pytest.raises(ValueError, match=f"1 of 1 preference pairs .*chosen identical to rejected \\(first: {text} line 1\\)"):
+        PreferenceData(source=str(text)).build(tokenizer)
+
+
+
+def test_an_edited_pack_cache_entry_is_refused(tmp_path):
+    from automodel.data.pack_cache import cached_pack_dataset
+
+    rows = _rows(3, 4, 5, 2)
+    first = cached_pack_dataset(rows, "train", 8, cache_dir=tmp_path)
+    assert cached_pack_dataset(rows, "train", 8, cache_dir=tmp_path).to_dict() == first.to_dict()  # read back
+    (arrow,) = tmp_path.glob("packed-*/*.arrow")
+    data = bytearray(arrow.read_bytes())
+    data[-200] ^= 1  # one bit of the packed rows
+    arrow.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=f"pack cache entry {arrow.parent} does not match the digest"):
+        cached_pack_dataset(rows, "train", 8, cache_dir=tmp_path)
+
+
+def test_a_checkpoints_own_model_class_is_refused_before_its_configuration_code_runs(tmp_path):
+    """With model.trust_remote_code=true the own AutoModelForCausalLM was refused only after
+    AutoConfig had imported the checkpoint's configuration_*.py."""
+    directory = _checkpoint_dir(tmp_path, "good", auto_map={
+        "AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XForCausalLM"})
+    marker = tmp_path / "configuration code ran"
+    (directory / "configuration_x.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n"
+        "from transformers import LlamaConfig\nclass XConfig(LlamaConfig):\n    model_type = 'llama'\n"
+    )
+    with pytest.raises(ConfigError, match=r"own model code \(modeling_x.XForCausalLM\)"):
+        run(load_recipe("tiny_llama_sft", [*FAST, f"trainer.output_dir={tmp_path / 'run'}", "model=hf_checkpoint",
+                                           f"model.pretrained_path={directory}", "model.trust_remote_code=true"]))
+    assert not marker.exists()
+
+
+
+@pytest.mark.parametrize("override", ["trainer.output_dir=~/x", "data.source=donn\u00e9es.jsonl"])
+def test_an_override_hydra_cannot_lex_says_to_quote_it(override):
+    key, _, value = override.partition("=")
+    with pytest.raises(ConfigError) as error:
+        load_recipe("tiny_llama_sft", [override])
+    assert f"quote the value: \"{key}='{value}'\"" in str(error.value), str(error.value)
+    quoted = load_recipe("tiny_llama_sft", [f"{key}='{value}'"])  # the way out works
+    assert quoted[key.split(".")[0]][key.split(".")[1]] == value
