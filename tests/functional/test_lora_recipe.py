@@ -199,6 +199,7 @@ def test_lora_recipe_with_validation(tmp_path, monkeypatch):
         assert_per_step(records, one, "val_loss", 1e-5)  # later steps add the weights' own rounding drift
         # Compared through the model's output: Adam turns the near-zero lora_A gradients of the first
         # steps (B starts at zero) into +-lr moves, so single adapter entries may differ by ~1e-4
-        # while B @ A, and so the logits, agree to float32 rounding.
+        # while B @ A, and so the logits, agree to float32 rounding: 1.4e-5 for CP 2 (2026-11-26), whose
+        # masked SDPA rounds otherwise than one process's causal SDPA kernel.
         adapted = peft.PeftModel.from_pretrained(base(), tmp_path / name / "adapter")
-        torch.testing.assert_close(logits(adapted), logits(reloaded), rtol=0, atol=1e-5, msg=name)
+        torch.testing.assert_close(logits(adapted), logits(reloaded), rtol=0, atol=3e-5, msg=name)
