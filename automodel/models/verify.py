@@ -35,7 +35,6 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers import (
-    AttentionInterface,
     AutoConfig,
     AutoModelForCausalLM,
     PretrainedConfig,
@@ -285,7 +284,7 @@ def _recording() -> Iterator[_Calls]:
                 calls.features.add(name)
         return thd_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
 
-    AttentionInterface.register(THD_ATTENTION, recorded)
+    register_thd_attention(recorded)
     try:
         yield calls
     finally:
@@ -333,11 +332,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def packed_step_errors(
-    model_type: str, config: PretrainedConfig | None = None, seed: int = 0, dense_mask: bool = False
+    model_type: str,
+    config: PretrainedConfig | None = None,
+    seed: int = 0,
+    dense_mask: bool = False,
+    compile: bool = False,
 ):
     """``(errors, calls, max_error)``: the packed step through the project's builder (with
-    ``dense_mask``, the type's own attention under a block-diagonal mask) against each sample
-    alone; ``errors`` lists each mismatch (empty when exact)."""
+    ``dense_mask``, the type's own attention under a block-diagonal mask; with ``compile``, its
+    decoder layers compiled as ``model.compile`` does) against each sample alone; ``errors`` lists
+    each mismatch (empty when exact)."""
     from automodel.models.build import build_model, logit_transform
     from automodel.models.spec import ModelSpec
 
@@ -351,7 +355,7 @@ def packed_step_errors(
     state = source.state_dict()
     buffers = dict(source.named_buffers())
     del source
-    spec = ModelSpec(config={"model_type": model_type}, attention_backend="portable")
+    spec = ModelSpec(config={"model_type": model_type}, attention_backend="portable", compile=compile)
     model = build_model(
         spec, config, device=torch.device("cpu"), shard=lambda m: None, seed=0, dense_mask=dense_mask
     ).double()
