@@ -34,6 +34,7 @@ the JSON (top kernels and CPU operators by time, the device's idle share:
     automodel bench gpu                      # the full table (under 8 minutes on one H100)
     automodel bench gpu --tiny --steps 2     # the CPU smoke run
     automodel bench gpu --shapes llama3.2-1b --pack-sizes 8192 --profile --trace traces
+    automodel bench gpu --overrides model.compile=true optim.fused=true   # the speed options, to compare
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from automodel.attention.te import te_import_failure
 from automodel.attention.varlen import varlen_unsupported
@@ -174,8 +175,9 @@ def lora_flops_per_step(parameters: int, record: dict) -> float:
     return 4 * parameters * record["real_tokens"]
 
 
-def run_case(case: Case, data: Path, max_length: int, args: argparse.Namespace, workdir: Path) -> dict:
-    """Set up the recipe for ``case`` and time ``args.warmup + args.steps`` optimizer steps."""
+def case_recipe(case: Case, data: Path, max_length: int, args: argparse.Namespace, workdir: Path) -> DictConfig:
+    """The recipe of ``case``: the default recipe on ``data`` with the case's shape, batching, backend
+    (and LoRA), then ``args.overrides``."""
     cuda = torch.cuda.is_available()
     overrides = [
         f"data.source={data}", "data.format=tokens", f"data.max_length={max_length}", "++data.num_proc=1",
@@ -193,9 +195,16 @@ def run_case(case: Case, data: Path, max_length: int, args: argparse.Namespace, 
         overrides += ["packing=none", f"packing.micro_batch_size={rows}", f"packing.max_length={max_length}"]
     if case.lora:
         overrides += LORA
-    cfg = load_recipe("tiny_llama_sft", overrides)
+    cfg = load_recipe("tiny_llama_sft", overrides + args.overrides)  # the caller's last: they win
     with open_dict(cfg):
         cfg.model.config = OmegaConf.create(SHAPES[case.shape])
+    return cfg
+
+
+def run_case(case: Case, data: Path, max_length: int, args: argparse.Namespace, workdir: Path) -> dict:
+    """Set up the recipe for ``case`` and time ``args.warmup + args.steps`` optimizer steps."""
+    cuda = torch.cuda.is_available()
+    cfg = case_recipe(case, data, max_length, args, workdir)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     recipe = FinetuneRecipe(cfg)
@@ -259,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--lora-shape", choices=sorted(SHAPES), help="the LoRA row's shape (default: llama3.1-8b; tiny: tiny)")
     parser.add_argument("--lora-pack-size", type=int, help="the LoRA row's pack size (default: 4096; tiny: the first pack size)")
+    parser.add_argument("--overrides", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="recipe overrides for every case, e.g. model.compile=true optim.fused=true")  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="one more step per case under torch.profiler, into the JSON")
     parser.add_argument("--trace", type=Path, help="with --profile: keep each case's Chrome trace in this directory")
     args = parser.parse_args(argv)
@@ -298,10 +309,11 @@ def main(argv: list[str] | None = None) -> int:
             results.append({**asdict(case), "name": case.name, **figures})
         loss_rows = loss_comparison(args, device, max(args.pack_sizes))
 
-    print_table(results, loss_rows, device, peak)
+    print_table(results, loss_rows, device, peak, args.overrides)
     if args.json:
         report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                  "torch": torch.__version__, "peak_flops": peak, "cases": results, "loss": loss_rows}  # fmt: skip
+                  "torch": torch.__version__, "peak_flops": peak, "overrides": args.overrides, "cases": results,
+                  "loss": loss_rows}  # fmt: skip
         args.json.write_text(json.dumps(report, indent=1, default=str))
     return 1 if any("error" in r for r in results) else 0
 
@@ -329,10 +341,13 @@ def loss_comparison(args: argparse.Namespace, device: torch.device, tokens: int)
     ]
 
 
-def print_table(results: list[dict], loss_rows: list[dict], device: torch.device, peak: float | None) -> None:
+def print_table(
+    results: list[dict], loss_rows: list[dict], device: torch.device, peak: float | None, overrides: list[str]
+) -> None:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"\nautomodel bench gpu: {name}, torch {torch.__version__}, peak bf16 "
-          f"{f'{peak / 1e12:.0f} TFLOP/s' if peak else 'unknown (MFU not computed)'}")  # fmt: skip
+          f"{f'{peak / 1e12:.0f} TFLOP/s' if peak else 'unknown (MFU not computed)'}"
+          f"{'; overrides ' + ' '.join(overrides) if overrides else ''}")  # fmt: skip
     print(f"{'case':<36} {'real tok/s':>11} {'MFU':>6} {'peak mem':>9} {'fill':>6} {'syncs':>6} {'step':>8}")
     for r in results:
         if "error" in r:
