@@ -274,7 +274,7 @@ COMPILE_BACKEND = "inductor"  # torch.compile's default; the CPU tests use aot_e
 def compile_decoder_layers(model: CausalLMForTraining) -> None:
     """Regional ``torch.compile``: each decoder layer's ``forward`` is replaced by its compiled
     version in place, so the module tree, the ``state_dict()`` names and the hooks around the forward
-    (FSDP2's unshard and reshard, activation checkpointing) stay as they are and run eagerly. Layers
+    (FSDP2's unshard and reshard) stay as they are and run eagerly. Layers
     of one class share their graphs (dynamo's cache is per code object). The registered THD attention
     is a graph break inside each layer (:func:`register_thd_attention`)."""
     for layer in model.decoder_layers:

@@ -96,3 +96,9 @@ def test_the_recipe_trains_the_same_losses_compiled(aot_eager, tmp_path):
 def test_model_compile_must_be_a_bool():
     with pytest.raises(ValueError, match="model.compile must be true or false, got 'yes'"):
         ModelSpec(config={"model_type": "llama"}, compile="yes")
+
+
+def test_compile_with_activation_checkpointing_is_refused():
+    # transformers' checkpointing wraps the layer's forward; torch.utils.checkpoint disables dynamo inside it
+    with pytest.raises(ValueError, match="model.compile=true and model.activation_checkpointing=true: .*set one"):
+        ModelSpec(config={"model_type": "llama"}, compile=True, activation_checkpointing=True)
