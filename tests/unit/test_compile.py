@@ -100,5 +100,7 @@ def test_model_compile_must_be_a_bool():
 
 def test_compile_with_activation_checkpointing_is_refused():
     # transformers' checkpointing wraps the layer's forward; torch.utils.checkpoint disables dynamo inside it
-    with pytest.raises(ValueError, match="model.compile=true and model.activation_checkpointing=true: .*set one"):
+    with pytest.raises(
+        ValueError, match="model.compile=true and model.activation_checkpointing=true: .*set one"
+    ):
         ModelSpec(config={"model_type": "llama"}, compile=True, activation_checkpointing=True)
