@@ -27,7 +27,7 @@ def _is_real(value) -> bool:
 
 
 # Device types where ``optim.fused: null`` picks torch's fused AdamW kernel: where bench gpu measured it
-# faster than the per-tensor foreach loop. None yet (docs/benchmarks.md: the figures await a device).
+# faster than torch's default. None yet (docs/benchmarks.md: the figures await a device).
 FUSED_BY_DEFAULT: tuple[str, ...] = ()
 
 
@@ -35,9 +35,10 @@ FUSED_BY_DEFAULT: tuple[str, ...] = ()
 class OptimConfig:
     """AdamW with linear warmup then cosine decay to ``min_lr_ratio * lr``; gradient clipping.
 
-    ``fused``: true runs torch's fused AdamW kernel (one kernel for all parameters) where the
-    parameters' device has one (refused elsewhere, naming the device); false the per-tensor foreach
-    loop; null (default) fused on the device types of ``FUSED_BY_DEFAULT``, else foreach.
+    ``fused``: true runs torch's fused AdamW (the whole update in one kernel pass over the
+    parameters) where the parameters' device has it (refused elsewhere, naming the device); false
+    torch's default (one multi-tensor kernel per operation on CUDA, a loop over the parameters on
+    CPU); null (default) fused on the device types of ``FUSED_BY_DEFAULT``, else torch's default.
     """
 
     lr: float = 3e-4
@@ -90,7 +91,7 @@ class OptimConfig:
         fused = bool(trainable) and self.fused_on(trainable[0].device)
         optimizer = torch.optim.AdamW(
             trainable, lr=self.lr, betas=tuple(self.betas), eps=self.eps, weight_decay=self.weight_decay,
-            fused=fused or None,  # None: torch's default, the foreach loop
+            fused=fused or None,  # None: torch's default
         )
         return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_factor_schedule(max_steps))
 
