@@ -14,6 +14,10 @@ chat SFT data, and prints one table row per case:
   samples: its own SDPA attention, padded batches of 8 rows (to the batch's longest), bf16
   autocast on fp32 weights, fused AdamW; every table ends with the packed/peer ratios of real
   tokens/s and peak memory, measured side by side;
+- ``lora``: LoRA of rank 16 on every Linear of a Llama 3.1 8B-shaped model (frozen base in bf16,
+  4k packs, the best backend), in real tokens/s per GPU and TFLOP/s counted as NeMo AutoModel
+  counts LoRA: 4 x parameters x tokens (forward and the input-gradient half of the backward over
+  every parameter; the adapters' own weight gradients are negligible);
 - the loss alone: the chunked cross-entropy against full ``[T, V]`` logits (peak memory above
   the inputs, :mod:`benchmarks.loss_memory`).
 
@@ -27,9 +31,14 @@ goes to the log and the JSON).
 
 On a machine without CUDA the same command runs tiny shapes with the portable backend in float32
 (CI keeps it working; MFU and syncs are then not measured). ``--json PATH`` writes every figure.
+``--profile`` runs one more step of each case under ``torch.profiler`` and adds its breakdown to
+the JSON (top kernels and CPU operators by time, the device's idle share:
+:mod:`benchmarks.step_profile`); ``--trace DIR`` keeps each case's Chrome trace there.
 
     automodel bench gpu                      # the full table (under 8 minutes on one H100)
     automodel bench gpu --tiny --steps 2     # the CPU smoke run
+    automodel bench gpu --shapes llama3.2-1b --pack-sizes 8192 --profile --trace traces
+    automodel bench gpu --overrides model.compile=true optim.fused=true   # the speed options, to compare
 """
 
 from __future__ import annotations
@@ -47,7 +56,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from automodel.attention.te import te_import_failure
 from automodel.attention.varlen import varlen_unsupported
@@ -55,6 +64,7 @@ from automodel.config import load_recipe
 from automodel.te_support import te_pytorch
 from automodel.training.finetune import FinetuneRecipe
 from benchmarks import loss_memory
+from benchmarks.step_profile import profile_step
 
 LLAMA3_2_1B = {
     "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
@@ -69,11 +79,20 @@ QWEN3_1_7B = {
     "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
     "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "rope_theta": 1000000.0,
 }  # fmt: skip
+LLAMA3_1_8B = {
+    "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+    "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+}  # fmt: skip
 TINY = {
     "model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 4096,
 }  # fmt: skip
-SHAPES = {"llama3.2-1b": LLAMA3_2_1B, "qwen3-1.7b": QWEN3_1_7B, "tiny": TINY}
+SHAPES = {"llama3.2-1b": LLAMA3_2_1B, "qwen3-1.7b": QWEN3_1_7B, "llama3.1-8b": LLAMA3_1_8B, "tiny": TINY}
+LORA = ["+peft=lora", "peft.rank=16", "peft.alpha=32", "peft.target_modules=all-linear"]  # the LoRA row
 
 # Peak dense bf16 tensor FLOP/s by device name (vendor data sheets, without sparsity).
 PEAK_BF16 = {"H100 SXM": 989e12, "H100 80GB HBM3": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12,
@@ -89,11 +108,13 @@ class Case:
     backend: str
     batching: str = "packed"  # or "padded", or "peer" (plain transformers, backend "sdpa")
     activation_checkpointing: bool = False
+    lora: bool = False  # LORA's adapters on a frozen base
 
     @property
     def name(self) -> str:
         ac = " +ac" if self.activation_checkpointing else ""
-        return f"{self.shape} {tokens_label(self.pack_size)} {self.backend} {self.batching}{ac}"
+        lora = " lora r16" if self.lora else ""
+        return f"{self.shape} {tokens_label(self.pack_size)} {self.backend} {self.batching}{ac}{lora}"
 
 
 def tokens_label(tokens: int) -> str:
@@ -150,14 +171,25 @@ def flops_per_step(config: dict, matmul_params: int, record: dict, attention_per
     return record["real_tokens"] * (6 * matmul_params + attention_per_token) + head
 
 
-def run_case(case: Case, data: Path, max_length: int, args: argparse.Namespace, workdir: Path) -> dict:
-    """Set up the recipe for ``case`` and time ``args.warmup + args.steps`` optimizer steps."""
+LORA_FLOPS = "4 x parameters x real tokens (NeMo AutoModel's LoRA count)"
+
+
+def lora_flops_per_step(parameters: int, record: dict) -> float:
+    """FLOPs of one LoRA step as ``LORA_FLOPS`` counts them: the forward (2 per parameter per token)
+    and the backward's input gradients (2 more), no weight gradients of the frozen base."""
+    return 4 * parameters * record["real_tokens"]
+
+
+def case_recipe(case: Case, data: Path, max_length: int, args: argparse.Namespace, workdir: Path) -> DictConfig:
+    """The recipe of ``case``: the default recipe on ``data`` with the case's shape, batching, backend
+    (and LoRA), then ``args.overrides``."""
     cuda = torch.cuda.is_available()
     overrides = [
         f"data.source={data}", "data.format=tokens", f"data.max_length={max_length}", "++data.num_proc=1",
         f"model.attention_backend={case.backend}", f"model.activation_checkpointing={case.activation_checkpointing}",
         f"model.dtype={'bfloat16' if cuda else 'float32'}", "optim.warmup_steps=0",
-        f"trainer.max_steps={args.warmup + args.steps}", "trainer.grad_accum_steps=1", "trainer.progress_bar=false",
+        f"trainer.max_steps={args.warmup + args.steps + int(args.profile)}", "trainer.grad_accum_steps=1",
+        "trainer.progress_bar=false",
         "trainer.export_hf=false", "trainer.tracking.tensorboard=false", "trainer.resume=never",
         "trainer.overwrite=true", f"trainer.output_dir={workdir / case.name.replace(' ', '_')}",
     ]  # fmt: skip
@@ -166,9 +198,18 @@ def run_case(case: Case, data: Path, max_length: int, args: argparse.Namespace, 
     else:
         rows = max(1, case.pack_size // max_length)
         overrides += ["packing=none", f"packing.micro_batch_size={rows}", f"packing.max_length={max_length}"]
-    cfg = load_recipe("tiny_llama_sft", overrides)
+    if case.lora:
+        overrides += LORA
+    cfg = load_recipe("tiny_llama_sft", overrides + args.overrides)  # the caller's last: they win
     with open_dict(cfg):
         cfg.model.config = OmegaConf.create(SHAPES[case.shape])
+    return cfg
+
+
+def run_case(case: Case, data: Path, max_length: int, args: argparse.Namespace, workdir: Path) -> dict:
+    """Set up the recipe for ``case`` and time ``args.warmup + args.steps`` optimizer steps."""
+    cuda = torch.cuda.is_available()
+    cfg = case_recipe(case, data, max_length, args, workdir)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     recipe = FinetuneRecipe(cfg)
@@ -178,13 +219,16 @@ def run_case(case: Case, data: Path, max_length: int, args: argparse.Namespace, 
         for step in range(args.warmup + args.steps):
             records.append(recipe.train_step(list_host_syncs=step == args.warmup - 1))
         parameters = sum(p.numel() for p in recipe.model.parameters())
+        if args.profile:
+            trace = (args.trace or workdir) / f"{case.name.replace(' ', '_')}.trace.json"
+            profile = profile_step(recipe.train_step, recipe.dims.device, trace)
     finally:
         recipe.cleanup()
         del recipe
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-    return summarize(records, parameters, args.warmup)
+    return {**summarize(records, parameters, args.warmup), **({"profile": profile} if args.profile else {})}
 
 
 def summarize(records: list[dict], parameters: int, warmup: int) -> dict:
@@ -276,6 +320,7 @@ def cases_for(args: argparse.Namespace, backends: list[str]) -> list[Case]:
     cases += [Case(s, args.pack_sizes[0], best, batching="padded") for s in args.shapes]
     cases += [Case(args.shapes[0], p, best, activation_checkpointing=True) for p in args.pack_sizes]
     cases += [Case(s, args.pack_sizes[0], "sdpa", batching="peer") for s in args.shapes]
+    cases.append(Case(args.lora_shape, args.lora_pack_size, best, lora=True))
     return cases
 
 
@@ -291,19 +336,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="steps before them (the last one traces host syncs)")
     parser.add_argument("--peak-tflops", type=float, help="the device's peak dense bf16 TFLOP/s, for MFU")
     parser.add_argument("--json", type=Path, help="write every figure here")
+    parser.add_argument("--lora-shape", choices=sorted(SHAPES), help="the LoRA row's shape (default: llama3.1-8b; tiny: tiny)")
+    parser.add_argument("--lora-pack-size", type=int, help="the LoRA row's pack size (default: 4096; tiny: the first pack size)")
+    parser.add_argument("--overrides", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="recipe overrides for every case, e.g. model.compile=true optim.fused=true")  # fmt: skip
+    parser.add_argument("--profile", action="store_true", help="one more step per case under torch.profiler, into the JSON")
+    parser.add_argument("--trace", type=Path, help="with --profile: keep each case's Chrome trace in this directory")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tiny = args.tiny or device.type != "cuda"
     args.shapes = args.shapes or (["tiny"] if tiny else ["llama3.2-1b", "qwen3-1.7b"])
     args.pack_sizes = args.pack_sizes or ([256, 512] if tiny else [8192, 16384])
     max_length = args.max_length or (128 if tiny else 4096)
+    args.lora_shape = args.lora_shape or ("tiny" if tiny else "llama3.1-8b")
+    args.lora_pack_size = args.lora_pack_size or (args.pack_sizes[0] if tiny else 4096)
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must be at least 1")
+    if args.trace and not args.profile:
+        parser.error("--trace keeps the traces of --profile; add --profile")
 
     backends = available_backends(device)
     peak = peak_flops(args)
     # enough samples for the longest case's steps, the same samples for every case
-    lengths = length_mix(max(200, 24 * (args.warmup + args.steps) * max(args.pack_sizes) // max_length), max_length)
+    longest = max([*args.pack_sizes, args.lora_pack_size])
+    lengths = length_mix(max(200, 24 * (args.warmup + args.steps + 1) * longest // max_length), max_length)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "samples.jsonl"
@@ -319,24 +375,33 @@ def main(argv: list[str] | None = None) -> int:
                 logging.getLogger(__name__).exception("%s failed", case.name)
                 results.append({**asdict(case), "name": case.name, "error": f"{type(error).__name__}: {error}"})
                 continue
-            config = SHAPES[case.shape]
-            embed = config["vocab_size"] * config["hidden_size"]
-            # every parameter is a matmul weight but the input embedding (and the head, counted apart)
-            matmul = figures["parameters"] - embed * (1 if config.get("tie_word_embeddings") else 2)
-            attention = attention_flops_per_token(config, lengths)
-            flops = [flops_per_step(config, matmul, r, attention) for r in figures["records"]]
-            step_flops = statistics.median(f / r["step_time_s"] for f, r in zip(flops, figures["records"]))
-            figures["mfu"] = step_flops / peak if peak else None
+            flops = step_flops(case, figures, lengths)
+            figures["tflops"] = statistics.median(f / r["step_time_s"] for f, r in zip(flops, figures["records"])) / 1e12
+            figures["mfu"] = figures["tflops"] * 1e12 / peak if peak else None
             figures["seconds"] = time.perf_counter() - start
             results.append({**asdict(case), "name": case.name, **figures})
         loss_rows = loss_comparison(args, device, max(args.pack_sizes))
 
-    print_table(results, loss_rows, device, peak)
+    print_table(results, loss_rows, device, peak, args.overrides)
     if args.json:
         report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                  "torch": torch.__version__, "peak_flops": peak, "cases": results, "loss": loss_rows}  # fmt: skip
+                  "torch": torch.__version__, "peak_flops": peak, "overrides": args.overrides, "cases": results,
+                  "loss": loss_rows}  # fmt: skip
         args.json.write_text(json.dumps(report, indent=1, default=str))
     return 1 if any("error" in r for r in results) else 0
+
+
+def step_flops(case: Case, figures: dict, lengths: np.ndarray) -> list[float]:
+    """Model FLOPs of each recorded step: ``flops_per_step`` (module docstring), or for the LoRA row
+    ``lora_flops_per_step``."""
+    if case.lora:
+        return [lora_flops_per_step(figures["parameters"], r) for r in figures["records"]]
+    config = SHAPES[case.shape]
+    embed = config["vocab_size"] * config["hidden_size"]
+    # every parameter is a matmul weight but the input embedding (and the head, counted apart)
+    matmul = figures["parameters"] - embed * (1 if config.get("tie_word_embeddings") else 2)
+    attention = attention_flops_per_token(config, lengths)
+    return [flops_per_step(config, matmul, r, attention) for r in figures["records"]]
 
 
 def loss_comparison(args: argparse.Namespace, device: torch.device, tokens: int) -> list[dict]:
@@ -349,10 +414,13 @@ def loss_comparison(args: argparse.Namespace, device: torch.device, tokens: int)
     ]
 
 
-def print_table(results: list[dict], loss_rows: list[dict], device: torch.device, peak: float | None) -> None:
+def print_table(
+    results: list[dict], loss_rows: list[dict], device: torch.device, peak: float | None, overrides: list[str]
+) -> None:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"\nautomodel bench gpu: {name}, torch {torch.__version__}, peak bf16 "
-          f"{f'{peak / 1e12:.0f} TFLOP/s' if peak else 'unknown (MFU not computed)'}")  # fmt: skip
+          f"{f'{peak / 1e12:.0f} TFLOP/s' if peak else 'unknown (MFU not computed)'}"
+          f"{'; overrides ' + ' '.join(overrides) if overrides else ''}")  # fmt: skip
     print(f"{'case':<36} {'real tok/s':>11} {'MFU':>6} {'peak mem':>9} {'fill':>6} {'syncs':>6} {'step':>8}")
     for r in results:
         if "error" in r:
@@ -365,7 +433,7 @@ def print_table(results: list[dict], loss_rows: list[dict], device: torch.device
               f"{r['step_time_s']:>7.3f}s")  # fmt: skip
     best_packed = {}  # the best backend's packed row (cases run best backend first)
     for r in results:
-        if r["batching"] == "packed" and not r["activation_checkpointing"] and "error" not in r:
+        if r["batching"] == "packed" and not (r["activation_checkpointing"] or r["lora"]) and "error" not in r:
             best_packed.setdefault((r["shape"], r["pack_size"]), r)
     for r in results:
         if r["batching"] == "padded" and "error" not in r and (r["shape"], r["pack_size"]) in best_packed:
@@ -374,6 +442,15 @@ def print_table(results: list[dict], loss_rows: list[dict], device: torch.device
                   "padded real tokens/s")  # fmt: skip
     for line in peer_ratios(results):
         print(line)
+    for r in results:
+        if r["lora"] and "error" not in r:
+            print(f"{r['name']}: {r['tokens_per_s']:,.0f} real tokens/s/GPU, {r['tflops']:.3g} TFLOP/s "
+                  f"= {LORA_FLOPS} / step time, {r['parameters']:,} parameters")  # fmt: skip
+        if "profile" in r:
+            p = r["profile"]
+            ops = ", ".join(f"{o['name']} {o['self_ms']:.1f} ms" for o in p["top_cpu_ops"][:3])
+            print(f"profile {r['name']}: device idle {p['device_idle_share']:.1%} of {p['window_ms']:.1f} ms; "
+                  f"top CPU ops {ops}")  # fmt: skip
     for row in loss_rows:
         print(f"loss {row['case']:<8} T={row['tokens']} V={row['vocab']}: extra {row['extra_gb']:.3f} GB, "
               f"{row['seconds']:.3f} s")  # fmt: skip

@@ -28,6 +28,7 @@ import functools
 import importlib
 import inspect
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -160,9 +161,15 @@ def _masks_a_window(module_name: str) -> bool:
         return False
 
 
-def register_thd_attention() -> None:
-    """Register :func:`thd_attention_forward` under ``THD_ATTENTION`` (idempotent)."""
-    AttentionInterface.register(THD_ATTENTION, thd_attention_forward)
+def register_thd_attention(function: Callable | None = None) -> None:
+    """Register :func:`thd_attention_forward` (or ``function``, a wrapper of it) under
+    ``THD_ATTENTION`` (idempotent).
+
+    It runs eagerly under ``torch.compile`` (``torch.compiler.disable``): a compiled decoder layer
+    (``model.compile``) is compiled up to the attention call and after it, so the layout's host
+    ints (each sequence's offsets, ``max_seqlen``) never enter a graph, and packs with another
+    number of sequences reuse the compiled layer instead of recompiling it."""
+    AttentionInterface.register(THD_ATTENTION, torch.compiler.disable(function or thd_attention_forward))
 
 
 def attach_thd_attention(model: nn.Module, backend: str, cp_comm_type: str = "p2p") -> None:

@@ -314,7 +314,22 @@ def build_model(
         quantize_frozen_base(
             model, model.decoder_layers, block_size=lora.nf4_block_size, scaler_block_size=lora.nf4_scaler_block_size
         )
+    if spec.compile:
+        compile_decoder_layers(model)
     return model
+
+
+COMPILE_BACKEND = "inductor"  # torch.compile's default; the CPU tests use aot_eager (inductor's C++ build is slow)
+
+
+def compile_decoder_layers(model: CausalLMForTraining) -> None:
+    """Regional ``torch.compile``: each decoder layer's ``forward`` is replaced by its compiled
+    version in place, so the module tree, the ``state_dict()`` names and the hooks around the forward
+    (FSDP2's unshard and reshard) stay as they are and run eagerly. Layers
+    of one class share their graphs (dynamo's cache is per code object). The registered THD attention
+    is a graph break inside each layer (:func:`register_thd_attention`)."""
+    for layer in model.decoder_layers:
+        layer.forward = torch.compile(layer.forward, backend=COMPILE_BACKEND)
 
 
 def source_model(spec: ModelSpec, config: PretrainedConfig, seed: int) -> PreTrainedModel:

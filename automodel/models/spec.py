@@ -36,6 +36,11 @@ class ModelSpec:
             computes in bf16 through FSDP2's MixedPrecisionPolicy (gradients reduced in float32);
             under LoRA the frozen base is stored in this dtype (models/frozen_base.py).
         activation_checkpointing: recompute each decoder layer in the backward pass.
+        compile: compile each decoder layer's forward with ``torch.compile`` (regional, one graph
+            per layer class, as torchtitan compiles each block); the THD attention call runs
+            eagerly between the compiled parts, so packs with any number of sequences share the
+            compiled layer. Off until a device measurement shows the gain (docs/benchmarks.md). Not
+            with ``activation_checkpointing`` (refused: the checkpointed layers would run uncompiled).
         exceed_max_positions: let samples (``data.max_length``, else the pack size) be longer than
             the config's ``max_position_embeddings`` (refused by default: positions past it were
             never trained, and absolute embeddings have no row for them).
@@ -52,6 +57,7 @@ class ModelSpec:
     attention_backend: str = "auto"
     dtype: str = "float32"
     activation_checkpointing: bool = False
+    compile: bool = False
     trust_remote_code: bool = False
     exceed_max_positions: bool = False
     verify: bool = True
@@ -71,6 +77,14 @@ class ModelSpec:
             raise ValueError(f"model.verify must be true or false, got {self.verify!r}")
         if not isinstance(self.activation_checkpointing, bool):
             raise ValueError(f"model.activation_checkpointing must be true or false, got {self.activation_checkpointing!r}")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"model.compile must be true or false, got {self.compile!r}")
+        if self.compile and self.activation_checkpointing:
+            raise ValueError(
+                "model.compile=true and model.activation_checkpointing=true: transformers checkpoints each layer "
+                "inside its forward, where torch.utils.checkpoint turns dynamo off, so the layers would run "
+                "uncompiled; set one of them to false"
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -36,7 +36,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import (
-    AttentionInterface,
     AutoConfig,
     AutoModelForCausalLM,
     PretrainedConfig,
@@ -381,7 +380,7 @@ def _recording() -> Iterator[_Calls]:
                 calls.features.add(name)
         return thd_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
 
-    AttentionInterface.register(THD_ATTENTION, recorded)
+    register_thd_attention(recorded)
     try:
         yield calls
     finally:
@@ -422,13 +421,19 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def packed_step_errors(
-    config: PretrainedConfig, *, lengths: tuple[int, ...] = REAL_LENS, seed: int = 0, dense_mask: bool = False
+    config: PretrainedConfig,
+    *,
+    lengths: tuple[int, ...] = REAL_LENS,
+    seed: int = 0,
+    dense_mask: bool = False,
+    compile: bool = False,
 ):
     """``(errors, calls, max_error)``: one packed row of ``lengths`` samples through the run's data
     path (:func:`packed_row`) and the project's model and loss (with ``dense_mask``, the type's own
-    attention under a block-diagonal mask) against each sample alone (:func:`_reference`).
-    ``errors`` lists each mismatch (empty when exact): the loss, the logits of the worst token
-    (each token against its own norm) and each gradient against its own norm."""
+    attention under a block-diagonal mask; with ``compile``, its decoder layers compiled as
+    ``model.compile`` does) against each sample alone (:func:`_reference`). ``errors`` lists each
+    mismatch (empty when exact): the loss, the logits of the worst token (each token against its
+    own norm) and each gradient against its own norm."""
     from automodel.models.build import build_model, logit_transform
     from automodel.models.spec import ModelSpec
 
@@ -442,7 +447,7 @@ def packed_step_errors(
     state = source.state_dict()
     buffers = dict(source.named_buffers())
     del source
-    spec = ModelSpec(config={"model_type": config.model_type}, attention_backend="portable")
+    spec = ModelSpec(config={"model_type": config.model_type}, attention_backend="portable", compile=compile)
     model = build_model(
         spec, config, device=torch.device("cpu"), shard=lambda m: None, seed=0, dense_mask=dense_mask
     ).double()

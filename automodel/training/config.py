@@ -26,9 +26,20 @@ def _is_real(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+# Device types where ``optim.fused: null`` picks torch's fused AdamW kernel: where bench gpu measured it
+# faster than torch's default. None yet (docs/benchmarks.md: the figures await a device).
+FUSED_BY_DEFAULT: tuple[str, ...] = ()
+
+
 @dataclass
 class OptimConfig:
-    """AdamW with linear warmup then cosine decay to ``min_lr_ratio * lr``; gradient clipping."""
+    """AdamW with linear warmup then cosine decay to ``min_lr_ratio * lr``; gradient clipping.
+
+    ``fused``: true runs torch's fused AdamW (the whole update in one kernel pass over the
+    parameters) where the parameters' device has it (refused elsewhere, naming the device); false
+    torch's default (one multi-tensor kernel per operation on CUDA, a loop over the parameters on
+    CPU); null (default) fused on the device types of ``FUSED_BY_DEFAULT``, else torch's default.
+    """
 
     lr: float = 3e-4
     weight_decay: float = 0.0
@@ -37,6 +48,7 @@ class OptimConfig:
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1
     max_grad_norm: float | None = 1.0
+    fused: bool | None = None
 
     def __post_init__(self) -> None:
         _check(_is_real(self.lr) and self.lr > 0, f"optim.lr must be a finite positive number, got {self.lr!r}")
@@ -52,11 +64,34 @@ class OptimConfig:
                f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
         _check(self.max_grad_norm is None or (_is_real(self.max_grad_norm) and self.max_grad_norm > 0),
                f"optim.max_grad_norm must be a finite positive number or null, got {self.max_grad_norm!r}")
+        _check(self.fused is None or isinstance(self.fused, bool),
+               f"optim.fused must be true, false or null (auto), got {self.fused!r}")
+
+    def fused_on(self, device: torch.device) -> bool:
+        """Whether the optimizer runs the fused kernel on ``device``. ValueError naming the device when
+        ``fused`` is true and torch has no fused AdamW there: one step on a one-element tensor at setup,
+        before any data or model work, meets torch's own check (which the run's first step would)."""
+        if self.fused is None:
+            return device.type in FUSED_BY_DEFAULT
+        if self.fused:
+            probe = torch.zeros(1, device=device, requires_grad=True)
+            probe.grad = torch.zeros_like(probe)
+            try:
+                torch.optim.AdamW([probe], fused=True).step()
+            except RuntimeError as error:
+                raise ValueError(
+                    f"optim.fused=true: torch {torch.__version__} has no fused AdamW on {device.type} ({error}); "
+                    "set optim.fused=null or false"
+                ) from None
+        return self.fused
 
     def build(self, model: torch.nn.Module, max_steps: int):
+        """AdamW over the trainable parameters and its LR schedule."""
         trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: adapters only, no base state
+        fused = bool(trainable) and self.fused_on(trainable[0].device)
         optimizer = torch.optim.AdamW(
-            trainable, lr=self.lr, betas=tuple(self.betas), eps=self.eps, weight_decay=self.weight_decay
+            trainable, lr=self.lr, betas=tuple(self.betas), eps=self.eps, weight_decay=self.weight_decay,
+            fused=fused or None,  # None: torch's default
         )
         return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_factor_schedule(max_steps))
 

@@ -69,6 +69,7 @@ class FinetuneRecipe:
         self._owns_process_group = not dist.is_initialized()
         try:
             self.dims = init_distributed(self.parallel_config, on_group=functools.partial(check_ranks_agree, self.cfg))
+            self.optim_config.fused_on(self.dims.device)  # optim.fused=true where torch has no fused AdamW
         except ValueError as error:
             raise ConfigError(str(error)) from None
         configure_console(self.dims.is_main)

@@ -57,6 +57,7 @@ MUTABLE_KEYS = (
     "trainer.export_hf", "trainer.progress_bar", "trainer.sync_debug_step", "parallel.timeout_minutes",
     "parallel.cp_comm_type",
     "model.attention_backend", "model.trust_remote_code", "model.exceed_max_positions", "model.verify", "data.num_proc",
+    "model.compile", "optim.fused",  # how the step runs, not what it computes
     "packing.num_workers", "packing.cache_dir", "peft.export_merged",
     "trainer.tracking",  # where the numbers go, not what is trained
 )  # the rest of peft.* (targets, rank, alpha, dropout) shapes the trained parameters: never mutable
