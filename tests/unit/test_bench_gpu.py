@@ -40,7 +40,7 @@ def test_peer_row_trains_the_tiny_shape_on_cpu(tmp_path):
 
 
 def test_every_shape_gets_a_peer_row():
-    args = argparse.Namespace(shapes=["tiny", "llama3.2-1b"], pack_sizes=[256, 512])
+    args = argparse.Namespace(shapes=["tiny", "llama3.2-1b"], pack_sizes=[256, 512], lora_shape="tiny", lora_pack_size=256)
     peers = [c for c in gpu.cases_for(args, ["varlen", "portable"]) if c.batching == "peer"]
     assert [(c.shape, c.backend) for c in peers] == [("tiny", "sdpa"), ("llama3.2-1b", "sdpa")]
 
@@ -64,7 +64,7 @@ def test_peer_ratios_by_hand(capsys):
         "llama3.2-1b 16k varlen packed / peer (transformers sdpa, padded batches of 8): 2.50x real tokens/s, "
         "0.38x peak memory",
     ]
-    gpu.print_table(results, [], torch.device("cpu"), None)
+    gpu.print_table(results, [], torch.device("cpu"), None, [])
     table = capsys.readouterr().out
     assert "llama3.2-1b 8k sdpa peer" in table and gpu.peer_ratios(results)[1] in table
     results[-1]["peak_memory_gb"] = float("nan")  # CPU: no memory figure
