@@ -269,7 +269,7 @@ def _shrink(config: PretrainedConfig, widths_only: bool = False) -> None:
         if isinstance(vocab, int) and isinstance(value, int) and value >= vocab:
             setattr(config, name, vocab - 1 - ("bos" in name))
         elif isinstance(vocab, int) and isinstance(value, list):
-            setattr(config, name, [v for v in value if v < vocab] or None)
+            setattr(config, name, [v for v in value if v < vocab] or [vocab - 1])
     if widths_only:
         return
     layers = getattr(config, "num_hidden_layers", None)

@@ -17,6 +17,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from workers.sharded_io import compare_dirs, shard_mismatches
 
 from automodel.models import ModelSpec, build_model, export_model, setup_checks
+from automodel.models.families import uses_dense_mask
 from automodel.models.verify import perturb_constants, read_table, tiny_config
 
 VERIFIED = sorted(name for name, entry in read_table()["types"].items() if entry["status"] == "verified")
@@ -52,9 +53,13 @@ def loads_in_auto_causal_lm(path: Path) -> bool:
 
 
 def build(path: Path, shard=lambda model: None, is_main: bool = True):
-    spec = ModelSpec(pretrained_path=str(path), attention_backend="portable")
-    config = setup_checks(spec, cp_size=1, vocab_needed=None, max_sample_tokens=None)
-    return build_model(spec, config, device=torch.device("cpu"), shard=shard, seed=0, is_main=is_main)
+    # the load is under test, not the packed step: the table's verdict (verify=False), not the check per type
+    spec = ModelSpec(pretrained_path=str(path), attention_backend="portable", verify=False)
+    config, verdict = setup_checks(spec, cp_size=1, vocab_needed=None, max_sample_tokens=None)
+    return build_model(
+        spec, config, device=torch.device("cpu"), shard=shard, seed=0, is_main=is_main,
+        dense_mask=uses_dense_mask(verdict),
+    )
 
 
 def round_trip_errors(
