@@ -19,6 +19,7 @@ from automodel.models.verify import perturb_constants, sample_pairs
 COMMON = dict(
     vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, head_dim=8, max_position_embeddings=128, attention_dropout=0.0,
+    bos_token_id=1, eos_token_id=2,  # inside the tiny vocabulary (setup refuses ids outside it)
 )
 WINDOW = 4  # shorter than most samples, so a wrong window shows
 FAMILIES = {
