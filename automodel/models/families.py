@@ -135,7 +135,9 @@ def _cached_or_checked(checked: PretrainedConfig, lengths: tuple[int, ...], path
         return entry
     logger.info("checking this config's packed step against each sample alone (%s)", what)
     start = time.perf_counter()
-    verdict = verify_config(checked, lengths)
+    # the dense-mask fallback (an O(T^2) mask) for a type that needs it, or one the table has not seen
+    default = supported_table().get(checked.model_type)
+    verdict = verify_config(checked, lengths, dense_mask_fallback=default is None or uses_dense_mask(default))
     entry = {k: v for k, v in asdict(verdict).items() if v not in ("", [], None)}
     if verdict.status != "verified":  # not cached: a refusal stops the run, and may come from the machine
         return entry

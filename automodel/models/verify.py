@@ -605,10 +605,14 @@ def verify(model_type: str) -> Verdict:
     return verdict
 
 
-def verify_config(config: PretrainedConfig, lengths: tuple[int, ...] = REAL_LENS) -> Verdict:
+def verify_config(
+    config: PretrainedConfig, lengths: tuple[int, ...] = REAL_LENS, dense_mask_fallback: bool = True
+) -> Verdict:
     """The differential for ``config`` on one packed row of ``lengths`` samples, with the reason when
     it fails. Where the registered THD attention is not exact (or never called), the type's own
-    attention under a dense block-diagonal mask is checked next (:func:`verify_dense_mask`)."""
+    attention under a dense block-diagonal mask is checked next (:func:`verify_dense_mask`); with
+    ``dense_mask_fallback`` off only where the layers never call the registered attention (the mask
+    is O(T^2): the setup check tries it for the other types only where the type needs it)."""
     config = copy.deepcopy(config)
     config._experts_implementation = "eager"  # every float64 model below: grouped GEMM has no float64 kernel
     try:
@@ -640,7 +644,7 @@ def verify_config(config: PretrainedConfig, lengths: tuple[int, ...] = REAL_LENS
         else:
             if not ("KeyError" in message and THD_ATTENTION in message):
                 refusal = Verdict("refused", REASONS["differs"].format(message))
-        return verify_dense_mask(config, refusal, lengths)
+        return verify_dense_mask(config, refusal, lengths) if dense_mask_fallback or refusal is None else refusal
     if not errors:
         features = _features(config, calls)
         # a window field that no layer applies (verified exact with it set): setup need not restrict it
@@ -667,7 +671,7 @@ def verify_config(config: PretrainedConfig, lengths: tuple[int, ...] = REAL_LENS
         refusal = Verdict("refused", REASONS["ignores_position_ids"], max_error=max_error)
     else:
         refusal = Verdict("refused", REASONS["differs"].format("; ".join(errors[:2])), max_error=max_error)
-    return verify_dense_mask(config, refusal, lengths)
+    return verify_dense_mask(config, refusal, lengths) if dense_mask_fallback or refusal is None else refusal
 
 
 def verify_dense_mask(
