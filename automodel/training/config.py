@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -111,7 +112,8 @@ class TrainerConfig:
         max_steps: optimizer steps (the LR schedule spans them).
         grad_accum_steps: micro-batches per optimizer step on each data-parallel rank.
         seed: seeds model init, data order and packing.
-        output_dir: run directory (config, metrics, checkpoints, exported model, loss curve).
+        output_dir: run directory (config, metrics, checkpoints, exported model, loss curve); a
+            leading ``~`` is the home directory.
         eval_every: evaluate on the validation set (``data.validation`` or ``data.val_fraction``) every
             N steps; always after the last step when there is validation data.
         checkpoint_every: save a checkpoint every N steps (and always at the end); null: only at the end.
@@ -161,6 +163,7 @@ class TrainerConfig:
                f"trainer.seed must be an int in [0, 2**32) (numpy's seed range), got {self.seed!r}")
         _check(isinstance(self.output_dir, str) and self.output_dir.strip() != "",
                f"trainer.output_dir must be a directory path such as runs/my_run, got {self.output_dir!r}")
+        self.output_dir = os.path.expanduser(self.output_dir)  # '~/x' quoted past Hydra: not a directory named '~'
         _check(self.eval_every is None or (_is_int(self.eval_every) and self.eval_every >= 1),
                f"trainer.eval_every must be a positive int or null, got {self.eval_every!r}")
         _check(self.sync_debug_step is None or (_is_int(self.sync_debug_step) and self.sync_debug_step >= 1),

@@ -27,7 +27,7 @@ from automodel.data.sft_data import SFTData
 from automodel.distributed import make_cp_batch_for_te, process_input_for_thd, thd_get_partitioned_indices
 from automodel.distributed.thd import BatchKeyError
 from automodel.training.checkpoint import read_dcp_metadata
-from automodel.training.finetune import run
+from automodel.training.finetune import recipe_class, run
 from automodel.training.run_dir import RunDirectory
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -515,3 +515,15 @@ def test_an_override_hydra_cannot_lex_says_to_quote_it(override):
     assert f"quote the value: \"{key}='{value}'\"" in str(error.value), str(error.value)
     quoted = load_recipe("tiny_llama_sft", [f"{key}='{value}'"])  # the way out works
     assert quoted[key.split(".")[0]][key.split(".")[1]] == value
+
+
+def test_a_quoted_home_path_is_the_home_directory_not_a_directory_named_tilde(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_recipe("tiny_llama_sft", ["trainer.output_dir='~/x'", "model=hf_checkpoint",
+                                         "model.pretrained_path='~/checkpoint'", "data.source='~/data.jsonl'"])
+    with pytest.raises(ConfigError, match="data.source='~/data.jsonl' does not exist"):
+        recipe_class(cfg)(cfg)
+    (tmp_path / "data.jsonl").write_text(json.dumps(ROW) + "\n")
+    recipe = recipe_class(cfg)(cfg)
+    assert recipe.output_dir == tmp_path / "x"
+    assert recipe.model_spec.pretrained_path == str(tmp_path / "checkpoint")
