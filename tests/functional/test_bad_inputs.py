@@ -527,3 +527,18 @@ def test_a_quoted_home_path_is_the_home_directory_not_a_directory_named_tilde(tm
     recipe = recipe_class(cfg)(cfg)
     assert recipe.output_dir == tmp_path / "x"
     assert recipe.model_spec.pretrained_path == str(tmp_path / "checkpoint")
+
+
+@pytest.mark.parametrize("name, content, message", [
+    # the reader kept one 'prompt' column of two
+    ("data.csv", b"prompt,completion,prompt\na,b,c\n", r"data.csv: the CSV header names column\(s\) \['prompt'\] more"),
+    # pandas took the two extra leading fields as an index: the row read as prompt 'c', completion 'd'
+    ("data.csv", b"prompt,completion\na,b\na,b,c,d\n", "data.csv line 3: 4 fields where the header has 2"),
+    ("data.parquet", b"not parquet", "data.parquet: cannot be read as parquet .*magic bytes"),
+])  # fmt: skip
+def test_an_unreadable_or_ambiguous_table_file_is_named(tmp_path, name, content, message):
+    from automodel.data.sources import load_sft_source
+
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(ValueError, match=message):
+        load_sft_source(str(tmp_path / name))
