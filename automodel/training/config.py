@@ -27,6 +27,12 @@ def _is_real(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+# The largest optim.lr: AdamW moves every weight by about lr per step whatever the gradient's size, and
+# weights are of order 0.02 (initializer_range) to 1 (norms). The tiny recipe measured lr 0.1 still
+# learning (loss 6.20 -> 5.81 in 3 steps) and lr 1.0 diverging (6.20 -> 114 at step 2); fine-tuning
+# uses 1e-6 to 1e-2.
+MAX_LR = 0.1
+
 # Device types where ``optim.fused: null`` picks torch's fused AdamW kernel: where bench gpu measured it
 # faster than torch's default. None yet (docs/benchmarks.md: the figures await a device).
 FUSED_BY_DEFAULT: tuple[str, ...] = ()
@@ -53,6 +59,10 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         _check(_is_real(self.lr) and self.lr > 0, f"optim.lr must be a finite positive number, got {self.lr!r}")
+        _check(self.lr <= MAX_LR,
+               f"optim.lr={self.lr!r} is above {MAX_LR}: AdamW moves every weight by about lr per step, and weights "
+               "are of order 0.02 to 1, so the model is rewritten in a step or two (the loss explodes); fine-tuning "
+               "uses 1e-6 to 1e-2")
         _check(_is_real(self.weight_decay) and self.weight_decay >= 0,
                f"optim.weight_decay must be a finite number >= 0, got {self.weight_decay!r}")
         _check(isinstance(self.betas, (list, tuple)) and len(self.betas) == 2
