@@ -113,6 +113,8 @@ RECIPE_CASES = [
     (["+peft=lora", "peft.target_modules=[q_proj,lm_head]", "model.config.tie_word_embeddings=false"],
      "includes the output head 'lm_head'"),
     (["model.config.num_hidden_layers=0"], "num_hidden_layers=0"),
+    # transformers' default hidden_size 4096 filled in: a 27M model trained in place of the recipe's 0.85M one
+    (["~model.config.hidden_size"], "'~model.config.hidden_size' deletes a key of the recipe's model config"),
     (["model.config.rms_norm_eps=nan"], "rms_norm_eps=nan"),
     (["model.config.rope_theta=nan"], "rope_theta=nan"),
     (["model.config.max_position_embeddings=16"], "max_position_embeddings is 16"),  # data.max_length=512
