@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import pickle
 import shutil
 import signal
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -554,3 +557,30 @@ def test_an_unreadable_or_ambiguous_table_file_is_named(tmp_path, name, content,
     (tmp_path / name).write_bytes(content)
     with pytest.raises(ValueError, match=message):
         load_sft_source(str(tmp_path / name))
+
+
+def test_a_dead_writers_staging_is_removed_and_a_wait_on_the_pack_cache_lock_is_logged(tmp_path, caplog):
+    from filelock import FileLock
+
+    from automodel.data.pack_cache import cached_pack_dataset, pack_cache_key
+
+    rows = _rows(3, 4, 5, 2)
+    key = pack_cache_key(rows, "train", 8)
+    dead, other_dead, live = (tmp_path / f"tmp-{k}-4242" for k in (key, "0" * 32, "1" * 32))
+    for staging in (dead, other_dead, live):
+        staging.mkdir()
+        (staging / "data-00000-of-00001.arrow").write_bytes(b"half written")
+    with FileLock(tmp_path / f"packed-{'1' * 32}.lock"):  # its writer is alive: kept
+        cached_pack_dataset(rows, "train", 8, cache_dir=tmp_path)
+    assert not dead.exists() and not other_dead.exists() and live.exists()
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from automodel.data.pack_cache import "
+         f"_entry_lock\nwith _entry_lock(Path({str(tmp_path)!r}), {key!r}, 60):\n print('held', flush=True); "
+         "time.sleep(1.5)"], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert holder.stdout.readline() == "held\n"
+    with caplog.at_level(logging.INFO, logger="automodel.data.pack_cache"):
+        cached_pack_dataset(rows, "train", 8, cache_dir=tmp_path)
+    assert holder.wait() == 0
+    assert f"waiting up to 14400 s for {tmp_path / f'packed-{key}.lock'}, held by {socket.gethostname()} pid {holder.pid}" \
+        in caplog.text, caplog.text

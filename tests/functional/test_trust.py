@@ -27,6 +27,7 @@ from automodel.config import ConfigError, load_recipe
 from automodel.data.batching import LoaderEnv, RmpadBatching
 from automodel.data.sft_data import SFTData
 from automodel.distributed.parallel import ParallelConfig, init_distributed
+from automodel.training import config as training_config
 from automodel.training.checkpoint import (
     META,
     Checkpointer,
@@ -34,7 +35,6 @@ from automodel.training.checkpoint import (
     NonFiniteError,
     UnsafeCheckpointError,
 )
-from automodel.training import config as training_config
 from automodel.training.finetune import run
 from automodel.training.metrics import read_metrics
 
