@@ -96,7 +96,13 @@ def cached_pack_dataset(
     if not wait_timeout_s > 0:
         raise ValueError(f"wait_timeout_s must be positive, got {wait_timeout_s!r}")
     root = Path(cache_dir).expanduser()
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # read-only, a parent that is a file
+        raise ValueError(
+            f"cache_dir={os.fspath(cache_dir)!r}: cannot create it ({error.strerror}: {error.filename}); point it at "
+            "a writable directory"
+        ) from None
     selected = _select_split(dataset, split)
     key = pack_cache_key(selected, None, **parameters)
     entry = root / f"packed-{key}"

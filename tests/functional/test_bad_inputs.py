@@ -584,3 +584,20 @@ def test_a_dead_writers_staging_is_removed_and_a_wait_on_the_pack_cache_lock_is_
     assert holder.wait() == 0
     assert f"waiting up to 14400 s for {tmp_path / f'packed-{key}.lock'}, held by {socket.gethostname()} pid {holder.pid}" \
         in caplog.text, caplog.text
+
+
+def test_paths_the_filesystem_refuses_are_named_in_one_line(tmp_path, monkeypatch, data_work):
+    """Each was a traceback (NotADirectoryError, FileNotFoundError from Hydra's os.getcwd())."""
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ConfigError, match=f"trainer.output_dir='{tmp_path}/a_file/run': cannot write the run there "
+                                          f"\\(Not a directory: {tmp_path}/a_file/run\\)"):
+        run(load_recipe("tiny_llama_sft", [*FAST, f"trainer.output_dir={tmp_path / 'a_file' / 'run'}"]))
+    assert data_work == []
+    with pytest.raises(ConfigError, match=f"cache_dir='{tmp_path}/a_file/cache': cannot create it"):
+        run(load_recipe("tiny_llama_sft", [*FAST, f"trainer.output_dir={tmp_path / 'run'}",
+                                           f"packing.cache_dir={tmp_path / 'a_file' / 'cache'}"]))
+    (tmp_path / "gone").mkdir()
+    monkeypatch.chdir(tmp_path / "gone")
+    (tmp_path / "gone").rmdir()
+    with pytest.raises(ConfigError, match="the current directory no longer exists"):
+        load_recipe("tiny_llama_sft", FAST)
