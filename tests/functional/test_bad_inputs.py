@@ -601,3 +601,17 @@ def test_paths_the_filesystem_refuses_are_named_in_one_line(tmp_path, monkeypatc
     (tmp_path / "gone").rmdir()
     with pytest.raises(ConfigError, match="the current directory no longer exists"):
         load_recipe("tiny_llama_sft", FAST)
+
+
+def test_a_val_fraction_that_leaves_nothing_to_train_on_is_named_as_such():
+    """datasets' own message spoke of test_size and train_size, which no recipe has."""
+    from automodel.data.sft_data import hold_out
+
+    rows = _rows(3, 4, 5, 2)
+    with pytest.raises(ValueError) as error:
+        hold_out(rows, 0.8, seed=0, source="data.jsonl")  # ceil(0.8 * 4) = 4 held out
+    assert str(error.value) == ("data.val_fraction=0.8 holds out 4 of the 4 samples of 'data.jsonl', which leaves "
+                                "none to train on; lower data.val_fraction, or use more data")
+    train, validation = hold_out(rows, 0.7, seed=0, source="data.jsonl")  # ceil(2.8) = 3
+    assert (len(train), len(validation)) == (1, 3)
+    assert sorted([*train["input_ids"], *validation["input_ids"]]) == sorted(rows["input_ids"])
