@@ -170,6 +170,14 @@ def _tokenizer_dir(tmp_path: Path, **config) -> Path:
     return directory
 
 
+def _cut_tokenizer(tmp_path: Path) -> Path:
+    """The shipped tokenizer with its tokenizer.json cut after 300 bytes (line 17)."""
+    directory = _tokenizer_dir(tmp_path)
+    file = directory / "tokenizer.json"
+    file.write_bytes(file.read_bytes()[:300])
+    return directory
+
+
 def _checkpoint_dir(tmp_path: Path, weights: str, **config) -> Path:
     """The recipe's tiny Llama as a checkpoint; ``weights``: ``good``, ``truncated`` or ``garbage``."""
     directory = tmp_path / "checkpoint"
@@ -212,6 +220,7 @@ FILE_CASES = {
                           "data.jsonl is not UTF-8: byte 0xe9 at line 1"),
     "broken chat template": (lambda t: [f"data.tokenizer={_tokenizer_dir(t, chat_template='{% if %}')}"],
                              "chat template does not render"),
+    "cut tokenizer.json": (lambda t: [f"data.tokenizer={_cut_tokenizer(t)}"], "tokenizer.json line 17 column 18"),
     "tokenizer with auto_map": (lambda t: [f"data.tokenizer={_tokenizer_dir(t, auto_map={'AutoTokenizer': ['x.T', None]})}"],
                                 "model.trust_remote_code"),
     "checkpoint with auto_map": (lambda t: _checkpoint(t, "good", auto_map={"AutoModel": "x.M"}), "model.trust_remote_code"),
