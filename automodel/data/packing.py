@@ -130,11 +130,6 @@ def pack_dataset(
     lower_bound = lower_bound_packs(padded_lens[fitting], packed_sequence_size)
     if max_packs is not None and max_packs < plan.num_packs:  # the first max_packs packs
         plan = PackPlan(plan.sample_order[: plan.pack_offsets[max_packs]], plan.pack_offsets[: max_packs + 1])
-    if plan.num_packs == 0:
-        raise ValueError(
-            f"no sample fits packed_sequence_size={packed_sequence_size} (all {len(keep)} are longer "
-            f"after padding to a multiple of {cp_multiple(cp_size, pad_to_multiple_of)}); increase packed_sequence_size"
-        )
     plan = PackPlan(fitting[plan.sample_order], plan.pack_offsets)  # index the input rows
 
     report = PackingReport(
@@ -297,12 +292,15 @@ def _check_token_ids(column: pa.ChunkedArray, name: str, vocab_size: int | None)
 
 
 def keep_fitting(
-    limit: str, padded_lens: np.ndarray, cap: int, drop_long_samples: bool, cp_size: int, pad_to_multiple_of: int = 1
+    limit: str, padded_lens: np.ndarray, cap: int, drop_long_samples: bool, cp_size: int, pad_to_multiple_of: int = 1,
+    whole: bool = True,
 ) -> np.ndarray:
     """``[N]`` bool, True for samples whose padded length fits ``cap`` (the setting named ``limit``):
     the one over-long report.
 
     The rest are dropped and logged with counts, or raise ValueError when ``drop_long_samples`` is False.
+    When ``padded_lens`` is the ``whole`` data (not a streamed chunk), none fitting is a ValueError
+    naming ``limit`` (not an empty epoch blamed on the data-parallel size).
     """
     too_long = padded_lens > cap
     if too_long.any():
@@ -310,6 +308,11 @@ def keep_fitting(
         multiple = cp_multiple(cp_size, pad_to_multiple_of)
         rule = f"2*cp_size={multiple}" if pad_to_multiple_of == 1 else multiple
         after = f" after padding to a multiple of {rule}" if multiple > 1 else ""
+        if whole and too_long.all():
+            raise ValueError(
+                f"no sample fits {limit}={cap}: all {len(too_long)} are longer{after}, the shortest "
+                f"{int(padded_lens.min())} tokens; raise {limit}, or cut samples with data.max_length (at most {cap})"
+            )
         if not drop_long_samples:
             raise ValueError(
                 f"drop_long_samples=False but sample {i} has {padded_lens[i]} tokens{after}, more than {limit}={cap}: "

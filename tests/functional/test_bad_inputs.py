@@ -25,8 +25,10 @@ from automodel.assets import TINY_TOKENIZER_DIR
 from automodel.config import ConfigError, load_recipe
 from automodel.data import pack_dataset, packed_sequence_thd_collater
 from automodel.data import packing as packing_module
+from automodel.data.batching import BalancedBatching, LoaderEnv, PackedBatching, PaddedBatching, RmpadBatching
 from automodel.data.collate import RowLengthError
 from automodel.data.sft_data import SFTData
+from automodel.data.streaming import StreamingPackedBatching
 from automodel.distributed import make_cp_batch_for_te, process_input_for_thd, thd_get_partitioned_indices
 from automodel.distributed.thd import BatchKeyError
 from automodel.training.checkpoint import read_dcp_metadata
@@ -624,3 +626,23 @@ def test_a_val_fraction_that_leaves_nothing_to_train_on_is_named_as_such():
     train, validation = hold_out(rows, 0.7, seed=0, source="data.jsonl")  # ceil(2.8) = 3
     assert (len(train), len(validation)) == (1, 3)
     assert sorted([*train["input_ids"], *validation["input_ids"]]) == sorted(rows["input_ids"])
+
+
+@pytest.mark.parametrize("mode, limit", [
+    (lambda: PaddedBatching(max_length=2), "packing.max_length=2"),
+    (lambda: RmpadBatching(max_seq_len=2), "packing.max_seq_len=2"),
+    (lambda: BalancedBatching(packed_sequence_size=2, micro_batch_size=1), "packing.packed_sequence_size=2"),
+    (lambda: PackedBatching(packed_sequence_size=2), "packed_sequence_size=2"),
+    (lambda: StreamingPackedBatching(packed_sequence_size=2), "packing.packed_sequence_size=2"),  # pass after pass
+], ids=["none", "rmpad", "balanced", "bfd", "streaming"])  # fmt: skip
+def test_every_sample_too_long_blames_the_length_limit_not_the_data_parallel_size(mode, limit):
+    """Every mode but bfd said 'dp_size: the data gives 0 micro-batches'; streaming read forever."""
+    previous = signal.signal(signal.SIGALRM, _hung)
+    signal.alarm(60)
+    try:
+        with pytest.raises(ValueError, match=f"no sample fits {limit}: all 2 (are longer, the shortest 3 tokens|rows of "
+                                             "a pass over the data are longer)"):
+            next(iter(mode().build(_rows(3, 4), LoaderEnv())))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
