@@ -28,9 +28,9 @@ def _is_real(value) -> bool:
 
 
 # The largest optim.lr: AdamW moves every weight by about lr per step whatever the gradient's size, and
-# weights are of order 0.02 (initializer_range) to 1 (norms). The tiny recipe measured lr 0.1 still
-# learning (loss 6.20 -> 5.81 in 3 steps) and lr 1.0 diverging (6.20 -> 114 at step 2); fine-tuning
-# uses 1e-6 to 1e-2.
+# weights are of order 0.02 (initializer_range) to 1 (norms). The tiny recipe without clipping
+# (optim.max_grad_norm=null) measured lr 0.1 still learning (loss 6.20 -> 5.81 in 3 steps) and lr 1.0
+# diverging (6.20 -> 114 at step 2, warmup 0); fine-tuning uses 1e-6 to 1e-2.
 MAX_LR = 0.1
 
 # Device types where ``optim.fused: null`` picks torch's fused AdamW kernel: where bench gpu measured it

@@ -80,7 +80,7 @@ RECIPE_CASES = [
     (["optim.lr=-1"], "optim.lr"),
     (["optim.lr=true"], "optim.lr"),
     (["optim.lr=1e3", "optim.max_grad_norm=null"], "optim.lr=1000.0 is above 0.1: AdamW moves every weight"),
-    (["optim.lr=1.0"], "optim.lr=1.0 is above 0.1"),  # trained on from loss 6.2 to 114 at step 2, exit 0
+    (["optim.lr=1.0"], "optim.lr=1.0 is above 0.1"),  # unclipped: loss 6.2 to 114 at step 2, exit 0
     (["optim.betas=[0.9]"], "optim.betas"),
     (["optim.betas=[0.9,1.5]"], "optim.betas"),
     (["optim.eps=0"], "optim.eps"),
