@@ -17,6 +17,7 @@ import difflib
 import functools
 import importlib
 import inspect
+import os
 import re
 import types
 import typing
@@ -104,7 +105,21 @@ def resolve_recipe(recipe: str) -> Path:
 def load_recipe(recipe: str, overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
     """Compose a recipe with command-line overrides (``trainer.max_steps=10``), resolve it and check
     every key against the components' signatures."""
+    try:
+        os.getcwd()  # Hydra records it; relative paths are read from it
+    except FileNotFoundError:
+        raise ConfigError(
+            "the current directory no longer exists (deleted or moved after the shell entered it); cd to an "
+            "existing directory and run again"
+        ) from None
     path = resolve_recipe(recipe)
+    deleted = [o.partition("=")[0][1:] for o in overrides if o.startswith("~model.config.")]
+    if deleted:  # transformers fills the key with its own default: another model, trained without a word
+        raise ConfigError(
+            f"override '~{deleted[0]}' deletes a key of the recipe's model config, which transformers then fills "
+            f"with its own default (~model.config.hidden_size trained a 27M model in place of a 0.85M one); set the "
+            f"value you want instead: {deleted[0]}=<value>"
+        )
     try:
         cfg = _compose(path, overrides)
     except (HydraException, OmegaConfBaseException) as error:

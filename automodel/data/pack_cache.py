@@ -6,24 +6,30 @@ the input tokens, every packing parameter and the packer's code version. Layout 
     packed-<key>/        a complete entry: save_to_disk Arrow files (renamed into place when complete)
                          and ``digest.json``, their xxh3-128 (checked before every read)
     packed-<key>.lock    a ``filelock`` lock: the kernel releases it when its holder dies
+    packed-<key>.holder  host and pid of the lock's holder while it holds it (logged by a process that waits)
+    tmp-<key>-<pid>/     an entry being written; one whose entry lock is free lost its writer
+                         and is removed by the next call
 
 Every process takes the lock in turn; the first packs and writes the entry, the others find it
 complete and read it. No collective (NCCL or gloo) is open while they wait, so
-``parallel.timeout_minutes`` does not apply; ``wait_timeout_s`` bounds the wait.
+``parallel.timeout_minutes`` does not apply; ``wait_timeout_s`` bounds the wait, which is logged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import json
 import logging
 import os
 import shutil
+import socket
 import time
 from pathlib import Path
 
 import datasets
+import filelock
 import numpy as np
 import xxhash
 from filelock import FileLock
@@ -90,17 +96,23 @@ def cached_pack_dataset(
     if not wait_timeout_s > 0:
         raise ValueError(f"wait_timeout_s must be positive, got {wait_timeout_s!r}")
     root = Path(cache_dir).expanduser()
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # read-only, a parent that is a file
+        raise ValueError(
+            f"cache_dir={os.fspath(cache_dir)!r}: cannot create it ({error.strerror}: {error.filename}); point it at "
+            "a writable directory"
+        ) from None
     selected = _select_split(dataset, split)
     key = pack_cache_key(selected, None, **parameters)
     entry = root / f"packed-{key}"
-    with FileLock(root / f"packed-{key}.lock", timeout=wait_timeout_s):
+    _remove_dead_staging(root)
+    with _entry_lock(root, key, wait_timeout_s):
         if not (entry / DIGEST).is_file():  # none, or written before entries carried their digest
             shutil.rmtree(entry, ignore_errors=True)
             start = time.perf_counter()
             packed = pack_dataset(selected, None, **parameters)
             staging = root / f"tmp-{key}-{os.getpid()}"
-            shutil.rmtree(staging, ignore_errors=True)  # a dead writer's leftovers: we hold the lock
             packed.save_to_disk(str(staging))
             (staging / DIGEST).write_text(json.dumps({"xxh3_128": entry_digest(staging)}))
             os.rename(staging, entry)
@@ -113,6 +125,41 @@ def cached_pack_dataset(
             "damaged after packing); delete that directory and it is packed again"
         )
     return datasets.load_from_disk(str(entry))
+
+
+@contextlib.contextmanager
+def _entry_lock(root: Path, key: str, wait_timeout_s: float):
+    """Holds ``packed-<key>.lock``; a process that finds it held logs that it waits, for which lock
+    and whom (``packed-<key>.holder``, written by each holder)."""
+    lock, holder = FileLock(root / f"packed-{key}.lock"), root / f"packed-{key}.holder"
+    try:
+        lock.acquire(timeout=0)
+    except filelock.Timeout:
+        known = holder.read_text().strip() if holder.is_file() else "holder unknown"
+        logger.info("pack cache: waiting up to %.0f s for %s, held by %s (packing this data)",
+                    wait_timeout_s, lock.lock_file, known)  # fmt: skip
+        start = time.perf_counter()
+        lock.acquire(timeout=wait_timeout_s)
+        logger.info("pack cache: got %s after %.1f s", lock.lock_file, time.perf_counter() - start)
+    try:
+        holder.write_text(f"{socket.gethostname()} pid {os.getpid()}\n")
+        yield
+    finally:
+        holder.unlink(missing_ok=True)
+        lock.release()
+
+
+def _remove_dead_staging(root: Path) -> None:
+    """Removes the ``tmp-<key>-<pid>`` directories of writers that died: a live writer holds its
+    entry's lock, so a staging directory whose lock is free is a dead one's."""
+    for staging in root.glob("tmp-*-*"):
+        key = staging.name.split("-")[1]
+        try:
+            with FileLock(root / f"packed-{key}.lock", timeout=0):
+                shutil.rmtree(staging, ignore_errors=True)
+            logger.info("pack cache: removed %s, left by a writer that died", staging)
+        except filelock.Timeout:
+            pass  # its writer is packing now
 
 
 def entry_digest(directory: Path) -> str:

@@ -74,6 +74,7 @@ def pack_dataset(
     algorithm="bfd",
     seed=0,
     pad_to_multiple_of=1,
+    vocab_size=None,
 ) -> datasets.Dataset:
     """Pack tokenized samples into rows of exactly ``packed_sequence_size`` tokens.
 
@@ -93,6 +94,8 @@ def pack_dataset(
             (next-fit in dataset order, pack for pack what NeMo AutoModel produces).
         seed: shuffles the packs of ``"bfd"``.
         pad_to_multiple_of: also pad each sample to a multiple of this (S must be one too).
+        vocab_size: when given, an ``input_ids`` or ``labels`` id at or above it is a ValueError
+            naming the sample (negative ids always are, but the -100 label).
 
     Returns:
         A ``datasets.Dataset`` with one row per pack (int32 list columns):
@@ -112,10 +115,11 @@ def pack_dataset(
         seq_lens_padded [4 12]
     """
     _check_arguments(
-        packed_sequence_size, max_packs, padding_idx, drop_long_samples, cp_size, algorithm, seed, pad_to_multiple_of
+        packed_sequence_size, max_packs, padding_idx, drop_long_samples, cp_size, algorithm, seed, pad_to_multiple_of,
+        vocab_size,
     )
     dataset = _select_split(dataset, split)
-    lengths, columns = _token_columns(dataset)
+    lengths, columns = _token_columns(dataset, vocab_size)
 
     padded_lens = cp_padded(lengths, cp_size, pad_to_multiple_of)
     keep = keep_fitting(
@@ -126,11 +130,6 @@ def pack_dataset(
     lower_bound = lower_bound_packs(padded_lens[fitting], packed_sequence_size)
     if max_packs is not None and max_packs < plan.num_packs:  # the first max_packs packs
         plan = PackPlan(plan.sample_order[: plan.pack_offsets[max_packs]], plan.pack_offsets[: max_packs + 1])
-    if plan.num_packs == 0:
-        raise ValueError(
-            f"no sample fits packed_sequence_size={packed_sequence_size} (all {len(keep)} are longer "
-            f"after padding to a multiple of {cp_multiple(cp_size, pad_to_multiple_of)}); increase packed_sequence_size"
-        )
     plan = PackPlan(fitting[plan.sample_order], plan.pack_offsets)  # index the input rows
 
     report = PackingReport(
@@ -156,9 +155,12 @@ def pack_dataset(
 
 
 def _check_arguments(
-    packed_sequence_size, max_packs, padding_idx, drop_long_samples, cp_size, algorithm, seed, pad_to_multiple_of=1
+    packed_sequence_size, max_packs, padding_idx, drop_long_samples, cp_size, algorithm, seed, pad_to_multiple_of=1,
+    vocab_size=None,
 ):
     check_positive_int("packed_sequence_size", packed_sequence_size)
+    if vocab_size is not None:
+        check_positive_int("vocab_size", vocab_size)
     check_positive_int("cp_size", cp_size)
     check_positive_int("pad_to_multiple_of", pad_to_multiple_of)
     if max_packs is not None:
@@ -215,10 +217,12 @@ def _dataset_of_rows(rows: list) -> datasets.Dataset:
     return datasets.Dataset.from_dict(columns)
 
 
-def _token_columns(dataset: datasets.Dataset) -> tuple[np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]]]:
+def _token_columns(
+    dataset: datasets.Dataset, vocab_size: int | None = None
+) -> tuple[np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]]]:
     """``[R]`` sample lengths, and for each token column present (``input_ids``, ``labels``,
     ``loss_mask``, as bool) its flat values and ``[R]`` row starts (views of the Arrow buffers)."""
-    lengths = read_lengths(dataset)
+    lengths = read_lengths(dataset, vocab_size)
     names = [c for c in ("input_ids", "labels", "loss_mask") if c in dataset.column_names]
     table = dataset.select_columns(names).with_format("arrow")[:]
     columns = {name: _list_column(table, name) for name in names}
@@ -227,11 +231,12 @@ def _token_columns(dataset: datasets.Dataset) -> tuple[np.ndarray, dict[str, tup
     return lengths, columns
 
 
-def read_lengths(dataset: datasets.Dataset) -> np.ndarray:
+def read_lengths(dataset: datasets.Dataset, vocab_size: int | None = None) -> np.ndarray:
     """``[N]`` int64 token count of every sample: the one length reader of the batching modes.
 
     Checks the columns: ``input_ids`` and ``labels`` present, ``labels``/``loss_mask`` as long as
-    ``input_ids``, no empty sample, at least one sample.
+    ``input_ids``, no empty sample, at least one sample; token ids not negative (a label may be
+    -100, ignored) and, when ``vocab_size`` is given, below it (the embedding would index past its table).
     """
     missing = [c for c in ("input_ids", "labels") if c not in dataset.column_names]
     if missing:
@@ -259,16 +264,43 @@ def read_lengths(dataset: datasets.Dataset) -> np.ndarray:
         if len(bad):
             i = int(bad[0])
             raise ValueError(f"{name}: sample {i} has {lengths[name][i]} entries but input_ids has {tokens[i]}")
+    for name in names[:2]:
+        _check_token_ids(table.column(name), name, vocab_size)
     return tokens
 
 
+def _check_token_ids(column: pa.ChunkedArray, name: str, vocab_size: int | None) -> None:
+    """ValueError naming the first sample of ``column`` (a list column of ids) with an id below 0
+    (``labels``: but -100) or at or above ``vocab_size``."""
+    values = pc.list_flatten(column)
+    if not pa.types.is_integer(values.type):
+        return  # float ids: the packer's own check names them
+    ignored = values if name == "input_ids" else pc.if_else(pc.equal(values, -100), 0, values)
+    low, high = pc.min_max(ignored).values()
+    if low.as_py() >= 0 and (vocab_size is None or high.as_py() < vocab_size):
+        return
+    flat = ignored.to_numpy() if isinstance(ignored, pa.Array) else ignored.combine_chunks().to_numpy()
+    bad = int(np.flatnonzero((flat < 0) | (flat >= (vocab_size or np.iinfo(np.int64).max)))[0])
+    starts = np.cumsum(pc.list_value_length(column).to_numpy(zero_copy_only=False), dtype=np.int64)
+    sample = int(np.searchsorted(starts, bad, side="right"))
+    allowed = f"[0, vocab_size={vocab_size})" if vocab_size is not None else "0 or more"
+    ignore = " or -100 (ignored)" if name == "labels" else ""
+    raise ValueError(
+        f"{name}: sample {sample} holds token id {int(flat[bad])}; ids must be {allowed}{ignore}. Re-tokenize "
+        "that sample with the run's tokenizer"
+    )
+
+
 def keep_fitting(
-    limit: str, padded_lens: np.ndarray, cap: int, drop_long_samples: bool, cp_size: int, pad_to_multiple_of: int = 1
+    limit: str, padded_lens: np.ndarray, cap: int, drop_long_samples: bool, cp_size: int, pad_to_multiple_of: int = 1,
+    whole: bool = True,
 ) -> np.ndarray:
     """``[N]`` bool, True for samples whose padded length fits ``cap`` (the setting named ``limit``):
     the one over-long report.
 
     The rest are dropped and logged with counts, or raise ValueError when ``drop_long_samples`` is False.
+    When ``padded_lens`` is the ``whole`` data (not a streamed chunk), none fitting is a ValueError
+    naming ``limit`` (not an empty epoch blamed on the data-parallel size).
     """
     too_long = padded_lens > cap
     if too_long.any():
@@ -276,6 +308,11 @@ def keep_fitting(
         multiple = cp_multiple(cp_size, pad_to_multiple_of)
         rule = f"2*cp_size={multiple}" if pad_to_multiple_of == 1 else multiple
         after = f" after padding to a multiple of {rule}" if multiple > 1 else ""
+        if whole and too_long.all():
+            raise ValueError(
+                f"no sample fits {limit}={cap}: all {len(too_long)} are longer{after}, the shortest "
+                f"{int(padded_lens.min())} tokens; raise {limit}, or cut samples with data.max_length (at most {cap})"
+            )
         if not drop_long_samples:
             raise ValueError(
                 f"drop_long_samples=False but sample {i} has {padded_lens[i]} tokens{after}, more than {limit}={cap}: "

@@ -31,6 +31,7 @@ from transformers import PreTrainedTokenizerBase
 from automodel.data.batching import LoaderEnv, Prepared, _groups, _Mode
 from automodel.data.collate import build_row, packed_sequence_thd_collater
 from automodel.data.sft import BAD_ROW_MODES, load_tokenizer, tokenize_sft_dataset
+from automodel.data.sft_data import hold_out
 from automodel.data.sources import check_source, load_sft_source
 
 logger = logging.getLogger(__name__)
@@ -96,8 +97,7 @@ class PreferenceData:
         pairs = self._pairs(self.source, self.split, tokenizer)
         validation = None
         if self.val_fraction is not None:
-            split = pairs.train_test_split(test_size=self.val_fraction, shuffle=True, seed=self.seed)
-            pairs, validation = split["train"], split["test"]
+            pairs, validation = hold_out(pairs, self.val_fraction, self.seed, self.source)
         elif self.validation is not None:
             validation = self._pairs(self.validation.get("source", self.source), self.validation.get("split", self.split), tokenizer)
         logger.info("data: %d preference pairs%s", len(pairs), f", {len(validation)} for validation" if validation else "")

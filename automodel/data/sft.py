@@ -120,8 +120,22 @@ def load_tokenizer(path_or_name: str | os.PathLike, *, trust_remote_code: bool =
             f"no tokenizer at {name!r} on this machine (nothing is downloaded): pass a local directory, "
             f"a Hub name already in the Hugging Face cache, or a built-in name ({', '.join(BUILTIN_TOKENIZERS)})"
         ) from error
+    except Exception as error:  # a damaged file: json's, transformers' or the tokenizers library's own error
+        raise ValueError(f"data.tokenizer={name!r}: cannot load it ({_damaged_file(path, error)}); fix or replace "
+                         "the file (save_pretrained writes a whole set)") from None  # fmt: skip
     check_chat_template(tokenizer, name)
     return tokenizer
+
+
+def _damaged_file(directory: Path, error: Exception) -> str:
+    """The first JSON file of ``directory`` that does not parse, with its line, else ``error`` itself."""
+    for file in sorted(directory.glob("*.json")) if directory.is_dir() else []:
+        try:
+            json.loads(file.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as bad:
+            where = f" line {bad.lineno} column {bad.colno}: {bad.msg}" if isinstance(bad, json.JSONDecodeError) else f": {bad}"
+            return f"{file}{where}"
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"
 
 
 def check_chat_template(tokenizer: PreTrainedTokenizerBase, name: str) -> None:

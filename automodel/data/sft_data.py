@@ -4,6 +4,7 @@ with weights, and an optional validation set."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -119,9 +120,8 @@ class SFTData:
         for index, spec in enumerate(self.sources):
             rows = spec.tokenize(tokenizer, **options)
             if self.val_fraction is not None:
-                split = rows.train_test_split(test_size=self.val_fraction, shuffle=True, seed=self.seed)
-                rows = split["train"]
-                held_out.append(split["test"])
+                rows, validation = hold_out(rows, self.val_fraction, self.seed, spec.source)
+                held_out.append(validation)
             weighted = weight_rows(rows, spec.weight, np.random.default_rng([self.seed, index]))
             train.append(weighted)
             report.append((spec.source, len(rows), spec.weight, len(weighted)))
@@ -141,6 +141,19 @@ def auto_num_proc(cap: int = 8) -> int:
     """The cores this process may use (its CPU affinity: a SLURM or container share), at most ``cap``."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(cores, cap))
+
+
+def hold_out(rows: datasets.Dataset, fraction: float, seed: int, source: str) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """``(train, validation)``: a seeded ``ceil(fraction * len(rows))`` of ``rows`` held out
+    (``data.val_fraction``); ValueError naming it when no row would be left to train on."""
+    held = math.ceil(fraction * len(rows))
+    if held >= len(rows):
+        raise ValueError(
+            f"data.val_fraction={fraction} holds out {held} of the {len(rows)} samples of {source!r}, which leaves "
+            "none to train on; lower data.val_fraction, or use more data"
+        )
+    split = rows.train_test_split(test_size=held, shuffle=True, seed=seed)
+    return split["train"], split["test"]
 
 
 def weight_rows(rows: datasets.Dataset, weight: float, rng: np.random.Generator) -> datasets.Dataset:

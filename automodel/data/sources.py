@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import datasets
+from datasets.exceptions import DatasetsError
 
 from automodel.assets import TINY_PREFERENCE_PATH, TINY_SFT_PATH
 
@@ -156,11 +157,7 @@ def _load_files(
         return _load_txt_files(files, split, txt_samples)
     # One load per file, so that a row can be traced back to its file. CSV cells are text: read as
     # strings, so that a column of numbers ("2", "1652") is not typed as floats for every row.
-    parts = [
-        datasets.load_dataset(builder, data_files=[f], split="train", cache_dir=cache_dir,
-                              **({"features": _csv_text_features(f)} if builder == "csv" else {}))
-        for f in files
-    ]  # fmt: skip
+    parts = [_load_file(builder, f, cache_dir) for f in files]
     try:
         rows = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     except ValueError as error:
@@ -172,10 +169,33 @@ def _load_files(
     return rows, RowOrigin(tuple(files), tuple(starts), instruction.from_)
 
 
+def _load_file(builder: str, file: str, cache_dir: str | None) -> datasets.Dataset:
+    """One CSV or Parquet file; the reader's error (pandas names the row, Arrow the defect) is a
+    ValueError naming the file."""
+    features = {"features": _csv_text_features(file)} if builder == "csv" else {}
+    try:
+        return datasets.load_dataset(builder, data_files=[file], split="train", cache_dir=cache_dir, **features)
+    except (ValueError, DatasetsError) as error:  # DatasetGenerationError carries the reader's own error
+        reason = " ".join(str(error.__cause__ or error).split())
+        raise ValueError(f"{file}: cannot be read as {builder} ({reason}); fix or convert the file") from None
+
+
 def _csv_text_features(file: str) -> datasets.Features:
-    """Every column of the CSV file's header as a string column."""
+    """Every column of the CSV file's header as a string column. A header naming a column twice (the
+    reader would keep one of them) and a row with more or fewer fields than the header (pandas would
+    take the extra leading fields as an index and shift the row) are ValueErrors naming the file."""
     with open(file, newline="", encoding="utf-8-sig") as f:
-        header = next(csv.reader(f), [])
+        reader = csv.reader(f)
+        header = next(reader, [])
+        twice = sorted({name for name in header if header.count(name) > 1})
+        if twice:
+            raise ValueError(f"{file}: the CSV header names column(s) {twice} more than once; rename or drop one")
+        for row in reader:
+            if row and len(row) != len(header):
+                raise ValueError(
+                    f"{file} line {reader.line_num}: {len(row)} fields where the header has {len(header)} "
+                    f"({header}); quote fields that hold commas"
+                )
     return datasets.Features({name: datasets.Value("string") for name in header})
 
 

@@ -32,6 +32,7 @@ from automodel.data.batching import LoaderEnv, _fingerprint, _Position
 from automodel.data.collate import build_row, cp_padded, packed_sequence_thd_collater
 from automodel.data.packing import keep_fitting
 from automodel.data.planning import check_positive_int, plan_packs
+from automodel.errors import DataError
 
 logger = logging.getLogger(__name__)
 
@@ -109,16 +110,23 @@ class _EpochPacks(torch.utils.data.IterableDataset):
         planner = _WindowPlanner(m.packed_sequence_size, m.buffer_size, m.max_wait_rounds, seed)
         for pass_index in itertools.count():
             rows = self._rank_rows(pass_index)
-            read = 0
+            read = fitting = 0
             while chunk := list(itertools.islice(rows, m.buffer_size - len(planner.samples))):
                 read += len(chunk)
                 padded = cp_padded(np.array([len(row["input_ids"]) for row in chunk], np.int64), env.cp_size)
                 fits = np.flatnonzero(keep_fitting("packing.packed_sequence_size", padded, m.packed_sequence_size,
-                                                   m.drop_long_samples, env.cp_size))  # fmt: skip
+                                                   m.drop_long_samples, env.cp_size, whole=False))  # fmt: skip
+                fitting += len(fits)
                 for pack in planner.add([chunk[i] for i in fits], padded[fits].tolist()):
                     yield build_row(pack, env.padding_idx, env.cp_size, m.packed_sequence_size)
             if read == 0:
                 raise ValueError(f"dataset: DP rank {env.dp_rank} of {env.dp_size} got no rows; use more data or fewer ranks")
+            if fitting == 0:  # a pass with nothing to pack: the next one would read the same, forever
+                raise DataError(
+                    f"no sample fits packing.packed_sequence_size={m.packed_sequence_size}: all {read} rows of a pass "
+                    f"over the data are longer; raise it, or cut samples with data.max_length (at most "
+                    f"{m.packed_sequence_size})"
+                )
 
 
 class StreamedMicroBatches(_Position):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +27,9 @@ class ModelSpec:
     """Exactly one of ``pretrained_path`` and ``config``.
 
     Attributes:
-        pretrained_path: a local checkpoint directory (config.json + safetensors), or a hub id that
-            resolves through the local Hugging Face cache (nothing is downloaded when offline).
+        pretrained_path: a local checkpoint directory (config.json + safetensors; a leading ``~`` is the
+            home directory), or a hub id that resolves through the local Hugging Face cache (nothing is
+            downloaded when offline).
         config: keyword arguments of a transformers config, with ``model_type`` (e.g. ``llama``);
             the model is randomly initialized with transformers' own init.
         attention_backend: ``auto`` (TE on CUDA when importable, else torch varlen on CUDA, else
@@ -65,6 +67,8 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if (self.pretrained_path is None) == (self.config is None):
             raise ValueError("set exactly one of model.pretrained_path and model.config")
+        if isinstance(self.pretrained_path, str):  # a hub id never starts with '~'
+            self.pretrained_path = os.path.expanduser(self.pretrained_path)
         if self.config is not None and "model_type" not in self.config:
             raise ValueError("model.config needs model_type (e.g. llama), then that config class's fields")
         if self.attention_backend not in ATTENTION_BACKENDS:

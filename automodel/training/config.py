@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +26,12 @@ def _is_real(value) -> bool:
     """A finite number (bools rejected: ``lr=true`` is a typo, not 1.0)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
+
+# The largest optim.lr: AdamW moves every weight by about lr per step whatever the gradient's size, and
+# weights are of order 0.02 (initializer_range) to 1 (norms). The tiny recipe without clipping
+# (optim.max_grad_norm=null) measured lr 0.1 still learning (loss 6.20 -> 5.81 in 3 steps) and lr 1.0
+# diverging (6.20 -> 114 at step 2, warmup 0); fine-tuning uses 1e-6 to 1e-2.
+MAX_LR = 0.1
 
 # Device types where ``optim.fused: null`` picks torch's fused AdamW kernel: where bench gpu measured it
 # faster than torch's default. None yet (docs/benchmarks.md: the figures await a device).
@@ -52,6 +59,10 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         _check(_is_real(self.lr) and self.lr > 0, f"optim.lr must be a finite positive number, got {self.lr!r}")
+        _check(self.lr <= MAX_LR,
+               f"optim.lr={self.lr!r} is above {MAX_LR}: AdamW moves every weight by about lr per step, and weights "
+               "are of order 0.02 to 1, so the model is rewritten in a step or two (the loss explodes); fine-tuning "
+               "uses 1e-6 to 1e-2")
         _check(_is_real(self.weight_decay) and self.weight_decay >= 0,
                f"optim.weight_decay must be a finite number >= 0, got {self.weight_decay!r}")
         _check(isinstance(self.betas, (list, tuple)) and len(self.betas) == 2
@@ -111,7 +122,8 @@ class TrainerConfig:
         max_steps: optimizer steps (the LR schedule spans them).
         grad_accum_steps: micro-batches per optimizer step on each data-parallel rank.
         seed: seeds model init, data order and packing.
-        output_dir: run directory (config, metrics, checkpoints, exported model, loss curve).
+        output_dir: run directory (config, metrics, checkpoints, exported model, loss curve); a
+            leading ``~`` is the home directory.
         eval_every: evaluate on the validation set (``data.validation`` or ``data.val_fraction``) every
             N steps; always after the last step when there is validation data.
         checkpoint_every: save a checkpoint every N steps (and always at the end); null: only at the end.
@@ -161,6 +173,7 @@ class TrainerConfig:
                f"trainer.seed must be an int in [0, 2**32) (numpy's seed range), got {self.seed!r}")
         _check(isinstance(self.output_dir, str) and self.output_dir.strip() != "",
                f"trainer.output_dir must be a directory path such as runs/my_run, got {self.output_dir!r}")
+        self.output_dir = os.path.expanduser(self.output_dir)  # '~/x' quoted past Hydra: not a directory named '~'
         _check(self.eval_every is None or (_is_int(self.eval_every) and self.eval_every >= 1),
                f"trainer.eval_every must be a positive int or null, got {self.eval_every!r}")
         _check(self.sync_debug_step is None or (_is_int(self.sync_debug_step) and self.sync_debug_step >= 1),

@@ -204,6 +204,11 @@ class RunDirectory:
                 decision = [run_id, str(checkpoint.path) if checkpoint else None, None]
             except ConfigError as error:
                 decision = [None, None, error]
+            except OSError as error:  # read-only, full, a parent that is a file: before any data work
+                decision = [None, None, ConfigError(
+                    f"trainer.output_dir={str(self.path)!r}: cannot write the run there ({error.strerror}: "
+                    f"{error.filename or self.path}); point it at a writable directory with free space"
+                )]  # fmt: skip
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(decision, src=0)
         run_id, checkpoint, error = decision

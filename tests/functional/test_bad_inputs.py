@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import pickle
 import shutil
 import signal
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -22,12 +25,14 @@ from automodel.assets import TINY_TOKENIZER_DIR
 from automodel.config import ConfigError, load_recipe
 from automodel.data import pack_dataset, packed_sequence_thd_collater
 from automodel.data import packing as packing_module
+from automodel.data.batching import BalancedBatching, LoaderEnv, PackedBatching, PaddedBatching, RmpadBatching
 from automodel.data.collate import RowLengthError
 from automodel.data.sft_data import SFTData
+from automodel.data.streaming import StreamingPackedBatching
 from automodel.distributed import make_cp_batch_for_te, process_input_for_thd, thd_get_partitioned_indices
 from automodel.distributed.thd import BatchKeyError
 from automodel.training.checkpoint import read_dcp_metadata
-from automodel.training.finetune import run
+from automodel.training.finetune import recipe_class, run
 from automodel.training.run_dir import RunDirectory
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -74,6 +79,8 @@ RECIPE_CASES = [
     (["optim.lr=inf"], "optim.lr"),
     (["optim.lr=-1"], "optim.lr"),
     (["optim.lr=true"], "optim.lr"),
+    (["optim.lr=1e3", "optim.max_grad_norm=null"], "optim.lr=1000.0 is above 0.1: AdamW moves every weight"),
+    (["optim.lr=1.0"], "optim.lr=1.0 is above 0.1"),  # unclipped: loss 6.2 to 114 at step 2, exit 0
     (["optim.betas=[0.9]"], "optim.betas"),
     (["optim.betas=[0.9,1.5]"], "optim.betas"),
     (["optim.eps=0"], "optim.eps"),
@@ -111,6 +118,8 @@ RECIPE_CASES = [
     (["+peft=lora", "peft.target_modules=[q_proj,lm_head]", "model.config.tie_word_embeddings=false"],
      "includes the output head 'lm_head'"),
     (["model.config.num_hidden_layers=0"], "num_hidden_layers=0"),
+    # transformers' default hidden_size 4096 filled in: a 27M model trained in place of the recipe's 0.85M one
+    (["~model.config.hidden_size"], "'~model.config.hidden_size' deletes a key of the recipe's model config"),
     (["model.config.rms_norm_eps=nan"], "rms_norm_eps=nan"),
     (["model.config.rope_theta=nan"], "rope_theta=nan"),
     (["model.config.max_position_embeddings=16"], "max_position_embeddings is 16"),  # data.max_length=512
@@ -163,6 +172,14 @@ def _tokenizer_dir(tmp_path: Path, **config) -> Path:
     return directory
 
 
+def _cut_tokenizer(tmp_path: Path) -> Path:
+    """The shipped tokenizer with its tokenizer.json cut after 300 bytes (line 17)."""
+    directory = _tokenizer_dir(tmp_path)
+    file = directory / "tokenizer.json"
+    file.write_bytes(file.read_bytes()[:300])
+    return directory
+
+
 def _checkpoint_dir(tmp_path: Path, weights: str, **config) -> Path:
     """The recipe's tiny Llama as a checkpoint; ``weights``: ``good``, ``truncated`` or ``garbage``."""
     directory = tmp_path / "checkpoint"
@@ -205,6 +222,7 @@ FILE_CASES = {
                           "data.jsonl is not UTF-8: byte 0xe9 at line 1"),
     "broken chat template": (lambda t: [f"data.tokenizer={_tokenizer_dir(t, chat_template='{% if %}')}"],
                              "chat template does not render"),
+    "cut tokenizer.json": (lambda t: [f"data.tokenizer={_cut_tokenizer(t)}"], "tokenizer.json line 17 column 18"),
     "tokenizer with auto_map": (lambda t: [f"data.tokenizer={_tokenizer_dir(t, auto_map={'AutoTokenizer': ['x.T', None]})}"],
                                 "model.trust_remote_code"),
     "checkpoint with auto_map": (lambda t: _checkpoint(t, "good", auto_map={"AutoModel": "x.M"}), "model.trust_remote_code"),
@@ -284,6 +302,14 @@ FUNCTION_CASES = [
     (lambda: pack_dataset(_rows(3, 4).remove_columns("labels").add_column("labels", [[1], [1, 2, 3, 4]]),
                           "train", 8), ValueError, "labels"),
     (lambda: pack_dataset(_rows(3, 20), "train", 8, drop_long_samples=False), ValueError, "packed_sequence_size=8"),
+    # ids an embedding cannot look up: packed silently before
+    (lambda: pack_dataset(_rows(3, 4).map(lambda r, i: {"input_ids": [i - 1] * len(r["input_ids"])}, with_indices=True),
+                          "train", 8), ValueError, "input_ids: sample 0 holds token id -1; ids must be 0 or more"),
+    (lambda: pack_dataset(_rows(3, 4).map(lambda r: {"labels": [-100, -7, 1][: len(r["labels"])] + r["labels"][3:]}),
+                          "train", 8), ValueError, "labels: sample 0 holds token id -7; ids must be 0 or more or -100"),
+    (lambda: pack_dataset(_rows(3, 4), "train", 8, vocab_size=4), ValueError,
+     "input_ids: sample 1 holds token id 4; ids must be [0, vocab_size=4)"),
+    (lambda: pack_dataset(_rows(3, 4), "train", 8, vocab_size=0), ValueError, "vocab_size"),
     (lambda: packed_sequence_thd_collater([_pack(), {k: v for k, v in _pack().items() if k != "seq_lens"}]),
      ValueError, "seq_lens"),
     (lambda: packed_sequence_thd_collater([_pack(8), _pack(10, (10,))]), RowLengthError, "packed_sequence_size"),
@@ -515,3 +541,108 @@ def test_an_override_hydra_cannot_lex_says_to_quote_it(override):
     assert f"quote the value: \"{key}='{value}'\"" in str(error.value), str(error.value)
     quoted = load_recipe("tiny_llama_sft", [f"{key}='{value}'"])  # the way out works
     assert quoted[key.split(".")[0]][key.split(".")[1]] == value
+
+
+def test_a_quoted_home_path_is_the_home_directory_not_a_directory_named_tilde(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_recipe("tiny_llama_sft", ["trainer.output_dir='~/x'", "model=hf_checkpoint",
+                                         "model.pretrained_path='~/checkpoint'", "data.source='~/data.jsonl'"])
+    with pytest.raises(ConfigError, match="data.source='~/data.jsonl' does not exist"):
+        recipe_class(cfg)(cfg)
+    (tmp_path / "data.jsonl").write_text(json.dumps(ROW) + "\n")
+    recipe = recipe_class(cfg)(cfg)
+    assert recipe.output_dir == tmp_path / "x"
+    assert recipe.model_spec.pretrained_path == str(tmp_path / "checkpoint")
+
+
+@pytest.mark.parametrize("name, content, message", [
+    # the reader kept one 'prompt' column of two
+    ("data.csv", b"prompt,completion,prompt\na,b,c\n", r"data.csv: the CSV header names column\(s\) \['prompt'\] more"),
+    # pandas took the two extra leading fields as an index: the row read as prompt 'c', completion 'd'
+    ("data.csv", b"prompt,completion\na,b\na,b,c,d\n", "data.csv line 3: 4 fields where the header has 2"),
+    ("data.parquet", b"not parquet", "data.parquet: cannot be read as parquet .*magic bytes"),
+])  # fmt: skip
+def test_an_unreadable_or_ambiguous_table_file_is_named(tmp_path, name, content, message):
+    from automodel.data.sources import load_sft_source
+
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(ValueError, match=message):
+        load_sft_source(str(tmp_path / name))
+
+
+def test_a_dead_writers_staging_is_removed_and_a_wait_on_the_pack_cache_lock_is_logged(tmp_path, caplog):
+    from filelock import FileLock
+
+    from automodel.data.pack_cache import cached_pack_dataset, pack_cache_key
+
+    rows = _rows(3, 4, 5, 2)
+    key = pack_cache_key(rows, "train", 8)
+    dead, other_dead, live = (tmp_path / f"tmp-{k}-4242" for k in (key, "0" * 32, "1" * 32))
+    for staging in (dead, other_dead, live):
+        staging.mkdir()
+        (staging / "data-00000-of-00001.arrow").write_bytes(b"half written")
+    with FileLock(tmp_path / f"packed-{'1' * 32}.lock"):  # its writer is alive: kept
+        cached_pack_dataset(rows, "train", 8, cache_dir=tmp_path)
+    assert not dead.exists() and not other_dead.exists() and live.exists()
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from automodel.data.pack_cache import "
+         f"_entry_lock\nwith _entry_lock(Path({str(tmp_path)!r}), {key!r}, 60):\n print('held', flush=True); "
+         "time.sleep(1.5)"], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert holder.stdout.readline() == "held\n"
+    with caplog.at_level(logging.INFO, logger="automodel.data.pack_cache"):
+        cached_pack_dataset(rows, "train", 8, cache_dir=tmp_path)
+    assert holder.wait() == 0
+    assert f"waiting up to 14400 s for {tmp_path / f'packed-{key}.lock'}, held by {socket.gethostname()} pid {holder.pid}" \
+        in caplog.text, caplog.text
+
+
+def test_paths_the_filesystem_refuses_are_named_in_one_line(tmp_path, monkeypatch, data_work):
+    """Each was a traceback (NotADirectoryError, FileNotFoundError from Hydra's os.getcwd())."""
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ConfigError, match=f"trainer.output_dir='{tmp_path}/a_file/run': cannot write the run there "
+                                          f"\\(Not a directory: {tmp_path}/a_file/run\\)"):
+        run(load_recipe("tiny_llama_sft", [*FAST, f"trainer.output_dir={tmp_path / 'a_file' / 'run'}"]))
+    assert data_work == []
+    with pytest.raises(ConfigError, match=f"cache_dir='{tmp_path}/a_file/cache': cannot create it"):
+        run(load_recipe("tiny_llama_sft", [*FAST, f"trainer.output_dir={tmp_path / 'run'}",
+                                           f"packing.cache_dir={tmp_path / 'a_file' / 'cache'}"]))
+    (tmp_path / "gone").mkdir()
+    monkeypatch.chdir(tmp_path / "gone")
+    (tmp_path / "gone").rmdir()
+    with pytest.raises(ConfigError, match="the current directory no longer exists"):
+        load_recipe("tiny_llama_sft", FAST)
+
+
+def test_a_val_fraction_that_leaves_nothing_to_train_on_is_named_as_such():
+    """datasets' own message spoke of test_size and train_size, which no recipe has."""
+    from automodel.data.sft_data import hold_out
+
+    rows = _rows(3, 4, 5, 2)
+    with pytest.raises(ValueError) as error:
+        hold_out(rows, 0.8, seed=0, source="data.jsonl")  # ceil(0.8 * 4) = 4 held out
+    assert str(error.value) == ("data.val_fraction=0.8 holds out 4 of the 4 samples of 'data.jsonl', which leaves "
+                                "none to train on; lower data.val_fraction, or use more data")
+    train, validation = hold_out(rows, 0.7, seed=0, source="data.jsonl")  # ceil(2.8) = 3
+    assert (len(train), len(validation)) == (1, 3)
+    assert sorted([*train["input_ids"], *validation["input_ids"]]) == sorted(rows["input_ids"])
+
+
+@pytest.mark.parametrize("mode, limit", [
+    (lambda: PaddedBatching(max_length=2), "packing.max_length=2"),
+    (lambda: RmpadBatching(max_seq_len=2), "packing.max_seq_len=2"),
+    (lambda: BalancedBatching(packed_sequence_size=2, micro_batch_size=1), "packing.packed_sequence_size=2"),
+    (lambda: PackedBatching(packed_sequence_size=2), "packed_sequence_size=2"),
+    (lambda: StreamingPackedBatching(packed_sequence_size=2), "packing.packed_sequence_size=2"),  # pass after pass
+], ids=["none", "rmpad", "balanced", "bfd", "streaming"])  # fmt: skip
+def test_every_sample_too_long_blames_the_length_limit_not_the_data_parallel_size(mode, limit):
+    """Every mode but bfd said 'dp_size: the data gives 0 micro-batches'; streaming read forever."""
+    previous = signal.signal(signal.SIGALRM, _hung)
+    signal.alarm(60)
+    try:
+        with pytest.raises(ValueError, match=f"no sample fits {limit}: all 2 (are longer, the shortest 3 tokens|rows of "
+                                             "a pass over the data are longer)"):
+            next(iter(mode().build(_rows(3, 4), LoaderEnv())))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

@@ -7,6 +7,7 @@ Runs are in-process (one process, gloo world size 1); the world-size changes go 
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import resource
@@ -26,6 +27,7 @@ from automodel.config import ConfigError, load_recipe
 from automodel.data.batching import LoaderEnv, RmpadBatching
 from automodel.data.sft_data import SFTData
 from automodel.distributed.parallel import ParallelConfig, init_distributed
+from automodel.training import config as training_config
 from automodel.training.checkpoint import (
     META,
     Checkpointer,
@@ -126,7 +128,8 @@ def test_a_restart_resumes_its_own_run_and_pruning_leaves_other_runs_alone(used_
     assert sorted(p.name for p in (used_dir / "checkpoints").iterdir()) == ["step_00000006", "step_00000050"]
 
 
-def test_non_finite_loss_stops_before_the_step_with_nothing_saved_or_exported(tmp_path):
+def test_non_finite_loss_stops_before_the_step_with_nothing_saved_or_exported(tmp_path, monkeypatch):
+    monkeypatch.setattr(training_config, "MAX_LR", math.inf)  # the bound refuses the lr that makes step 2 NaN
     out = tmp_path / "run"
     with pytest.raises(NonFiniteError) as error:
         run(recipe(out, "optim.lr=1e30", "optim.warmup_steps=0", "trainer.checkpoint_every=1",
