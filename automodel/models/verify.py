@@ -179,17 +179,9 @@ def width_config(config: PretrainedConfig) -> PretrainedConfig:
 
 
 # what width_config keeps: depth (cut by _cut_depth instead) and every length a run can cross
+_LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")
 _DEPTH_AND_LENGTHS = {
-    "num_hidden_layers",
-    "n_layer",
-    "num_layers",
-    "n_layers",
-    "decoder_layers",
-    "max_position_embeddings",
-    "n_positions",
-    "sliding_window",
-    "window_size",
-    "attention_chunk_size",
+    *_LAYER_COUNTS, "max_position_embeddings", "n_positions", "sliding_window", "window_size", "attention_chunk_size"
 }
 # integer fields that set a per-layer pattern at build time (every k-th layer, the first k dense)
 _LAYER_PATTERN_INTS = ("interval", "_step", "_freq", "first_k_dense")
@@ -226,9 +218,6 @@ def _cut_depth(config: PretrainedConfig) -> None:
         setattr(config, name, [values[i] for i in chosen])
     for name, values in index_lists.items():
         setattr(config, name, [chosen.index(i) for i in values if i in chosen])
-
-
-_LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")
 
 
 def _shrink(config: PretrainedConfig, widths_only: bool = False) -> None:
