@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
 import sys
 from pathlib import Path
 
 from automodel.errors import UserError
+
+# Writes the filesystem refuses (the user's machine, not a bug): one line naming the file where the
+# error does, with the way out, instead of a traceback.
+_MOVE = "or point trainer.output_dir (and packing.cache_dir) elsewhere"
+WRITE_FAILURES = {
+    errno.ENOSPC: f"free space {_MOVE}",
+    errno.EDQUOT: f"free space under your quota {_MOVE}",
+    errno.EFBIG: "raise the file size limit (ulimit -f)",
+    errno.EROFS: f"the filesystem is read-only: {_MOVE}",
+    errno.EACCES: f"fix its permissions {_MOVE}",
+    errno.EPERM: f"fix its permissions {_MOVE}",
+}
 
 BENCHMARKS = ("packing", "throughput", "batching", "balance", "gpu", "lora_memory", "sharded_io", "cli_latency")
 
@@ -46,6 +59,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"automodel {command}: {error.kind} error: {_one_line(error)}", file=sys.stderr)
         return 2
+    except OSError as error:
+        if error.errno not in WRITE_FAILURES or debug:
+            raise
+        where = f"{error.filename}: " if error.filename else ""
+        print(f"automodel {command}: {where}{error.strerror} (--debug shows the traceback): "
+              f"{WRITE_FAILURES[error.errno]}, then run the same command again (a run resumes from its "
+              "newest checkpoint)", file=sys.stderr)  # fmt: skip
+        return 1
 
 
 def _dispatch(command: str, rest: list[str], argv: list[str]) -> int:

@@ -408,6 +408,12 @@ class DynBszBatching(_FlatMode):
         cap_name = "packing.max_packed_length" if self.max_packed_length else "packing.max_tokens_per_micro_batch"
         fits = keep_fitting(cap_name, sizes, self.length_cap, True, env.cp_size)
         fits &= keep_fitting("packing.max_tokens_per_micro_batch (label tokens)", weights, self.max_tokens_per_micro_batch, True, 1)
+        if not fits.any():  # each limit keeps some samples, but no sample is within both
+            raise ValueError(
+                f"no sample fits both {cap_name}={self.length_cap} (tokens) and packing.max_tokens_per_micro_batch="
+                f"{self.max_tokens_per_micro_batch} (label tokens): the short samples have too many label tokens; "
+                "raise either limit, or cut samples with data.max_length"
+            )
         plan = functools.partial(
             plan_token_budget, weights=weights, sizes=sizes, budget=self.max_tokens_per_micro_batch,
             max_size=self.length_cap, buffer_size=self.buffer_size,

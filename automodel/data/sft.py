@@ -30,11 +30,15 @@ drops and truncations are logged with their count and share.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import functools
 import json
 import logging
 import os
 import re
+import signal
+import sys
 from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -265,20 +269,56 @@ def tokenize_sft_dataset(
     _check_tokenizer(tokenizer, format)
 
     raw = [RAW_ROW_COLUMN] if RAW_ROW_COLUMN in dataset.column_names else []
-    tokenized = dataset.map(
-        functools.partial(
-            _encode_batch, fields=list(fields), format=format, tokenizer=tokenizer, columns=fields,
-            max_length=max_length, on_bad_row=on_bad_row, origin=origin, has_raw=bool(raw),
-        ),
-        batched=True,
-        with_indices=True,
-        input_columns=list(fields.values()) + raw,
-        remove_columns=dataset.column_names,
-        features=_OUTPUT_FEATURES,
-        num_proc=num_proc,
-        desc=f"Tokenizing SFT samples ({format})",
-    )  # fmt: skip
+    with _workers_die_with_this_process():
+        tokenized = dataset.map(
+            functools.partial(
+                _encode_batch, fields=list(fields), format=format, tokenizer=tokenizer, columns=fields,
+                max_length=max_length, on_bad_row=on_bad_row, origin=origin, has_raw=bool(raw),
+            ),
+            batched=True,
+            with_indices=True,
+            input_columns=list(fields.values()) + raw,
+            remove_columns=dataset.column_names,
+            features=_OUTPUT_FEATURES,
+            num_proc=num_proc,
+            desc=f"Tokenizing SFT samples ({format})",
+        )  # fmt: skip
     return _drop_and_report(tokenized, max_length, origin)
+
+
+# The process whose forked children (datasets.map's num_proc workers and its queue manager) are
+# to die with it; None outside tokenizing.
+_workers_parent: int | None = None
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+@contextlib.contextmanager
+def _workers_die_with_this_process():
+    """Within the block, every process forked here gets SIGTERM from the kernel when this one exits,
+    however it exits: a ``kill -9`` of the run during tokenizing left the ``num_proc`` workers
+    tokenizing their shards, and the queue manager running, with nobody to read the result.
+    Linux only (``prctl``); elsewhere the block does nothing."""
+    global _workers_parent
+    _workers_parent = os.getpid()
+    try:
+        yield
+    finally:
+        _workers_parent = None
+
+
+def _die_with_parent() -> None:
+    """After a fork, in the child: ask for SIGTERM when the parent dies (within the block above)."""
+    global _workers_parent
+    parent, _workers_parent = _workers_parent, None  # the child's own children are not covered
+    if parent is None:
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
+
+
+if sys.platform == "linux":
+    os.register_at_fork(after_in_child=_die_with_parent)
 
 
 def _resolve_columns(dataset: datasets.Dataset, format: str, columns: dict[str, str]) -> dict[str, str]:

@@ -376,9 +376,18 @@ def full_tensors(hf: nn.Module, merge: Callable[[str, torch.Tensor, Callable], t
 
 
 def _gather(tensor: torch.Tensor) -> torch.Tensor:
-    """The full tensor; an NF4 frozen base weight (QLoRA) dequantized to float32."""
-    full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-    return dequantize_float32(full) if is_quantized(full) else full
+    """The full tensor; an NF4 frozen base weight (QLoRA) dequantized to float32.
+
+    Each rank dequantizes its own NF4 shard (whole scaler blocks, ``nf4_quantizable``) and the
+    gather moves plain float32: gathering the NF4 subclass itself goes through torchao's
+    collective overrides, whose async gather crashed a gloo rank now and then (SIGSEGV, or a
+    read of the packed data before it arrived)."""
+    if not isinstance(tensor, DTensor):
+        return dequantize_float32(tensor) if is_quantized(tensor) else tensor
+    if is_quantized(tensor):
+        tensor = DTensor.from_local(dequantize_float32(tensor.to_local()), tensor.device_mesh, tensor.placements,
+                                    run_check=False, shape=tensor.shape, stride=tensor.stride())
+    return tensor.full_tensor()
 
 
 def export_plan(groups: list[ConversionGroup], tensors: dict[str, torch.Tensor], dtype: torch.dtype,

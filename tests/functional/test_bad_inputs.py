@@ -3,11 +3,13 @@ functions: each raises its error class naming the field, before any data work (t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import pickle
+import resource
 import shutil
 import signal
 import socket
@@ -25,7 +27,9 @@ from automodel.assets import TINY_TOKENIZER_DIR
 from automodel.config import ConfigError, load_recipe
 from automodel.data import pack_dataset, packed_sequence_thd_collater
 from automodel.data import packing as packing_module
-from automodel.data.batching import BalancedBatching, LoaderEnv, PackedBatching, PaddedBatching, RmpadBatching
+from automodel.data.batching import (
+    BalancedBatching, DynBszBatching, LoaderEnv, PackedBatching, PaddedBatching, RmpadBatching,
+)
 from automodel.data.collate import RowLengthError
 from automodel.data.sft_data import SFTData
 from automodel.data.streaming import StreamingPackedBatching
@@ -646,3 +650,77 @@ def test_every_sample_too_long_blames_the_length_limit_not_the_data_parallel_siz
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def test_dyn_bsz_with_no_sample_within_both_limits_names_both_limits():
+    """Each limit alone keeps one sample, so neither check fired, and the empty epoch was blamed on dp_size."""
+    rows = datasets.Dataset.from_dict({
+        "input_ids": [[1] * 8, [1] * 4],
+        "labels": [[-100] * 6 + [2, 2], [2] * 4],  # 8 tokens with 2 learned; 4 tokens, all 4 learned
+    })
+    mode = DynBszBatching(max_tokens_per_micro_batch=3, count="label_tokens", max_packed_length=6)
+    with pytest.raises(ValueError, match=r"^no sample fits both packing.max_packed_length=6 \(tokens\) and "
+                                         r"packing.max_tokens_per_micro_batch=3 \(label tokens\)"):
+        mode.build(rows, LoaderEnv())
+
+
+def test_a_write_the_filesystem_refuses_mid_run_is_one_line_with_the_way_out(tmp_path, capsys):
+    """A file size limit (as a full disk would) while the pack cache is written, after setup: was a traceback."""
+    from automodel.cli import main
+
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, limits[1]))  # the run files fit; the packed rows do not
+    try:
+        code = main(["finetune", "tiny_llama_sft", *FAST, f"trainer.output_dir={tmp_path / 'run'}",
+                     f"packing.cache_dir={tmp_path / 'cache'}"])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, previous)
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "automodel finetune: File too large (--debug shows the traceback): raise the file size limit (ulimit -f), " \
+           "then run the same command again" in err, err
+    assert "Traceback" not in err
+    assert not list((tmp_path / "run").glob("checkpoints/*"))
+
+
+TOKENIZE_FOR_A_WHILE = """
+import datasets, sys
+from transformers import AutoTokenizer
+from automodel.assets import TINY_TOKENIZER_DIR
+from automodel.data.sft import tokenize_sft_dataset
+rows = datasets.Dataset.from_dict({"text": [f"row {i} " + "hello world " * 20 for i in range(300_000)]})
+print("tokenizing", flush=True)
+tokenize_sft_dataset(rows, AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR), format="text", num_proc=2)
+"""
+
+
+def test_kill_9_during_tokenizing_takes_the_num_proc_workers_with_it(tmp_path):
+    """The workers went on tokenizing their shards (about 30 s here), and the queue manager stayed, orphaned."""
+    import psutil
+
+    script = tmp_path / "run_tokenizing.py"  # not tokenize.py: that would shadow the standard module
+    script.write_text(TOKENIZE_FOR_A_WHILE)
+    children = []
+    main = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=tmp_path)  # fmt: skip
+    try:
+        assert main.stdout.readline() == "tokenizing\n", main.stderr.read()
+        process = psutil.Process(main.pid)
+        for _ in range(300):  # the pool's 2 workers and the manager
+            children = process.children(recursive=True)
+            if len(children) >= 3:
+                break
+            psutil.wait_procs([], timeout=0.1)
+        assert len(children) >= 3, children
+        psutil.wait_procs([], timeout=1.0)  # the workers are tokenizing
+        main.kill()
+        main.wait()
+        gone, alive = psutil.wait_procs(children, timeout=10)
+        assert alive == [], [(p.pid, p.cmdline()) for p in alive]
+    finally:
+        main.kill()
+        for child in children:  # orphans belong to init now: only the list names them
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()

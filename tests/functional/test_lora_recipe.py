@@ -184,8 +184,14 @@ def test_lora_recipe_with_validation(tmp_path, monkeypatch):
     bf16 = read_metrics(tmp_path / "bf16dp2")
     assert bf16[-1]["loss"] < bf16[0]["loss"], bf16
     assert_per_step(bf16[:1], one[:1], "loss", 2e-2)  # step 1: the same weights, computed in bf16
+    qbase = load_file(tmp_path / "qlora" / "base" / "model.safetensors")
     for name in ("qdp2", "qcp2"):
         assert_per_step(read_metrics(tmp_path / name), qlora, "loss", 1e-5)
+        # each rank dequantizes its NF4 shard before the gather: the same base, bit for bit
+        exported = load_file(tmp_path / name / "base" / "model.safetensors")
+        assert exported.keys() == qbase.keys()
+        for key in qbase:
+            assert torch.equal(exported[key], qbase[key]), (name, key)
         adapted = peft.PeftModel.from_pretrained(dequantized_base(), tmp_path / name / "adapter")
         torch.testing.assert_close(logits(adapted), logits(qadapted), rtol=0, atol=1e-5, msg=name)
     for name in ("dp2", "cp2"):
