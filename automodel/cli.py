@@ -96,6 +96,14 @@ def _dispatch(command: str, rest: list[str], argv: list[str]) -> int:
     return 2
 
 
+def _count(text: str) -> int:
+    """An argparse type: an int >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def _one_line(error: Exception) -> str:
     return " ".join(str(error).split())
 
@@ -148,7 +156,7 @@ def _data(argv: list[str]) -> int:
         "automodel data", "Show what a recipe trains on: rendered samples with the learned tokens marked, "
         "token and row counts, pack fill and steps per epoch. Builds no model.",
     )
-    parser.add_argument("--samples", type=int, default=3, help="rendered samples to print (default 3)")
+    parser.add_argument("--samples", type=_count, default=3, help="rendered samples to print (default 3)")
     args = _parse_recipe_args(parser, argv)
 
     from automodel.config import load_recipe

@@ -24,8 +24,9 @@ import typing
 from pathlib import Path
 from typing import Any
 
+import yaml
 from hydra import compose, initialize_config_dir
-from hydra.errors import HydraException
+from hydra.errors import HydraException, OverrideParseException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -127,15 +128,18 @@ def load_recipe(recipe: str, overrides: list[str] | tuple[str, ...] = ()) -> Dic
         if unknown:  # the same "did you mean" as a typo in a YAML file
             groups_only = [o for o in overrides if "." not in o.split("=", 1)[0]]
             raise ConfigError(_unknown_key_message(unknown.group(1), _compose(path, groups_only))) from None
-        unreadable = [o for o in overrides if "=" in o and f"LexerNoViableAltException: {o}" in str(error)]
-        if unreadable:  # ~/..., non-ASCII letters: Hydra's override grammar reads only quoted strings there
-            key, _, value = unreadable[0].partition("=")
+        unreadable = getattr(error, "override", None)
+        if isinstance(error, OverrideParseException) and unreadable and "=" in unreadable:
+            # ~/..., non-ASCII letters, brackets (train[:10]): the grammar reads only quoted strings there
+            key, _, value = unreadable.partition("=")
             raise ConfigError(
-                f"override {unreadable[0]!r}: Hydra's override grammar cannot read {value!r} unquoted (a ~, a non-ASCII "
-                f"letter, ...); quote the value: \"{key}='{value}'\" (the double quotes keep the single ones from the "
-                "shell)"
+                f"override {unreadable!r}: Hydra's override grammar cannot read {value!r} unquoted (a ~, a non-ASCII "
+                f"letter, [ ] ...); quote the value: \"{key}='{value}'\" (the double quotes keep the single ones "
+                "from the shell)"
             ) from None
         raise ConfigError(f"recipe {path.name}: {error}") from None
+    except yaml.YAMLError as error:  # the recipe's or a config group's file (the message names it, with the line)
+        raise ConfigError(f"recipe {path.name}: not valid YAML: {' '.join(str(error).split())}") from None
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(

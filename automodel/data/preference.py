@@ -30,8 +30,8 @@ from transformers import PreTrainedTokenizerBase
 
 from automodel.data.batching import LoaderEnv, Prepared, _groups, _Mode
 from automodel.data.collate import build_row, packed_sequence_thd_collater
-from automodel.data.sft import BAD_ROW_MODES, load_tokenizer, tokenize_sft_dataset
-from automodel.data.sft_data import hold_out
+from automodel.data.sft import load_tokenizer, tokenize_sft_dataset
+from automodel.data.sft_data import check_shared_fields, hold_out
 from automodel.data.sources import check_source, load_sft_source
 
 logger = logging.getLogger(__name__)
@@ -80,14 +80,9 @@ class PreferenceData:
                 f"{PREFERENCE_FORMATS[self.format]}"
             )
         check_source(self.source, "data.source")
-        if self.on_bad_row not in BAD_ROW_MODES:
-            raise ValueError(f"data.on_bad_row must be one of {BAD_ROW_MODES}, got {self.on_bad_row!r}")
         if self.validation is not None and (not isinstance(self.validation, dict) or set(self.validation) - {"source", "split"}):
             raise ValueError(f"data.validation must be a mapping with source and/or split, got {self.validation!r}")
-        if self.val_fraction is not None and not 0 < self.val_fraction < 1:
-            raise ValueError(f"data.val_fraction must be in (0, 1), got {self.val_fraction!r}")
-        if self.validation is not None and self.val_fraction is not None:
-            raise ValueError("give data.validation or data.val_fraction, not both")
+        check_shared_fields(self)
 
     def load_tokenizer(self, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
         return load_tokenizer(self.tokenizer, trust_remote_code=trust_remote_code)
@@ -106,6 +101,13 @@ class PreferenceData:
     def _pairs(self, source: str, split: str, tokenizer: PreTrainedTokenizerBase) -> datasets.Dataset:
         rows, origin = load_sft_source(source, split)
         columns = {field: (self.columns or {}).get(field, field) for field in PREFERENCE_FORMATS[self.format]}
+        missing = {field: column for field, column in columns.items() if column not in rows.column_names}
+        if missing:
+            raise ValueError(
+                f"{source}: format={self.format!r} needs the column(s) {sorted(missing.values())} (fields "
+                f"{sorted(missing)}), which the rows lack (columns: {rows.column_names}); map them with "
+                "data.columns={field: column}, or pick another data.format"
+            )
         bad = bad_pairs(rows, self.format, columns)
         if bad:
             counts, firsts = collections.Counter(reason for _, reason in bad), {}

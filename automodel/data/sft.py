@@ -265,7 +265,7 @@ def tokenize_sft_dataset(
         raise ValueError(f"format must be one of {tuple(FORMATS)}, got {format!r}")
     if on_bad_row not in BAD_ROW_MODES:
         raise ValueError(f"on_bad_row must be one of {BAD_ROW_MODES}, got {on_bad_row!r}")
-    fields = _resolve_columns(dataset, format, dict(columns or {}))
+    fields = _resolve_columns(dataset, format, dict(columns or {}), origin)
     _check_tokenizer(tokenizer, format)
 
     raw = [RAW_ROW_COLUMN] if RAW_ROW_COLUMN in dataset.column_names else []
@@ -321,7 +321,8 @@ if sys.platform == "linux":
     os.register_at_fork(after_in_child=_die_with_parent)
 
 
-def _resolve_columns(dataset: datasets.Dataset, format: str, columns: dict[str, str]) -> dict[str, str]:
+def _resolve_columns(dataset: datasets.Dataset, format: str, columns: dict[str, str], origin: RowOrigin
+                     ) -> dict[str, str]:
     """field -> column for the fields this dataset has (required ones must be there)."""
     required, optional = FORMATS[format]
     present = set(dataset.column_names) - {RAW_ROW_COLUMN}
@@ -338,9 +339,20 @@ def _resolve_columns(dataset: datasets.Dataset, format: str, columns: dict[str, 
         elif field in required:
             raise ValueError(
                 f"format={format!r} needs field {field!r}, but column {column!r} is not in the dataset (columns: "
-                f"{dataset.column_names}); map it with columns={{'{field}': <column>}} or pick another format"
+                f"{sorted(present)}); map it with columns={{'{field}': <column>}} or pick another format"
+                + _unread_rows(dataset, origin)
             )
     return fields
+
+
+def _unread_rows(dataset: datasets.Dataset, origin: RowOrigin) -> str:
+    """The first row kept whole (not a JSON object, or typed unlike the others), for an error message:
+    with none of the expected columns, that row is often the real problem (a cut or invalid file)."""
+    if RAW_ROW_COLUMN not in dataset.column_names:
+        return ""
+    raw = dataset[RAW_ROW_COLUMN]
+    count, first = sum(r is not None for r in raw), next(i for i, r in enumerate(raw) if r is not None)
+    return f". {count} row(s) had no columns to read, the first at {origin(first)}: {raw[first]:.120}"
 
 
 def _check_tokenizer(tokenizer: PreTrainedTokenizerBase, format: str) -> None:

@@ -7,13 +7,18 @@ import logging
 import math
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import datasets
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from automodel.data.planning import check_positive_int
 from automodel.data.sft import BAD_ROW_MODES, FORMATS, load_tokenizer, tokenize_sft_dataset
 from automodel.data.sources import TXT_SAMPLES, check_source, is_txt_source, load_sft_source
+
+if TYPE_CHECKING:
+    from automodel.data.preference import PreferenceData
 
 logger = logging.getLogger(__name__)
 
@@ -102,12 +107,7 @@ class SFTData:
         self.sources = [_source(s, {}) for s in self.sources] if self.sources else [DataSource(**single)]
         if self.validation is not None:
             self.validation = _source(self.validation, single if self.source else {})
-        if self.val_fraction is not None and not 0 < self.val_fraction < 1:
-            raise ValueError(f"data.val_fraction must be in (0, 1), got {self.val_fraction!r}")
-        if self.validation is not None and self.val_fraction is not None:
-            raise ValueError("give data.validation or data.val_fraction, not both")
-        if self.on_bad_row not in BAD_ROW_MODES:
-            raise ValueError(f"data.on_bad_row must be one of {BAD_ROW_MODES}, got {self.on_bad_row!r}")
+        check_shared_fields(self)
 
     def load_tokenizer(self, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
         return load_tokenizer(self.tokenizer, trust_remote_code=trust_remote_code)
@@ -141,6 +141,22 @@ def auto_num_proc(cap: int = 8) -> int:
     """The cores this process may use (its CPU affinity: a SLURM or container share), at most ``cap``."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(cores, cap))
+
+
+def check_shared_fields(data: SFTData | PreferenceData) -> None:
+    """The fields SFT and preference data share, each a ValueError naming it: read before any data
+    work (``data.max_length`` bounds the setup checks)."""
+    if data.max_length is not None:
+        check_positive_int("data.max_length", data.max_length)
+    fraction = data.val_fraction
+    if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1):
+        raise ValueError(f"data.val_fraction must be a number in (0, 1) or null, got {fraction!r}")
+    if data.validation is not None and fraction is not None:
+        raise ValueError("give data.validation or data.val_fraction, not both")
+    if isinstance(data.seed, bool) or not isinstance(data.seed, int) or data.seed < 0:
+        raise ValueError(f"data.seed must be an int >= 0, got {data.seed!r}")
+    if data.on_bad_row not in BAD_ROW_MODES:
+        raise ValueError(f"data.on_bad_row must be one of {BAD_ROW_MODES}, got {data.on_bad_row!r}")
 
 
 def hold_out(rows: datasets.Dataset, fraction: float, seed: int, source: str) -> tuple[datasets.Dataset, datasets.Dataset]:

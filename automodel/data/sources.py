@@ -106,7 +106,16 @@ def load_sft_source(
     check_source(name)
     if txt_samples not in TXT_SAMPLES:
         raise ValueError(f"txt_samples={txt_samples!r}: must be one of {TXT_SAMPLES}")
-    cache = None if cache_dir is None else str(cache_dir)
+    rows, origin = _load_source(name, split, None if cache_dir is None else str(cache_dir), txt_samples)
+    if len(rows) == 0:  # the files themselves are checked non-empty: a slice past the end, or an empty split
+        raise ValueError(
+            f"source {name!r} with split {split!r} gives no rows (a slice past the end of the data?); check "
+            "data.split, or the split of data.validation"
+        )
+    return rows, origin
+
+
+def _load_source(name: str, split: str, cache: str | None, txt_samples: str) -> tuple[datasets.Dataset, RowOrigin]:
     if name in BUILTIN_SOURCES:
         return _load_files([str(BUILTIN_SOURCES[name])], split, cache, txt_samples)
     path = Path(name).expanduser()

@@ -88,6 +88,13 @@ def init_distributed(config: ParallelConfig, on_group: Callable[[], None] | None
     use_cuda = torch.cuda.is_available()
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world_size = int(os.environ["WORLD_SIZE"]) if launched else 1
+    unset = [n for n in ("MASTER_ADDR", "MASTER_PORT") if launched and n not in os.environ and not dist.is_initialized()]
+    if unset:  # RANK and WORLD_SIZE left in the shell, or set by hand: torch's error names no launcher
+        raise ValueError(
+            f"RANK and WORLD_SIZE={world_size} are set but {' and '.join(unset)} not: start every rank with torchrun "
+            f"(torchrun --nproc-per-node {world_size} -m automodel finetune ...), which sets them all, or unset RANK "
+            "and WORLD_SIZE to run one process"
+        )
     if world_size % config.cp_size:
         raise ValueError(
             f"parallel.cp_size={config.cp_size} must divide the world size {world_size} "

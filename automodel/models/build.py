@@ -226,7 +226,7 @@ def config_checks(
     """The checks that need only the recipe, in the first seconds of a run, before the run directory
     is written: config readable (and no model class of its own: :meth:`ModelSpec.hf_config`), its fields, the differential check on this
     config (``model.verify``; else the table's verdict on the type's default config), features vs
-    backend, cp_size, windows vs sample length.
+    backend, cp_size, windows vs sample length, the backend on this machine.
 
     Returns:
         The config and the verdict (a table entry: status, features, backends), whose
@@ -234,10 +234,10 @@ def config_checks(
     config = spec.hf_config()
     check_model_sanity(config, max_sample_tokens=max_sample_tokens, exceed_max_positions=spec.exceed_max_positions)
     backend = resolve_attention_backend(spec.attention_backend)
-    check_backend_device(backend)
     check_config_fields(config)
     entry = model_verdict(spec, config, max_sample_tokens=max_sample_tokens, row_tokens=row_tokens)
     check_model_config(config, backend, entry, cp_size=cp_size, max_sample_tokens=max_sample_tokens)
+    check_backend_device(backend)  # after the features: a feature no backend computes is the first thing to fix
     return config, entry
 
 

@@ -143,6 +143,12 @@ def _check_sizes(fields: dict[str, Any], where: str) -> None:
         value = fields.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value < 1:
             raise ValueError(f"{name}={value} in {where}: must be at least 1")
+    heads, kv_heads = fields.get("num_attention_heads"), fields.get("num_key_value_heads")
+    if all(isinstance(n, int) and not isinstance(n, bool) for n in (heads, kv_heads)) and heads % kv_heads:
+        raise ValueError(
+            f"num_attention_heads={heads} in {where} is not a multiple of num_key_value_heads={kv_heads}: "
+            "grouped-query attention shares each key/value head among whole groups of query heads"
+        )
 
 
 def check_model_sanity(
@@ -196,8 +202,16 @@ def check_max_positions(config: PretrainedConfig, sample_tokens: int, source: st
 
 
 def check_backend_device(backend: str) -> None:
-    """ValueError at setup for ``varlen`` (torch's CUDA-only ``varlen_attn``) on a torch without it or a
-    machine without CUDA, which would otherwise fail at the first forward."""
+    """ValueError at setup for ``te`` where Transformer Engine cannot be imported, and ``varlen``
+    (torch's CUDA-only ``varlen_attn``) on a torch without it or a machine without CUDA: either
+    would otherwise fail at the first forward, after all the data work."""
+    if backend == "te":
+        from automodel.attention.te import require_te
+
+        try:
+            require_te()
+        except ImportError as error:
+            raise ValueError(f"model.attention_backend='te': {error}") from None
     if backend != "varlen":
         return
     missing = varlen_missing()
@@ -233,6 +247,12 @@ def check_checkpoint_tensors(path: str, meta: PreTrainedModel) -> None:
     try:
         stored = stored_tensors(path)
     except UnshardableCheckpoint:
+        weights = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+        if Path(path).is_dir() and not any(next(Path(path).glob(pattern), None) for pattern in weights):
+            raise ValueError(
+                f"model.pretrained_path={path!r} holds no weight files (*.safetensors, pytorch_model*.bin); copy "
+                "them beside its config.json, or give the config as model.config to train from a random init"
+            ) from None
         return  # a hub id or another format: from_pretrained checks it at load
     missing = match_checkpoint(meta, stored, f"model.pretrained_path={path!r}").missing
     if missing:

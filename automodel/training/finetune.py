@@ -73,6 +73,7 @@ class FinetuneRecipe:
         except ValueError as error:
             raise ConfigError(str(error)) from None
         configure_console(self.dims.is_main)
+        self._warn_no_validation_data()
         # Before anything is written: the model config, and the differential check on it (model.verify, cached)
         with _as_user_error(ModelError):
             self.hf_config, self.model_verdict = config_checks(
@@ -132,6 +133,17 @@ class FinetuneRecipe:
         if resume_from is not None:
             self.step = self.checkpointer.load(resume_from, self.model, self.optimizer, self.scheduler, self.stream)
             logger.info("resumed from %s at step %d", resume_from.path, self.step)
+
+    def _warn_no_validation_data(self) -> None:
+        """Say so when ``trainer.eval_every`` will never evaluate (a warning: a recipe's own
+        ``eval_every`` stays when an override drops its validation set)."""
+        every = self.trainer.eval_every
+        if every is not None and getattr(self.data, "validation", None) is None \
+                and getattr(self.data, "val_fraction", None) is None:
+            logger.warning(
+                "trainer.eval_every=%d but the data section has no validation set: no evaluation will run; set "
+                "data.val_fraction (e.g. 0.05) or data.validation (e.g. {split: validation}) to evaluate", every
+            )
 
     def _longest_sample(self) -> int | None:
         """The most tokens a sample can have: ``data.max_length``, else the pack size (longer samples

@@ -28,13 +28,20 @@ from automodel.config import ConfigError, load_recipe
 from automodel.data import pack_dataset, packed_sequence_thd_collater
 from automodel.data import packing as packing_module
 from automodel.data.batching import (
-    BalancedBatching, DynBszBatching, LoaderEnv, PackedBatching, PaddedBatching, RmpadBatching,
+    BalancedBatching,
+    DynBszBatching,
+    LoaderEnv,
+    PackedBatching,
+    PaddedBatching,
+    RmpadBatching,
 )
 from automodel.data.collate import RowLengthError
 from automodel.data.sft_data import SFTData
 from automodel.data.streaming import StreamingPackedBatching
 from automodel.distributed import make_cp_batch_for_te, process_input_for_thd, thd_get_partitioned_indices
 from automodel.distributed.thd import BatchKeyError
+from automodel.errors import DataError
+from automodel.te_support import te_pytorch
 from automodel.training.checkpoint import read_dcp_metadata
 from automodel.training.finetune import recipe_class, run
 from automodel.training.run_dir import RunDirectory
@@ -139,6 +146,16 @@ RECIPE_CASES = [
     (["+model.config.eos_token_id=[2,512]"], "eos_token_id=[2, 512]"),  # vocab_size 512
     (["+model.config.quantization_config={quant_method:bitsandbytes,load_in_4bit:true}"], "quantization_config"),
     *([] if torch.cuda.is_available() else [(["model.attention_backend=varlen"], "model.attention_backend='varlen'")]),
+    # an ImportError at the first forward, after all the data work
+    *([] if te_pytorch() is not None else [(["model.attention_backend=te"], "model.attention_backend='te': attention "
+                                                                             "backend 'te' needs Transformer Engine")]),
+    # a ValueError in the attention at step 1; a TypeError at setup; transformers' KeyError blamed on the model type
+    (["model.config.num_key_value_heads=3"], "num_attention_heads=4 in model.config is not a multiple of "
+                                             "num_key_value_heads=3"),
+    (["data.max_length=abc"], "data.max_length must be a positive int, got 'abc'"),
+    (["data.val_fraction=abc"], "data.val_fraction must be a number in (0, 1) or null, got 'abc'"),
+    (["+model.config.rope_parameters={rope_type: nonexistent, rope_theta: 10000.0}"],
+     "rope_type ['nonexistent'] is not a RoPE type transformers knows"),
     # model types the differential check refused, and a feature the backend lacks (supported.json)
     (["model.config.model_type=bart"], "model_type 'bart' (model.pretrained_path / model.config) is refused"),
     (["model.config.model_type=bloom"], "AttentionInterface"),
@@ -537,7 +554,7 @@ def test_a_checkpoints_own_model_class_is_refused_before_its_configuration_code_
 
 
 
-@pytest.mark.parametrize("override", ["trainer.output_dir=~/x", "data.source=donn\u00e9es.jsonl"])
+@pytest.mark.parametrize("override", ["trainer.output_dir=~/x", "data.source=donn\u00e9es.jsonl", "data.split=train[:10]"])
 def test_an_override_hydra_cannot_lex_says_to_quote_it(override):
     key, _, value = override.partition("=")
     with pytest.raises(ConfigError) as error:
@@ -724,3 +741,80 @@ def test_kill_9_during_tokenizing_takes_the_num_proc_workers_with_it(tmp_path):
         for child in children:  # orphans belong to init now: only the list names them
             with contextlib.suppress(psutil.NoSuchProcess):
                 child.kill()
+
+
+def test_rank_and_world_size_without_torchrun_name_the_launcher(tmp_path, monkeypatch, data_work):
+    """torch's own error named only MASTER_ADDR's rendezvous, not how to start the ranks."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(ConfigError, match=r"RANK and WORLD_SIZE=2 are set but MASTER_ADDR and MASTER_PORT not: start "
+                                          r"every rank with torchrun \(torchrun --nproc-per-node 2"):
+        run(load_recipe("tiny_llama_sft", [*FAST, f"trainer.output_dir={tmp_path}"]))
+    assert data_work == []
+
+
+def test_a_split_that_selects_no_rows_names_the_split(tmp_path, data_work):
+    """Was 'dataset is empty: nothing to tokenize', naming neither the source nor the split."""
+    with pytest.raises(DataError, match=r"^source 'tiny_sft' with split 'train\[5000:6000\]' gives no rows"):
+        run(load_recipe("tiny_llama_sft", [*FAST[1:], "data.split='train[5000:6000]'", f"trainer.output_dir={tmp_path}"]))
+
+
+def test_preference_rows_without_the_pair_columns_name_them(tmp_path):
+    """Was datasets' "Column 'chosen' doesn't exist." without the file or the format."""
+    source = tmp_path / "sft.jsonl"
+    source.write_text('{"text": "hello"}\n')
+    with pytest.raises(DataError, match=rf"^{source}: format='prompt_completion' needs the column\(s\) "
+                                        r"\['chosen', 'prompt', 'rejected'\].*\(columns: \['text'\]\)"):
+        run(load_recipe("tiny_llama_dpo", ["trainer.progress_bar=false", f"data.source={source}",
+                                           f"trainer.output_dir={tmp_path / 'run'}"]))
+
+
+def test_a_file_no_row_of_which_parses_names_the_first_bad_line(tmp_path):
+    """A cut JSON file: the column error pointed at data.columns, not at the file."""
+    source = tmp_path / "cut.json"
+    source.write_text('{"messages": [{"role": "user", "content": "hi"}\n')
+    with pytest.raises(DataError, match=rf"column 'messages' is not in the dataset \(columns: \[\]\).*1 row\(s\) had no "
+                                        rf"columns to read, the first at {source} line 1: \"<not valid JSON"):
+        run(load_recipe("tiny_llama_sft", [*FAST, "data=chat_jsonl", f"data.source={source}", "data.tokenizer=tiny",
+                                           f"trainer.output_dir={tmp_path / 'run'}"]))
+
+
+def test_eval_every_without_validation_data_says_no_evaluation_will_run(tmp_path, capsys):
+    """Exit 0 without one evaluation, and not a word."""
+    run(load_recipe("tiny_llama_sft", [*FAST, "trainer.eval_every=1", "data.val_fraction=null",
+                                       f"trainer.output_dir={tmp_path}"]))
+    err = capsys.readouterr().err  # the run's console handler replaces pytest's log capture
+    assert "WARNING automodel: trainer.eval_every=1 but the data section has no validation set: no evaluation will " \
+           "run" in err, err
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and not any("val_loss" in r for r in records)
+
+
+def test_a_recipe_that_is_not_valid_yaml_is_named_with_its_line(tmp_path):
+    """Was PyYAML's traceback."""
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("defaults:\n  - /model: tiny_llama\n trainer:\n\tmax_steps: 3\n")
+    with pytest.raises(ConfigError, match=rf"^recipe mine.yaml: not valid YAML: .* in \"{recipe}\", line 3, column 2"):
+        load_recipe(str(recipe))
+
+
+def test_a_checkpoint_directory_without_weights_is_named(tmp_path, data_work):
+    """Was transformers' 'Error no file named model.safetensors...', naming no key."""
+    directory = tmp_path / "checkpoint"
+    AutoConfig.for_model("llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1).save_pretrained(directory)
+    with pytest.raises(ConfigError, match=rf"^model.pretrained_path='{directory}' holds no weight files"):
+        run(load_recipe("tiny_llama_sft", [*FAST, f"trainer.output_dir={tmp_path / 'run'}", "model=hf_checkpoint",
+                                           f"model.pretrained_path={directory}"]))
+    assert data_work == []
+
+
+def test_data_samples_must_not_be_negative(capsys):
+    from automodel.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["data", "tiny_llama_sft", "--samples", "-1"])
+    assert exit_.value.code == 2
+    assert "argument --samples: must be 0 or more, got -1" in capsys.readouterr().err
