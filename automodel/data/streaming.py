@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -28,7 +28,7 @@ import torch
 from datasets.distributed import split_dataset_by_node
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from automodel.data.batching import LoaderEnv, _fingerprint, _Position
+from automodel.data.batching import LoaderEnv, PackedBatching, _fingerprint, _Position
 from automodel.data.collate import build_row, cp_padded, packed_sequence_thd_collater
 from automodel.data.packing import keep_fitting
 from automodel.data.planning import check_positive_int, plan_packs
@@ -175,3 +175,12 @@ class StreamingPackedBatching:
             raise ValueError(f"dataset: give a datasets.IterableDataset or an iterable of rows, got {type(dataset).__name__}")
         fingerprint = _fingerprint(type(self).__name__, asdict(self), env.seed, env.cp_size, env.dp_size)
         return StreamedMicroBatches(self, dataset, env, fingerprint)
+
+    def build_eval(self, dataset: datasets.Dataset, env: LoaderEnv) -> Sequence[dict[str, Any]]:
+        """One unshuffled pass over a validation set (map-style: the tokenized ``data.validation`` or
+        ``val_fraction``), packed whole into packs of the same size as ``packing: bfd`` evaluates;
+        the loss is a token mean, so how the samples are packed does not change it."""
+        return PackedBatching(
+            packed_sequence_size=self.packed_sequence_size, micro_batch_size=self.micro_batch_size,
+            drop_long_samples=self.drop_long_samples, shuffle=False,
+        ).build_eval(dataset, env)
