@@ -126,8 +126,16 @@ def load_recipe(recipe: str, overrides: list[str] | tuple[str, ...] = ()) -> Dic
     except (HydraException, OmegaConfBaseException) as error:
         unknown = re.search(r"Could not override '([^']+)'", str(error))
         if unknown:  # the same "did you mean" as a typo in a YAML file
-            groups_only = [o for o in overrides if "." not in o.split("=", 1)[0]]
-            raise ConfigError(_unknown_key_message(unknown.group(1), _compose(path, groups_only))) from None
+            key = unknown.group(1)
+            groups_only = [o for o in overrides if "." not in o.split("=", 1)[0] and o.split("=", 1)[0] != key]
+            raise ConfigError(_unknown_key_message(key, _compose(path, groups_only))) from None
+        option = re.search(r"Could not find '([^'/]+)/([^']+)'\s+Available options in '[^']+':\s+(.*?)\s+Config search", str(error), re.S)
+        if option:  # a config group option that does not exist: trainer=nonexistent
+            group, name, available = option.groups()
+            raise ConfigError(
+                f"{group}={name}: no such option in the {group} config group; available: {', '.join(available.split())} "
+                f"(configs/{group}/*.yaml)"
+            ) from None
         unreadable = getattr(error, "override", None)
         if isinstance(error, OverrideParseException) and unreadable and "=" in unreadable:
             # ~/..., non-ASCII letters, brackets (train[:10]): the grammar reads only quoted strings there

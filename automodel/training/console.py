@@ -21,6 +21,8 @@ KNOWN_LOG_LINES = (
     # transformers imports torchao when it is installed (QLoRA); torchao's optional C++ kernels are
     # built for another torch, and NF4 does not use them
     ("torchao", r"Failed to load .*torchao"),
+    # torchao at import on a machine without Triton (a CPU build of torch); NF4 uses no Triton kernel
+    ("torchao.kernel.intmm", r"Detected no triton"),
     # torchao registers Enum types with torch's pytree, deprecated in torch 2.13
     ("torch.utils._pytree", r"register_constant\(\) on Enum subclasses is deprecated"),
 )

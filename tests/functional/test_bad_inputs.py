@@ -108,7 +108,8 @@ RECIPE_CASES = [
     (["parallel.cp_size=2"], "parallel.cp_size=2"),  # 2 does not divide world size 1
     (["packing.micro_batch_size=0"], "micro_batch_size"),
     (["packing.algorithm=ffd"], "algorithm"),
-    (["packing=bdf"], "packing"),
+    (["packing=bdf"], "packing=bdf: no such option in the packing config group; available: balanced, bfd,"),
+    (["extra=1"], "unknown key 'extra' (no 'extra' in the recipe)"),  # was Hydra's traceback
     (["parallel.cp_size=0"], "cp_size"),
     (["packing.cp_size=2"], "packing.cp_size"),  # cp_size comes from parallel.cp_size, not the packing section
     (["parallel.cp_comm_type=ring"], "cp_comm_type"),
