@@ -186,15 +186,15 @@ def check_config_fields(config: PretrainedConfig) -> None:
     differential check spends its seconds: RoPE scaled by the whole row's length, and attention
     dropout (the THD kernels apply none, and dropped probabilities would differ from each sample
     alone)."""
-    model_type = config.model_type
+    model_type, types = config.model_type, rope_types(config)
     validates = hasattr(config, "_validate_default_rope_parameters")  # transformers' per-type validators (5.x)
-    unknown_rope = {t for t in rope_types(config) if validates and not hasattr(config, f"_validate_{t}_rope_parameters")}
+    unknown_rope = {t for t in types if validates and not hasattr(config, f"_validate_{t}_rope_parameters")}
     if unknown_rope:  # transformers only warns, then fails building the rotary embedding
         raise ConfigError(
             f"{model_type}: rope_type {sorted(unknown_rope)} is not a RoPE type transformers knows; fix rope_type "
             "in model.config's rope_parameters (or config.json of model.pretrained_path): default, linear, yarn, llama3..."
         )
-    bad_rope = rope_types(config) & set(REFUSED_ROPE_TYPES)
+    bad_rope = types & set(REFUSED_ROPE_TYPES)
     if bad_rope:
         raise ConfigError(
             f"{model_type}: rope_type {sorted(bad_rope)} depends on the whole packed row's length, so packing "

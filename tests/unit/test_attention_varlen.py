@@ -338,3 +338,14 @@ def test_varlen_cp_equals_the_portable_cp_path_and_one_process(varlen_kernel, ve
     for name in ("varlen", "portable"):
         for a, b in zip(leaves[name], one_process[1:], strict=True):
             torch.testing.assert_close(a.grad, b, rtol=1e-12, atol=1e-12)
+
+
+def test_te_backend_is_checked_at_setup_where_transformer_engine_imports_or_not(te_standin, monkeypatch):
+    """With TE importable (the stand-in) the check passes; without, it names the key before any data work."""
+    check_backend_device("te")
+    import automodel.attention.te as te_module
+
+    monkeypatch.setattr(te_module, "te_pytorch", lambda: None)
+    with pytest.raises(ValueError, match=r"^model.attention_backend='te': attention backend 'te' needs Transformer "
+                                         r"Engine, which cannot be imported here"):
+        check_backend_device("te")
