@@ -23,7 +23,16 @@ WRITE_FAILURES = {
     errno.EPERM: f"fix its permissions {_MOVE}",
 }
 
-BENCHMARKS = ("packing", "throughput", "batching", "balance", "gpu", "lora_memory", "sharded_io", "cli_latency")
+BENCHMARKS = (
+    "packing",
+    "throughput",
+    "batching",
+    "balance",
+    "gpu",
+    "lora_memory",
+    "sharded_io",
+    "cli_latency",
+)
 
 USAGE = """automodel <command> [...]    (automodel --version; --debug: tracebacks of input errors)
 
@@ -110,11 +119,18 @@ def _one_line(error: Exception) -> str:
 
 def _recipe_parser(prog: str, description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=prog, description=description, epilog=_recipe_help(), formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog,
+        description=description,
+        epilog=_recipe_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("recipe", help="recipe name (e.g. tiny_llama_sft; see automodel recipes) or path to a .yaml")
+    parser.add_argument(
+        "recipe", help="recipe name (e.g. tiny_llama_sft; see automodel recipes) or path to a .yaml"
+    )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides: GROUP=OPTION or KEY=VALUE (see below)")
-    parser.add_argument("--debug", action="store_true", help="show the traceback of input errors too (AUTOMODEL_DEBUG=1)")
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of input errors too (AUTOMODEL_DEBUG=1)"
+    )
     return parser
 
 
@@ -153,7 +169,8 @@ def _finetune(argv: list[str]) -> int:
 
 def _data(argv: list[str]) -> int:
     parser = _recipe_parser(
-        "automodel data", "Show what a recipe trains on: rendered samples with the learned tokens marked, "
+        "automodel data",
+        "Show what a recipe trains on: rendered samples with the learned tokens marked, "
         "token and row counts, pack fill and steps per epoch. Builds no model.",
     )
     parser.add_argument("--samples", type=_count, default=3, help="rendered samples to print (default 3)")
@@ -171,10 +188,16 @@ def _data(argv: list[str]) -> int:
 # Keys most runs set; every key of a group is in its YAML (automodel finetune RECIPE --cfg job).
 COMMON_KEYS = (
     ("trainer.max_steps, trainer.grad_accum_steps", "optimizer steps, micro-batches per step"),
-    ("trainer.output_dir, trainer.resume", "run directory; auto resumes from its newest checkpoint, never starts over"),
+    (
+        "trainer.output_dir, trainer.resume",
+        "run directory; auto resumes from its newest checkpoint, never starts over",
+    ),
     ("trainer.log_every, trainer.eval_every, trainer.checkpoint_every", "every N steps"),
     ("optim.lr, optim.warmup_steps, optim.max_grad_norm", "AdamW peak lr, linear warmup, clipping"),
-    ("model.pretrained_path, model.dtype", "a local HF checkpoint (model=hf_checkpoint); float32 or bfloat16"),
+    (
+        "model.pretrained_path, model.dtype",
+        "a local HF checkpoint (model=hf_checkpoint); float32 or bfloat16",
+    ),
     ("data.source, data.format, data.tokenizer", "file/dir/glob/Hub id; messages, sharegpt, alpaca, ..."),
     ("data.max_length, data.val_fraction, data.num_proc", "cut samples; hold out for validation; processes"),
     ("packing.packed_sequence_size, packing.micro_batch_size", "tokens per pack, packs per micro-batch"),

@@ -40,9 +40,13 @@ OPTIONAL_SECTIONS = ("peft", "dpo")
 _HYDRA_KEYS = {"_target_", "_recursive_", "_convert_", "_partial_", "_args_"}
 # Components from outside the project a recipe may name: configuration classes, nothing that reads
 # files or runs code.
-ALLOWED_TARGETS = frozenset({
-    "transformers.LlamaConfig", "transformers.Qwen2Config", "transformers.MistralConfig",
-})
+ALLOWED_TARGETS = frozenset(
+    {
+        "transformers.LlamaConfig",
+        "transformers.Qwen2Config",
+        "transformers.MistralConfig",
+    }
+)
 
 
 def refuse_remote_code(directory: str | Path, field: str, trust_remote_code: bool) -> None:
@@ -99,7 +103,9 @@ def resolve_recipe(recipe: str) -> Path:
     matches = sorted(RECIPES_DIR.rglob(f"{recipe}.yaml"))
     if not matches:
         known = sorted(p.stem for p in RECIPES_DIR.rglob("*.yaml"))
-        raise ConfigError(f"no recipe named {recipe!r}; known recipes: {known} (or pass a path to a .yaml file)")
+        raise ConfigError(
+            f"no recipe named {recipe!r}; known recipes: {known} (or pass a path to a .yaml file)"
+        )
     return matches[0]
 
 
@@ -127,9 +133,15 @@ def load_recipe(recipe: str, overrides: list[str] | tuple[str, ...] = ()) -> Dic
         unknown = re.search(r"Could not override '([^']+)'", str(error))
         if unknown:  # the same "did you mean" as a typo in a YAML file
             key = unknown.group(1)
-            groups_only = [o for o in overrides if "." not in o.split("=", 1)[0] and o.split("=", 1)[0] != key]
+            groups_only = [
+                o for o in overrides if "." not in o.split("=", 1)[0] and o.split("=", 1)[0] != key
+            ]
             raise ConfigError(_unknown_key_message(key, _compose(path, groups_only))) from None
-        option = re.search(r"Could not find '([^'/]+)/([^']+)'\s+Available options in '[^']+':\s+(.*?)\s+Config search", str(error), re.S)
+        option = re.search(
+            r"Could not find '([^'/]+)/([^']+)'\s+Available options in '[^']+':\s+(.*?)\s+Config search",
+            str(error),
+            re.S,
+        )
         if option:  # a config group option that does not exist: trainer=nonexistent
             group, name, available = option.groups()
             raise ConfigError(
@@ -146,7 +158,9 @@ def load_recipe(recipe: str, overrides: list[str] | tuple[str, ...] = ()) -> Dic
                 "from the shell)"
             ) from None
         raise ConfigError(f"recipe {path.name}: {error}") from None
-    except yaml.YAMLError as error:  # the recipe's or a config group's file (the message names it, with the line)
+    except (
+        yaml.YAMLError
+    ) as error:  # the recipe's or a config group's file (the message names it, with the line)
         raise ConfigError(f"recipe {path.name}: not valid YAML: {' '.join(str(error).split())}") from None
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
@@ -159,7 +173,9 @@ def load_recipe(recipe: str, overrides: list[str] | tuple[str, ...] = ()) -> Dic
 
 def _compose(path: Path, overrides: list[str] | tuple[str, ...]) -> DictConfig:
     with initialize_config_dir(config_dir=str(path.parent), version_base="1.3"):
-        cfg = compose(config_name=path.stem, overrides=[f"hydra.searchpath=[file://{CONFIGS_DIR}]", *overrides])
+        cfg = compose(
+            config_name=path.stem, overrides=[f"hydra.searchpath=[file://{CONFIGS_DIR}]", *overrides]
+        )
     OmegaConf.resolve(cfg)
     return cfg
 
@@ -252,7 +268,11 @@ def _union_members(hint: Any) -> tuple[Any, ...]:
 
 def _type_hints(component: Any) -> dict[str, Any]:
     """Resolved annotations of a dataclass's fields or a function's parameters ({} if unresolvable)."""
-    annotated = component.__init__ if inspect.isclass(component) and not dataclasses.is_dataclass(component) else component
+    annotated = (
+        component.__init__
+        if inspect.isclass(component) and not dataclasses.is_dataclass(component)
+        else component
+    )
     try:
         return typing.get_type_hints(annotated)
     except Exception:  # noqa: BLE001 - a forward reference we cannot resolve: no type check, not an error
@@ -364,7 +384,8 @@ def _decorator_name(decorator: ast.expr) -> str:
 def _init_false(value: ast.expr | None) -> bool:
     """``field(init=False)``: a dataclass field that is not a parameter."""
     return isinstance(value, ast.Call) and any(
-        k.arg == "init" and isinstance(k.value, ast.Constant) and k.value.value is False for k in value.keywords
+        k.arg == "init" and isinstance(k.value, ast.Constant) and k.value.value is False
+        for k in value.keywords
     )
 
 

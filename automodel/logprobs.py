@@ -68,17 +68,28 @@ def packed_log_probs(model: torch.nn.Module, batch: dict[str, Any]) -> SampleLog
     """
     meta: ThdAttentionMetadata = batch["attn_meta"]
     local_T = model(
-        batch["input_ids"], batch["position_ids"], batch["labels"], meta, batch.get("label_positions"), per_token=True
+        batch["input_ids"],
+        batch["position_ids"],
+        batch["labels"],
+        meta,
+        batch.get("label_positions"),
+        per_token=True,
     )
     labelled_T = (batch["labels"] != CROSS_ENTROPY_IGNORE_INDEX).float()
     if meta.cp_size > 1:
         index = meta.partition_indices[meta.cp_rank].to(local_T.device, non_blocking=True)
-        full_T, labelled_T = _CombineCPShares.apply(local_T, labelled_T, index, meta.total_tokens, meta.cp_group)
+        full_T, labelled_T = _CombineCPShares.apply(
+            local_T, labelled_T, index, meta.total_tokens, meta.cp_group
+        )
     else:
         full_T = local_T
     samples = len(meta.padded_lens)  # the layout is on the host: no device read below
-    sample_T = torch.repeat_interleave(torch.arange(samples), meta.padded_lens).to(full_T.device, non_blocking=True)
-    counts_N = torch.zeros(samples, dtype=torch.int64, device=full_T.device).index_add(0, sample_T, labelled_T.long())
+    sample_T = torch.repeat_interleave(torch.arange(samples), meta.padded_lens).to(
+        full_T.device, non_blocking=True
+    )
+    counts_N = torch.zeros(samples, dtype=torch.int64, device=full_T.device).index_add(
+        0, sample_T, labelled_T.long()
+    )
     sums_N = torch.zeros(samples, dtype=torch.float32, device=full_T.device).index_add(0, sample_T, full_T)
     return SampleLogProbs(sums_N, counts_N, full_T, labelled_T > 0)
 

@@ -85,7 +85,14 @@ def chunked_cross_entropy_sum(
         softmax and the loss in float32 (:func:`softmax_dtype`).
     """
     label_positions_N, rows = _labelled_rows(
-        hidden_TD, weight_VD, labels_T, bias_V, logit_scale, final_logit_softcap, chunk_tokens, label_positions_N
+        hidden_TD,
+        weight_VD,
+        labels_T,
+        bias_V,
+        logit_scale,
+        final_logit_softcap,
+        chunk_tokens,
+        label_positions_N,
     )
     return _ChunkedCrossEntropy.apply(*rows, True)
 
@@ -105,7 +112,14 @@ def chunked_token_log_probs(
     (same arguments, same chunks: never a float32 ``[T, V]``), 0 where the label is -100.
     Differentiable like the sum; ``-chunked_token_log_probs(...).sum()`` equals it."""
     label_positions_N, rows = _labelled_rows(
-        hidden_TD, weight_VD, labels_T, bias_V, logit_scale, final_logit_softcap, chunk_tokens, label_positions_N
+        hidden_TD,
+        weight_VD,
+        labels_T,
+        bias_V,
+        logit_scale,
+        final_logit_softcap,
+        chunk_tokens,
+        label_positions_N,
     )
     ce_N = _ChunkedCrossEntropy.apply(*rows, False)
     zeros_T = torch.zeros(labels_T.shape, dtype=ce_N.dtype, device=hidden_TD.device)
@@ -187,7 +201,9 @@ def _capped_logits(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """float32 logits of one chunk, and with ``keep_tanh`` the ``tanh(u / c)`` that the softcap's
     derivative needs (else None)."""
-    x_CV = F.linear(h_CD, w_VD, b_V).to(softmax_dtype(h_CD.dtype))  # a new tensor: the in-place ops below are safe
+    x_CV = F.linear(h_CD, w_VD, b_V).to(
+        softmax_dtype(h_CD.dtype)
+    )  # a new tensor: the in-place ops below are safe
     if scale != 1.0:
         x_CV.mul_(scale)
     if softcap is None:

@@ -34,16 +34,28 @@ def _ratios(loads_RS: np.ndarray) -> np.ndarray:
 
 
 def balance_case(
-    distribution: str, num_samples: int, max_length: int, dp_size: int, micro_batch_size: int,
-    packs_per_rank: int, cap: int, cp_size: int, cost_coefficients: tuple[float, float], seed: int = 0,
+    distribution: str,
+    num_samples: int,
+    max_length: int,
+    dp_size: int,
+    micro_batch_size: int,
+    packs_per_rank: int,
+    cap: int,
+    cp_size: int,
+    cost_coefficients: tuple[float, float],
+    seed: int = 0,
 ) -> dict:
     lengths = sample_lengths(distribution, num_samples, max_length, seed)
     padded = cp_padded(lengths, cp_size)
     costs = sample_costs(padded, cost_coefficients)
     start = time.perf_counter()
     plan = plan_balanced_epoch(
-        np.random.default_rng((seed, 0)).permutation(num_samples), padded, dp_size=dp_size,
-        samples_per_pack=micro_batch_size, packs_per_rank=packs_per_rank, max_tokens_per_gpu=cap,
+        np.random.default_rng((seed, 0)).permutation(num_samples),
+        padded,
+        dp_size=dp_size,
+        samples_per_pack=micro_batch_size,
+        packs_per_rank=packs_per_rank,
+        max_tokens_per_gpu=cap,
         cost_coefficients=cost_coefficients,
     )
     micro_batches = np.split(plan.sample_order, plan.pack_offsets[1:-1])
@@ -78,7 +90,11 @@ def balance_case(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="automodel bench balance", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="automodel bench balance",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--num-samples", type=int, default=20_000)
     parser.add_argument("--max-length", type=int, default=4096, help="lengths are clipped to this")
     parser.add_argument("--dp-size", type=int, default=8)
@@ -100,8 +116,15 @@ def main(argv: list[str] | None = None) -> int:
         )
     for distribution in args.distributions:
         r = balance_case(
-            distribution, args.num_samples, args.max_length, args.dp_size, args.micro_batch_size,
-            args.packs_per_rank, args.packed_sequence_size, args.cp_size, tuple(args.cost),
+            distribution,
+            args.num_samples,
+            args.max_length,
+            args.dp_size,
+            args.micro_batch_size,
+            args.packs_per_rank,
+            args.packed_sequence_size,
+            args.cp_size,
+            tuple(args.cost),
         )
         if args.json:
             print(json.dumps(r))

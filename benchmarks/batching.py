@@ -80,7 +80,9 @@ def bench_dyn_bsz(
     plan_token_budget(order[:100], slots, slots, budget, budget, buffer_size)  # load the compiled kernel
     arrival_order_scan(order[:100], slots, budget, buffer_size)
     plan = plan_token_budget(order, slots, slots, budget, budget, buffer_size)
-    seconds = _median_seconds(lambda: plan_token_budget(order, slots, slots, budget, budget, buffer_size), repeats)
+    seconds = _median_seconds(
+        lambda: plan_token_budget(order, slots, slots, budget, budget, buffer_size), repeats
+    )
     baseline = arrival_order_scan(order, slots, budget, buffer_size)
     bound = lower_bound_packs(slots, budget)
     tokens = np.add.reduceat(slots[plan.sample_order], plan.pack_offsets[:-1])
@@ -169,11 +171,15 @@ def bench_stream(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="automodel bench batching", description=__doc__)
     parser.add_argument("--samples", type=int, default=1_000_000, help="sample lengths per planning case")
-    parser.add_argument("--stream-samples", type=int, default=20_000, help="samples of the end-to-end stream cases")
+    parser.add_argument(
+        "--stream-samples", type=int, default=20_000, help="samples of the end-to-end stream cases"
+    )
     parser.add_argument("--budget", type=int, default=4096, help="dyn_bsz token budget (= rmpad max_seq_len)")
     parser.add_argument("--buffer-size", type=int, default=200)
     parser.add_argument("--micro-batch-size", type=int, default=8, help="rmpad samples per micro-batch")
-    parser.add_argument("--cp-size", type=int, default=1, help="dyn_bsz planning under CP (samples padded to 2*cp)")
+    parser.add_argument(
+        "--cp-size", type=int, default=1, help="dyn_bsz planning under CP (samples padded to 2*cp)"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="planning runs; the median is reported")
     parser.add_argument("--distributions", nargs="+", default=list(DISTRIBUTIONS), choices=DISTRIBUTIONS)
     parser.add_argument("--json", help="also write all results to this file")
@@ -186,13 +192,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'lengths':<10} {'micro-batches':>13} {'bound':>9} {'over':>8} {'arrival scan':>13} "
           f"{'plan s':>7} {'samples/s':>11} {'tok/mb cv':>9} {'CP pad':>7} {'static fill':>11}")  # fmt: skip
     for distribution in args.distributions:
-        r = bench_dyn_bsz(distribution, args.samples, args.budget, args.buffer_size, args.cp_size, repeats=args.repeats)
+        r = bench_dyn_bsz(
+            distribution, args.samples, args.budget, args.buffer_size, args.cp_size, repeats=args.repeats
+        )
         results.append(r)
         print(f"{distribution:<10} {r['micro_batches']:>13,} {r['lower_bound']:>9,} {r['over_lower_bound']:>8.3%} "
               f"{r['arrival_scan_over_lower_bound']:>13.3%} {r['plan_seconds']:>7.3f} {r['plan_samples_per_s']:>11,.0f} "
               f"{r['tokens_per_micro_batch_cv']:>9.3f} {r['cp_padding']:>7.2%} {r['static_fill']:>11.2%}")  # fmt: skip
 
-    print(f"\nrmpad: {args.samples:,} samples, micro_batch_size {args.micro_batch_size}, max_seq_len {args.budget}")
+    print(
+        f"\nrmpad: {args.samples:,} samples, micro_batch_size {args.micro_batch_size}, max_seq_len {args.budget}"
+    )
     print(f"{'lengths':<10} {'micro-batches':>13} {'tok/mb mean':>11} {'tok/mb cv':>9} {'tok/mb max':>10} "
           f"{'static len':>10} {'static fill':>11}")  # fmt: skip
     for distribution in args.distributions:

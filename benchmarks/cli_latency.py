@@ -26,7 +26,12 @@ CASES = {
     "cfg job": ["finetune", "tiny_llama_sft", "--cfg", "job"],
     "unknown recipe": ["finetune", "tiny_llama_sftt"],
     "unknown key": ["finetune", "tiny_llama_sft", "trainer.max_stepz=3"],
-    "bad value": ["finetune", "tiny_llama_sft", "optim.lr=-1", "trainer.output_dir=/nonexistent/never-written"],
+    "bad value": [
+        "finetune",
+        "tiny_llama_sft",
+        "optim.lr=-1",
+        "trainer.output_dir=/nonexistent/never-written",
+    ],
 }
 
 

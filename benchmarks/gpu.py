@@ -160,7 +160,11 @@ def attention_flops_per_token(config: dict, lengths: np.ndarray) -> float:
     QK^T and PV are 2 x len^2 x heads x head_dim each for a full square, half of it causal, times 3
     for the backward, per layer."""
     per_layer = 6 * config["num_attention_heads"] * config["head_dim"]
-    return config["num_hidden_layers"] * per_layer * float((lengths.astype(np.float64) ** 2).sum() / lengths.sum())
+    return (
+        config["num_hidden_layers"]
+        * per_layer
+        * float((lengths.astype(np.float64) ** 2).sum() / lengths.sum())
+    )
 
 
 def flops_per_step(config: dict, matmul_params: int, record: dict, attention_per_token: float) -> float:
@@ -180,7 +184,9 @@ def lora_flops_per_step(parameters: int, record: dict) -> float:
     return 4 * parameters * record["real_tokens"]
 
 
-def case_recipe(case: Case, data: Path, max_length: int, args: argparse.Namespace, workdir: Path) -> DictConfig:
+def case_recipe(
+    case: Case, data: Path, max_length: int, args: argparse.Namespace, workdir: Path
+) -> DictConfig:
     """The recipe of ``case``: the default recipe on ``data`` with the case's shape, batching, backend
     (and LoRA), then ``args.overrides``."""
     cuda = torch.cuda.is_available()
@@ -328,20 +334,34 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="automodel bench gpu", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes and packs (the default without CUDA)")
+    parser.add_argument(
+        "--tiny", action="store_true", help="tiny shapes and packs (the default without CUDA)"
+    )
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), help="default: llama3.2-1b qwen3-1.7b")
     parser.add_argument("--pack-sizes", nargs="+", type=int, help="default: 8192 16384 (tiny: 256 512)")
     parser.add_argument("--max-length", type=int, help="longest sample (default: 4096; tiny: 128)")
     parser.add_argument("--steps", type=int, default=6, help="measured optimizer steps per case")
-    parser.add_argument("--warmup", type=int, default=2, help="steps before them (the last one traces host syncs)")
+    parser.add_argument(
+        "--warmup", type=int, default=2, help="steps before them (the last one traces host syncs)"
+    )
     parser.add_argument("--peak-tflops", type=float, help="the device's peak dense bf16 TFLOP/s, for MFU")
     parser.add_argument("--json", type=Path, help="write every figure here")
-    parser.add_argument("--lora-shape", choices=sorted(SHAPES), help="the LoRA row's shape (default: llama3.1-8b; tiny: tiny)")
-    parser.add_argument("--lora-pack-size", type=int, help="the LoRA row's pack size (default: 4096; tiny: the first pack size)")
+    parser.add_argument(
+        "--lora-shape", choices=sorted(SHAPES), help="the LoRA row's shape (default: llama3.1-8b; tiny: tiny)"
+    )
+    parser.add_argument(
+        "--lora-pack-size",
+        type=int,
+        help="the LoRA row's pack size (default: 4096; tiny: the first pack size)",
+    )
     parser.add_argument("--overrides", nargs="+", default=[], metavar="KEY=VALUE",
                         help="recipe overrides for every case, e.g. model.compile=true optim.fused=true")  # fmt: skip
-    parser.add_argument("--profile", action="store_true", help="one more step per case under torch.profiler, into the JSON")
-    parser.add_argument("--trace", type=Path, help="with --profile: keep each case's Chrome trace in this directory")
+    parser.add_argument(
+        "--profile", action="store_true", help="one more step per case under torch.profiler, into the JSON"
+    )
+    parser.add_argument(
+        "--trace", type=Path, help="with --profile: keep each case's Chrome trace in this directory"
+    )
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tiny = args.tiny or device.type != "cuda"
@@ -373,10 +393,14 @@ def main(argv: list[str] | None = None) -> int:
                     figures = run_case(case, data, max_length, args, Path(tmp))
             except Exception as error:  # one failing backend must not hide the other figures
                 logging.getLogger(__name__).exception("%s failed", case.name)
-                results.append({**asdict(case), "name": case.name, "error": f"{type(error).__name__}: {error}"})
+                results.append(
+                    {**asdict(case), "name": case.name, "error": f"{type(error).__name__}: {error}"}
+                )
                 continue
             flops = step_flops(case, figures, lengths)
-            figures["tflops"] = statistics.median(f / r["step_time_s"] for f, r in zip(flops, figures["records"])) / 1e12
+            figures["tflops"] = (
+                statistics.median(f / r["step_time_s"] for f, r in zip(flops, figures["records"])) / 1e12
+            )
             figures["mfu"] = figures["tflops"] * 1e12 / peak if peak else None
             figures["seconds"] = time.perf_counter() - start
             results.append({**asdict(case), "name": case.name, **figures})
@@ -409,7 +433,12 @@ def loss_comparison(args: argparse.Namespace, device: torch.device, tokens: int)
     config = SHAPES[args.shapes[0]]
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     return [
-        {"case": case, **loss_memory.measure(case, device.type, dtype, tokens, config["vocab_size"], config["hidden_size"])}
+        {
+            "case": case,
+            **loss_memory.measure(
+                case, device.type, dtype, tokens, config["vocab_size"], config["hidden_size"]
+            ),
+        }
         for case in ("chunked", "naive")
     ]
 
@@ -433,7 +462,11 @@ def print_table(
               f"{r['step_time_s']:>7.3f}s")  # fmt: skip
     best_packed = {}  # the best backend's packed row (cases run best backend first)
     for r in results:
-        if r["batching"] == "packed" and not (r["activation_checkpointing"] or r["lora"]) and "error" not in r:
+        if (
+            r["batching"] == "packed"
+            and not (r["activation_checkpointing"] or r["lora"])
+            and "error" not in r
+        ):
             best_packed.setdefault((r["shape"], r["pack_size"]), r)
     for r in results:
         if r["batching"] == "padded" and "error" not in r and (r["shape"], r["pack_size"]) in best_packed:

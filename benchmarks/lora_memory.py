@@ -35,7 +35,9 @@ def measure(spec: ModelSpec, lora: LoraConfig | None, dims, tokens: int, steps: 
     """Build, train ``steps`` steps (the first is warm-up), count this rank's bytes."""
     config = spec.hf_config()
     shard = functools.partial(apply_fsdp, mesh=dims.fsdp_mesh, compute_dtype=spec.torch_dtype)
-    model = build_model(spec, config, device=dims.device, shard=shard, seed=0, is_main=dims.is_main, lora=lora)
+    model = build_model(
+        spec, config, device=dims.device, shard=shard, seed=0, is_main=dims.is_main, lora=lora
+    )
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4)
     generator = torch.Generator().manual_seed(0)
@@ -52,7 +54,9 @@ def measure(spec: ModelSpec, lora: LoraConfig | None, dims, tokens: int, steps: 
     params = {name: p for name, p in model.named_parameters()}
     base = {n: p for n, p in params.items() if ".lora_" not in n}  # what LoRA freezes
     quantized = [p for p in params.values() if is_quantized(p)]
-    optim_bytes = sum(stored_bytes(t) for state in optimizer.state.values() for t in state.values() if t.dim())
+    optim_bytes = sum(
+        stored_bytes(t) for state in optimizer.state.values() for t in state.values() if t.dim()
+    )
     base_numel = sum(p.numel() for p in base.values()) / dims.world_size  # this rank's share
     result = {
         "params_M": sum(p.numel() for p in params.values()) / 1e6,
@@ -62,7 +66,8 @@ def measure(spec: ModelSpec, lora: LoraConfig | None, dims, tokens: int, steps: 
         "base_bytes_per_param": sum(stored_bytes(p) for p in base.values()) / base_numel,
         "nf4_bytes_per_param": (
             sum(stored_bytes(p) for p in quantized) / (sum(p.numel() for p in quantized) / dims.world_size)
-            if quantized else None
+            if quantized
+            else None
         ),
         "step_s": statistics.median(times[1:]),
     }
@@ -94,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     cases = {
         "full FT": None,
         "LoRA": LoraConfig(target_modules="all-linear", rank=args.rank, alpha=2 * args.rank),
-        "QLoRA": LoraConfig(target_modules="all-linear", rank=args.rank, alpha=2 * args.rank, quantize_base="nf4"),
+        "QLoRA": LoraConfig(
+            target_modules="all-linear", rank=args.rank, alpha=2 * args.rank, quantize_base="nf4"
+        ),
     }
     results = {name: measure(spec, lora, dims, args.tokens, args.steps) for name, lora in cases.items()}
     if dims.is_main:

@@ -97,7 +97,13 @@ def run_case(args: argparse.Namespace) -> dict:
 
 
 def measure(
-    case: str, device: str, dtype: str, tokens: int, vocab: int, hidden: int, chunk_tokens: int = 1024,
+    case: str,
+    device: str,
+    dtype: str,
+    tokens: int,
+    vocab: int,
+    hidden: int,
+    chunk_tokens: int = 1024,
     softcap: float | None = None,
 ) -> dict:
     """:func:`run_case` in a fresh subprocess (a clean peak), its figures plus T, V and D."""
@@ -137,7 +143,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'case':8} {'peak GB':>8} {'grads GB':>9} {'extra GB':>9} {'seconds':>8} {'loss/token':>11}")
     for case in args.cases:
         try:
-            r = measure(case, args.device, args.dtype, args.tokens, args.vocab, args.hidden, args.chunk_tokens, args.softcap)
+            r = measure(
+                case,
+                args.device,
+                args.dtype,
+                args.tokens,
+                args.vocab,
+                args.hidden,
+                args.chunk_tokens,
+                args.softcap,
+            )
         except RuntimeError as error:
             print(f"{case:8} failed:\n{error}")
             return 1

@@ -108,7 +108,9 @@ def _planning_case(distribution: str, algorithm: str, num_samples: int, size: in
 def _run_isolated(args: list[str]) -> dict:
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.packing", "--worker", *args],
-        check=True, capture_output=True, text=True,
+        check=True,
+        capture_output=True,
+        text=True,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -120,9 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=4096, help="packed_sequence_size")
     parser.add_argument("--repeats", type=int, default=3, help="runs per case; the median is reported")
     parser.add_argument("--distributions", nargs="+", default=list(DISTRIBUTIONS), choices=DISTRIBUTIONS)
-    parser.add_argument("--algorithms", nargs="+", default=["sequential", "bfd"], choices=["sequential", "bfd"])
+    parser.add_argument(
+        "--algorithms", nargs="+", default=["sequential", "bfd"], choices=["sequential", "bfd"]
+    )
     parser.add_argument("--json", help="also write all results to this file")
-    parser.add_argument("--worker", nargs=5, metavar=("KIND", "DIST", "ALGO", "N", "SIZE"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--worker", nargs=5, metavar=("KIND", "DIST", "ALGO", "N", "SIZE"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args(argv)
     logging.disable(logging.WARNING)
 
@@ -136,30 +142,42 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     end_to_end, planning = [], []
-    print(f"pack_dataset end to end: {args.samples:,} samples, packed_sequence_size {args.size}, "
-          f"median of {args.repeats} fresh processes")
-    print(f"{'lengths':<10} {'algorithm':<11} {'samples/s':>10} {'tokens/s':>12} {'peak RSS':>9} "
-          f"{'B/slot':>7} {'packs':>7} {'bound':>7} {'over':>8} {'fill':>7}")
+    print(
+        f"pack_dataset end to end: {args.samples:,} samples, packed_sequence_size {args.size}, "
+        f"median of {args.repeats} fresh processes"
+    )
+    print(
+        f"{'lengths':<10} {'algorithm':<11} {'samples/s':>10} {'tokens/s':>12} {'peak RSS':>9} "
+        f"{'B/slot':>7} {'packs':>7} {'bound':>7} {'over':>8} {'fill':>7}"
+    )
     for distribution in args.distributions:
         for algorithm in args.algorithms:
-            runs = [_run_isolated(["e2e", distribution, algorithm, str(args.samples), str(args.size)])
-                    for _ in range(args.repeats)]
+            runs = [
+                _run_isolated(["e2e", distribution, algorithm, str(args.samples), str(args.size)])
+                for _ in range(args.repeats)
+            ]
             r = dict(runs[0])
             for key in ("seconds", "samples_per_s", "tokens_per_s", "peak_rss_gb", "bytes_per_slot"):
                 r[key] = statistics.median(run[key] for run in runs)
             end_to_end.append(r)
-            print(f"{distribution:<10} {algorithm:<11} {r['samples_per_s']:>10,.0f} {r['tokens_per_s']:>12,.0f} "
-                  f"{r['peak_rss_gb']:>7.2f}GB {r['bytes_per_slot']:>7.1f} {r['packs']:>7,} {r['lower_bound']:>7,} "
-                  f"{r['over_lower_bound']:>8.3%} {r['fill']:>7.2%}")
+            print(
+                f"{distribution:<10} {algorithm:<11} {r['samples_per_s']:>10,.0f} {r['tokens_per_s']:>12,.0f} "
+                f"{r['peak_rss_gb']:>7.2f}GB {r['bytes_per_slot']:>7.1f} {r['packs']:>7,} {r['lower_bound']:>7,} "
+                f"{r['over_lower_bound']:>8.3%} {r['fill']:>7.2%}"
+            )
     print(f"\nplanning alone: {args.planning_samples:,} sample lengths, median of {args.repeats}")
     print(f"{'lengths':<10} {'algorithm':<11} {'seconds':>8} {'packs':>9} {'bound':>9} {'over':>8}")
     for distribution in args.distributions:
         for algorithm in args.algorithms:
-            r = _run_isolated(["plan", distribution, algorithm, str(args.planning_samples), str(args.size)]
-                              + ["--repeats", str(args.repeats)])
+            r = _run_isolated(
+                ["plan", distribution, algorithm, str(args.planning_samples), str(args.size)]
+                + ["--repeats", str(args.repeats)]
+            )
             planning.append(r)
-            print(f"{distribution:<10} {algorithm:<11} {r['seconds']:>8.3f} {r['packs']:>9,} "
-                  f"{r['lower_bound']:>9,} {r['over_lower_bound']:>8.3%}")
+            print(
+                f"{distribution:<10} {algorithm:<11} {r['seconds']:>8.3f} {r['packs']:>9,} "
+                f"{r['lower_bound']:>9,} {r['over_lower_bound']:>8.3%}"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"end_to_end": end_to_end, "planning": planning}, f, indent=2)

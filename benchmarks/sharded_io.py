@@ -108,8 +108,9 @@ def worker(args: argparse.Namespace) -> None:
     if args.mode == "today":
         build.load_weights = build.load_from_rank0  # the path every checkpoint took before sharded I/O
     tokens = 256
-    layout = ThdAttentionMetadata(torch.tensor([0, tokens], dtype=torch.int32),
-                                  torch.tensor([0, tokens], dtype=torch.int32), tokens)
+    layout = ThdAttentionMetadata(
+        torch.tensor([0, tokens], dtype=torch.int32), torch.tensor([0, tokens], dtype=torch.int32), tokens
+    )
 
     def run(checkpoint: Path, out: Path) -> dict:
         spec = ModelSpec(pretrained_path=str(checkpoint), attention_backend="portable")
@@ -118,11 +119,19 @@ def worker(args: argparse.Namespace) -> None:
         state = {}
 
         def load():
-            state["model"] = build_model(spec, config, device=torch.device("cpu"), seed=0, is_main=rank == 0,
-                                         shard=functools.partial(apply_fsdp, mesh=mesh))
+            state["model"] = build_model(
+                spec,
+                config,
+                device=torch.device("cpu"),
+                seed=0,
+                is_main=rank == 0,
+                shard=functools.partial(apply_fsdp, mesh=mesh),
+            )
 
         def step():
-            state["optimizer"] = train_steps(state["model"], ids, torch.arange(tokens), ids.roll(-1), layout, args.steps)
+            state["optimizer"] = train_steps(
+                state["model"], ids, torch.arange(tokens), ids.roll(-1), layout, args.steps
+            )
 
         def export():
             if args.mode == "today":
@@ -145,7 +154,9 @@ def worker(args: argparse.Namespace) -> None:
             dist.barrier()
         return result
 
-    run(args.checkpoint.with_name("tiny"), Path(args.out) / f"tiny_{args.mode}_w{world}")  # every code path warm
+    run(
+        args.checkpoint.with_name("tiny"), Path(args.out) / f"tiny_{args.mode}_w{world}"
+    )  # every code path warm
     result = run(args.checkpoint, Path(args.out) / f"{args.mode}_w{world}")
     (Path(args.out) / f"result_{args.mode}_w{world}_r{rank}.json").write_text(json.dumps(result))
     dist.barrier()  # no rank tears the group down while another is in a collective (gloo aborts it)
@@ -163,9 +174,15 @@ def make_checkpoint(path: Path, vocab: int, hidden: int, intermediate: int, laye
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-                         num_hidden_layers=layers, num_attention_heads=hidden // 64,
-                         num_key_value_heads=hidden // 64, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 64,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(config)
     count = sum(p.numel() for p in model.parameters())
     model.to(torch.bfloat16).save_pretrained(path, max_shard_size="100MB")
@@ -180,8 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    parser.add_argument("--steps", type=int, default=1, help="training steps in the step phase (AdamW's moments "
-                        "exist from the second step's forward on)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=1,
+        help="training steps in the step phase (AdamW's moments exist from the second step's forward on)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", type=Path, help=argparse.SUPPRESS)
@@ -196,31 +217,63 @@ def main(argv: list[str] | None = None) -> int:
         params = make_checkpoint(checkpoint, args.vocab, args.hidden, args.intermediate, args.layers)
         make_checkpoint(Path(tmp) / "tiny", 256, 64, 128, 1)
         fp32 = params * 4
-        print(f"model: {params:,} parameters, {fp32 / 1e9:.3f} GB in float32; checkpoint in bfloat16, "
-              f"{len(list(checkpoint.glob('*.safetensors')))} files; figures are per rank: peak RSS above the "
-              "RSS before the build, after a tiny model's run in the same process (every code path warm), in units "
-              "of the float32 model, and seconds")
-        print(f"{'path':8} {'world':>5} {'rank':>4} | {'load':>6} {'step':>6} {'export':>6} {'run':>6} | "
-              f"{'export own':>10} | {'load s':>7} {'export s':>8}")
+        print(
+            f"model: {params:,} parameters, {fp32 / 1e9:.3f} GB in float32; checkpoint in bfloat16, "
+            f"{len(list(checkpoint.glob('*.safetensors')))} files; figures are per rank: peak RSS above the "
+            "RSS before the build, after a tiny model's run in the same process (every code path warm), in units "
+            "of the float32 model, and seconds"
+        )
+        print(
+            f"{'path':8} {'world':>5} {'rank':>4} | {'load':>6} {'step':>6} {'export':>6} {'run':>6} | "
+            f"{'export own':>10} | {'load s':>7} {'export s':>8}"
+        )
         for world in args.worlds:
             for mode in args.modes:
-                command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-                           "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "-m", "benchmarks.sharded_io",
-                           "--worker", "--mode", mode, "--steps", str(args.steps), "--checkpoint", str(checkpoint),
-                           "--out", tmp]
-                env = {"MALLOC_MMAP_THRESHOLD_": "131072", **os.environ, "OMP_NUM_THREADS": "1",
-                       "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)}
+                command = [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nproc-per-node",
+                    str(world),
+                    "--rdzv-backend",
+                    "c10d",
+                    "--rdzv-endpoint",
+                    "127.0.0.1:0",
+                    "-m",
+                    "benchmarks.sharded_io",
+                    "--worker",
+                    "--mode",
+                    mode,
+                    "--steps",
+                    str(args.steps),
+                    "--checkpoint",
+                    str(checkpoint),
+                    "--out",
+                    tmp,
+                ]
+                env = {
+                    "MALLOC_MMAP_THRESHOLD_": "131072",
+                    **os.environ,
+                    "OMP_NUM_THREADS": "1",
+                    "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p),
+                }
                 done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
                 if done.returncode != 0:
                     print(done.stdout[-3000:], done.stderr[-3000:], file=sys.stderr)
                     return 1
-                rows = [json.loads((Path(tmp) / f"result_{mode}_w{world}_r{rank}.json").read_text())
-                        for rank in range(world)]
+                rows = [
+                    json.loads((Path(tmp) / f"result_{mode}_w{world}_r{rank}.json").read_text())
+                    for rank in range(world)
+                ]
                 for r in rows:
                     peaks = [r[f"{p}_peak_bytes"] / fp32 for p in PHASES]
                     own = (r["export_peak_bytes"] - r["export_start_bytes"]) / fp32
-                    print(f"{mode:8} {world:>5} {r['rank']:>4} | " + " ".join(f"{x:6.2f}" for x in peaks)
-                          + f" {max(peaks):6.2f} | {own:10.2f} | {r['load_s']:7.2f} {r['export_s']:8.2f}", flush=True)
+                    print(
+                        f"{mode:8} {world:>5} {r['rank']:>4} | "
+                        + " ".join(f"{x:6.2f}" for x in peaks)
+                        + f" {max(peaks):6.2f} | {own:10.2f} | {r['load_s']:7.2f} {r['export_s']:8.2f}",
+                        flush=True,
+                    )
     return 0
 
 

@@ -19,9 +19,20 @@ from pathlib import Path
 
 def run_mode(recipe: str, packing: str, steps: int, overrides: list[str], output_dir: Path) -> list[dict]:
     command = [
-        sys.executable, "-m", "automodel", "finetune", recipe, f"packing={packing}", f"trainer.max_steps={steps}",
-        "trainer.checkpoint_every=null", "trainer.export_hf=false", "trainer.progress_bar=false",
-        "trainer.resume=never", "trainer.overwrite=true", "optim.warmup_steps=0", f"trainer.output_dir={output_dir}",
+        sys.executable,
+        "-m",
+        "automodel",
+        "finetune",
+        recipe,
+        f"packing={packing}",
+        f"trainer.max_steps={steps}",
+        "trainer.checkpoint_every=null",
+        "trainer.export_hf=false",
+        "trainer.progress_bar=false",
+        "trainer.resume=never",
+        "trainer.overwrite=true",
+        "optim.warmup_steps=0",
+        f"trainer.output_dir={output_dir}",
         *overrides,
     ]
     result = subprocess.run(command, capture_output=True, text=True)
@@ -40,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides applied to every mode")
     args = parser.parse_args(argv)
 
-    print(f"recipe {args.recipe}, {args.steps} steps per mode, medians over steps {args.skip + 1}..{args.steps}")
+    print(
+        f"recipe {args.recipe}, {args.steps} steps per mode, medians over steps {args.skip + 1}..{args.steps}"
+    )
     print(f"{'packing':<11} {'real tok/s':>11} {'fill':>7} {'real tok/step':>14} {'step time':>10}")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -53,12 +66,16 @@ def main(argv: list[str] | None = None) -> int:
                 "step_time_s": statistics.median(r["step_time_s"] for r in records),
             }
             r = results[mode]
-            print(f"{mode:<11} {r['tokens_per_s']:>11,.0f} {r['fill']:>7.1%} {r['real_tokens']:>14,.0f} "
-                  f"{r['step_time_s']:>9.3f}s")
+            print(
+                f"{mode:<11} {r['tokens_per_s']:>11,.0f} {r['fill']:>7.1%} {r['real_tokens']:>14,.0f} "
+                f"{r['step_time_s']:>9.3f}s"
+            )
     if "none" in results:
         for mode, r in results.items():
             if mode != "none":
-                print(f"{mode} vs none: {r['tokens_per_s'] / results['none']['tokens_per_s']:.2f}x real tokens/s")
+                print(
+                    f"{mode} vs none: {r['tokens_per_s'] / results['none']['tokens_per_s']:.2f}x real tokens/s"
+                )
     return 0
 
 

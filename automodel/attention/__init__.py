@@ -54,7 +54,9 @@ def build_attention(
     check_cp_comm_type(cp_comm_type)
     resolved = resolve_attention_backend(backend)
     if resolved == "varlen":
-        raise ValueError("build_attention builds 'te' or 'portable' modules; 'varlen' is called as a function")
+        raise ValueError(
+            "build_attention builds 'te' or 'portable' modules; 'varlen' is called as a function"
+        )
     if resolved == "te":
         return TransformerEngineAttention(num_heads, num_kv_heads, head_dim, softmax_scale, cp_comm_type)
     return PortableAttention(num_heads, num_kv_heads, head_dim, softmax_scale)

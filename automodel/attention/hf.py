@@ -84,7 +84,9 @@ class _Core(nn.Module):
                 chunk=extras.chunk,
             )
         features = FEATURES[self.backend]
-        lacking = [n for n in ("softcap", "sinks") if getattr(extras, n) is not None and not getattr(features, n)]
+        lacking = [
+            n for n in ("softcap", "sinks") if getattr(extras, n) is not None and not getattr(features, n)
+        ]
         if v.shape[-1] != q.shape[-1] and not features.mla:
             lacking.append(f"a value head dim ({v.shape[-1]}) != query/key head dim ({q.shape[-1]}) (MLA)")
         if lacking:

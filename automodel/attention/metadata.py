@@ -66,7 +66,11 @@ class ThdAttentionMetadata:
                 f"[0, {int(self.padded_lens[i])}], its padded length (from cu_seqlens_padded)"
             )
         longest = int(self.padded_lens.max())
-        if isinstance(self.max_seqlen, bool) or not isinstance(self.max_seqlen, int) or self.max_seqlen < longest:
+        if (
+            isinstance(self.max_seqlen, bool)
+            or not isinstance(self.max_seqlen, int)
+            or self.max_seqlen < longest
+        ):
             raise ValueError(
                 f"max_seqlen must be a python int >= the longest padded sequence ({longest}), got {self.max_seqlen!r}"
             )
@@ -99,14 +103,20 @@ class ThdAttentionMetadata:
             )
         total = self.total_tokens
         lens = self.on_device("cu_seqlens_padded", device).diff()
-        sequence_T = torch.repeat_interleave(torch.arange(lens.numel(), device=device), lens, output_size=total)
+        sequence_T = torch.repeat_interleave(
+            torch.arange(lens.numel(), device=device), lens, output_size=total
+        )
         position_T = torch.arange(total, device=device)
-        allowed_TT = (sequence_T[:, None] == sequence_T[None, :]) & (position_T[None, :] <= position_T[:, None])
+        allowed_TT = (sequence_T[:, None] == sequence_T[None, :]) & (
+            position_T[None, :] <= position_T[:, None]
+        )
         mask_TT = torch.zeros((total, total), dtype=dtype, device=device)
         return mask_TT.masked_fill_(~allowed_TT, torch.finfo(dtype).min)[None, None]
 
     @classmethod
-    def from_batch(cls, batch: dict[str, Any], cp_group: dist.ProcessGroup | None = None) -> ThdAttentionMetadata:
+    def from_batch(
+        cls, batch: dict[str, Any], cp_group: dist.ProcessGroup | None = None
+    ) -> ThdAttentionMetadata:
         """From the output of ``make_cp_batch_for_te`` (single chunk)."""
         return cls(
             cu_seqlens=batch["cu_seqlens"],
@@ -142,5 +152,8 @@ class ThdAttentionMetadata:
         """``[cp_size, T / cp_size]`` int64 (CPU): row r = global indices of CP rank r's local tokens."""
         cu = self.cu_seqlens_padded.to("cpu")
         return torch.stack(
-            [thd_get_partitioned_indices(cu, self.total_tokens, self.cp_size, r).long() for r in range(self.cp_size)]
+            [
+                thd_get_partitioned_indices(cu, self.total_tokens, self.cp_size, r).long()
+                for r in range(self.cp_size)
+            ]
         )

@@ -65,8 +65,13 @@ class PortableAttention(nn.Module):
     """
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, softmax_scale: float | None = None,
-        *, head_dim_v: int | None = None,
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        softmax_scale: float | None = None,
+        *,
+        head_dim_v: int | None = None,
     ):
         super().__init__()
         check_head_config(num_heads, num_kv_heads, head_dim, softmax_scale)
@@ -171,7 +176,9 @@ def local_query_attention(
             continue
         rows = slice(local_start, local_start + n_local)
         local_start += n_local
-        i = (positions[rows] - seq_start).to(q.device, non_blocking=True)[:, None]  # [n_local, 1] query index in sequence
+        i = (positions[rows] - seq_start).to(q.device, non_blocking=True)[
+            :, None
+        ]  # [n_local, 1] query index in sequence
         n_keys = int(positions[rows].max()) - seq_start + 1  # causal: no query sees past its own slot
         j = torch.arange(n_keys, device=q.device)[None, :]
         # [n_local, n_keys]; real and padding never mix

@@ -154,14 +154,23 @@ class MicroBatchStream(_Position):
         """The epoch's global micro-batches (unit indices): the kept units in the order of ``(seed, epoch)``."""
         if self._plan is None or self._plan[0] != epoch:
             kept = self.prepared.kept
-            order = kept[np.random.default_rng((self.env.seed, epoch)).permutation(len(kept))] if self.shuffle else kept
+            order = (
+                kept[np.random.default_rng((self.env.seed, epoch)).permutation(len(kept))]
+                if self.shuffle
+                else kept
+            )
             plan = self.prepared.plan(order)
             dropped = plan.num_packs % self.env.dp_size
             left_out = len(kept) - int(plan.pack_offsets[plan.num_packs - dropped])
             if left_out:
                 logger.warning(
                     "epoch %d: %d of %d units (samples or packs) are not dealt: the last %d of %d micro-batches do "
-                    "not divide among %d data-parallel rank(s)", epoch, left_out, len(kept), dropped, plan.num_packs,
+                    "not divide among %d data-parallel rank(s)",
+                    epoch,
+                    left_out,
+                    len(kept),
+                    dropped,
+                    plan.num_packs,
                     self.env.dp_size,
                 )
             self._plan = (epoch, plan)
@@ -176,7 +185,13 @@ class MicroBatchStream(_Position):
         for _ in range(2):
             if self._iterator is None:
                 plan = self.plan(self.epoch)
-                dealt = _Dealt(self.prepared, plan, self.start, self.env, (plan.num_packs - self.start) // self.env.dp_size)
+                dealt = _Dealt(
+                    self.prepared,
+                    plan,
+                    self.start,
+                    self.env,
+                    (plan.num_packs - self.start) // self.env.dp_size,
+                )
                 self._iterator = iter(StatefulDataLoader(
                     dealt, batch_size=None, num_workers=self.num_workers  # items are collated micro-batches
                 ))  # fmt: skip
@@ -186,7 +201,9 @@ class MicroBatchStream(_Position):
                 return batch
             except StopIteration:
                 self.epoch, self.start, self.taken, self._iterator = self.epoch + 1, 0, 0, None
-        raise ValueError(f"dp_size: epoch {self.epoch} gives no micro-batch to each of {self.env.dp_size} ranks")
+        raise ValueError(
+            f"dp_size: epoch {self.epoch} gives no micro-batch to each of {self.env.dp_size} ranks"
+        )
 
 
 _NOT_IN_PLAN = ("num_workers", "cache_dir")  # settings that change no micro-batch: a resume may change them
@@ -207,16 +224,26 @@ class _Mode:
             check_positive_int(f"packing.{name}", getattr(self, name))
         if not isinstance(self.shuffle, bool):
             raise ValueError(f"packing.shuffle must be true or false, got {self.shuffle!r}")
-        if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) or self.num_workers < 0:
+        if (
+            isinstance(self.num_workers, bool)
+            or not isinstance(self.num_workers, int)
+            or self.num_workers < 0
+        ):
             raise ValueError(f"packing.num_workers must be an int >= 0, got {self.num_workers!r}")
 
     def _prepared(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
         if not isinstance(dataset, datasets.Dataset):
-            raise ValueError(f"dataset: this mode needs a map-style datasets.Dataset, got {type(dataset).__name__}")
+            raise ValueError(
+                f"dataset: this mode needs a map-style datasets.Dataset, got {type(dataset).__name__}"
+            )
         prepared = self.prepare(dataset, env)
         prepared.fingerprint = _fingerprint(
-            type(self).__name__, {k: v for k, v in asdict(self).items() if k not in _NOT_IN_PLAN},
-            hashlib.sha256(prepared.kept.tobytes()).hexdigest(), len(prepared.units), env.seed, env.cp_size,
+            type(self).__name__,
+            {k: v for k, v in asdict(self).items() if k not in _NOT_IN_PLAN},
+            hashlib.sha256(prepared.kept.tobytes()).hexdigest(),
+            len(prepared.units),
+            env.seed,
+            env.cp_size,
             *((env.dp_size,) if self._plan_uses_dp_size else ()),
         )
         return prepared
@@ -257,14 +284,21 @@ class PackedBatching(_Mode):
             raise ValueError(f"packing.algorithm must be one of {PACKING_ALGORITHMS}, got {self.algorithm!r}")
 
     def prepare(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
-        pack = functools.partial(cached_pack_dataset, cache_dir=self.cache_dir) if self.cache_dir else pack_dataset
+        pack = (
+            functools.partial(cached_pack_dataset, cache_dir=self.cache_dir)
+            if self.cache_dir
+            else pack_dataset
+        )
         packed = pack(
             dataset, "train", self.packed_sequence_size, self.max_packs, env.padding_idx, self.drop_long_samples,
             env.cp_size, algorithm=self.algorithm, seed=env.seed,
         )  # fmt: skip
         return Prepared(
-            packed.with_format("numpy"), np.arange(len(packed)),
-            functools.partial(_groups, size=self.micro_batch_size), packed_sequence_thd_collater, "",
+            packed.with_format("numpy"),
+            np.arange(len(packed)),
+            functools.partial(_groups, size=self.micro_batch_size),
+            packed_sequence_thd_collater,
+            "",
         )
 
 
@@ -280,8 +314,12 @@ class PaddedBatching(_Mode):
     def prepare(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
         padded = cp_padded(read_lengths(dataset), env.cp_size)
         kept = np.flatnonzero(keep_fitting("packing.max_length", padded, self.max_length, True, env.cp_size))
-        collate = functools.partial(padded_sequence_thd_collater, padding_idx=env.padding_idx, cp_size=env.cp_size)
-        return Prepared(_sample_rows(dataset), kept, functools.partial(_groups, size=self.micro_batch_size), collate, "")
+        collate = functools.partial(
+            padded_sequence_thd_collater, padding_idx=env.padding_idx, cp_size=env.cp_size
+        )
+        return Prepared(
+            _sample_rows(dataset), kept, functools.partial(_groups, size=self.micro_batch_size), collate, ""
+        )
 
 
 def _flat_collate(samples: list[dict[str, Any]], env: LoaderEnv, length: int | None) -> dict[str, Any]:
@@ -304,7 +342,9 @@ class _FlatMode(_Mode):
         if self.pad_packed_to_length is not None:
             check_positive_int("packing.pad_packed_to_length", self.pad_packed_to_length)
             if not self.pad_packed_input:
-                raise ValueError("packing.pad_packed_to_length needs packing.pad_packed_input=true; set it or remove it")
+                raise ValueError(
+                    "packing.pad_packed_to_length needs packing.pad_packed_input=true; set it or remove it"
+                )
         if not self.pad_packed_input:
             return None
         length = self.pad_packed_to_length or longest
@@ -316,8 +356,12 @@ class _FlatMode(_Mode):
         return length
 
 
-def _flat_prepared(dataset: datasets.Dataset, env: LoaderEnv, kept: np.ndarray, plan: Callable, length: int | None) -> Prepared:
-    return Prepared(_sample_rows(dataset), kept, plan, functools.partial(_flat_collate, env=env, length=length), "")
+def _flat_prepared(
+    dataset: datasets.Dataset, env: LoaderEnv, kept: np.ndarray, plan: Callable, length: int | None
+) -> Prepared:
+    return Prepared(
+        _sample_rows(dataset), kept, plan, functools.partial(_flat_collate, env=env, length=length), ""
+    )
 
 
 @dataclass
@@ -341,10 +385,16 @@ class RmpadBatching(_FlatMode):
         self._static_length(self.micro_batch_size * self.max_seq_len, "micro_batch_size * max_seq_len", 1)
 
     def prepare(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
-        length = self._static_length(self.micro_batch_size * self.max_seq_len, "micro_batch_size * max_seq_len", env.cp_size)
+        length = self._static_length(
+            self.micro_batch_size * self.max_seq_len, "micro_batch_size * max_seq_len", env.cp_size
+        )
         padded = cp_padded(read_lengths(dataset), env.cp_size)
-        kept = np.flatnonzero(keep_fitting("packing.max_seq_len", padded, self.max_seq_len, True, env.cp_size))
-        return _flat_prepared(dataset, env, kept, functools.partial(_groups, size=self.micro_batch_size), length)
+        kept = np.flatnonzero(
+            keep_fitting("packing.max_seq_len", padded, self.max_seq_len, True, env.cp_size)
+        )
+        return _flat_prepared(
+            dataset, env, kept, functools.partial(_groups, size=self.micro_batch_size), length
+        )
 
 
 def label_token_counts(dataset: datasets.Dataset) -> np.ndarray:
@@ -405,9 +455,17 @@ class DynBszBatching(_FlatMode):
         length = self._static_length(self.length_cap, "the length cap", env.cp_size)
         sizes = cp_padded(read_lengths(dataset), env.cp_size)
         weights = sizes if self.count == "tokens" else label_token_counts(dataset)
-        cap_name = "packing.max_packed_length" if self.max_packed_length else "packing.max_tokens_per_micro_batch"
+        cap_name = (
+            "packing.max_packed_length" if self.max_packed_length else "packing.max_tokens_per_micro_batch"
+        )
         fits = keep_fitting(cap_name, sizes, self.length_cap, True, env.cp_size)
-        fits &= keep_fitting("packing.max_tokens_per_micro_batch (label tokens)", weights, self.max_tokens_per_micro_batch, True, 1)
+        fits &= keep_fitting(
+            "packing.max_tokens_per_micro_batch (label tokens)",
+            weights,
+            self.max_tokens_per_micro_batch,
+            True,
+            1,
+        )
         if not fits.any():  # each limit keeps some samples, but no sample is within both
             raise ValueError(
                 f"no sample fits both {cap_name}={self.length_cap} (tokens) and packing.max_tokens_per_micro_batch="
@@ -422,8 +480,14 @@ class DynBszBatching(_FlatMode):
 
 
 def plan_balanced_epoch(
-    order: np.ndarray, lengths: np.ndarray, *, dp_size: int, samples_per_pack: int, packs_per_rank: int = 1,
-    max_tokens_per_gpu: int | None = None, cost_coefficients: Sequence[float] = (1.0, 0.0),
+    order: np.ndarray,
+    lengths: np.ndarray,
+    *,
+    dp_size: int,
+    samples_per_pack: int,
+    packs_per_rank: int = 1,
+    max_tokens_per_gpu: int | None = None,
+    cost_coefficients: Sequence[float] = (1.0, 0.0),
 ) -> PackPlan:
     """Balanced micro-batches of an epoch from a sample ``order``: groups of
     ``G = samples_per_pack * dp_size * packs_per_rank`` samples, each split by
@@ -474,7 +538,13 @@ class BalancedBatching(_Mode):
 
     def prepare(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
         padded = cp_padded(read_lengths(dataset), env.cp_size)
-        keep = keep_fitting("packing.packed_sequence_size", padded, self.packed_sequence_size, self.drop_long_samples, env.cp_size)
+        keep = keep_fitting(
+            "packing.packed_sequence_size",
+            padded,
+            self.packed_sequence_size,
+            self.drop_long_samples,
+            env.cp_size,
+        )
         plan = functools.partial(
             plan_balanced_epoch, lengths=padded, dp_size=env.dp_size, samples_per_pack=self.micro_batch_size,
             packs_per_rank=self.packs_per_rank, max_tokens_per_gpu=self.packed_sequence_size,

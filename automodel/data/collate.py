@@ -83,7 +83,9 @@ def build_row(
         input_ids[start : start + n] = sample["input_ids"]
         sample_labels = np.asarray(sample["labels"])
         if sample.get("loss_mask") is not None:
-            sample_labels = np.where(np.asarray(sample["loss_mask"]) != 0, sample_labels, CROSS_ENTROPY_IGNORE_INDEX)
+            sample_labels = np.where(
+                np.asarray(sample["loss_mask"]) != 0, sample_labels, CROSS_ENTROPY_IGNORE_INDEX
+            )
         labels[start : start + n] = sample_labels
     positions = np.arange(size) - np.repeat(starts, padded)
     return {
@@ -140,7 +142,9 @@ def packed_sequence_thd_collater(batch: Sequence[dict[str, Any]]) -> dict[str, A
     for i, pack in enumerate(batch):
         missing = [k for k in (*_TOKEN_KEYS, *_LAYOUT_KEYS) if k not in pack]
         if missing:
-            raise ValueError(f"pack {i} lacks {missing}: give rows of pack_dataset (keys present: {sorted(pack)})")
+            raise ValueError(
+                f"pack {i} lacks {missing}: give rows of pack_dataset (keys present: {sorted(pack)})"
+            )
         for key in (*_TOKEN_KEYS, *_LAYOUT_KEYS):
             check_integers(pack[key], f"pack {i}: {key}", ndim=1)
     collated: dict[str, Any] = {}
@@ -172,7 +176,9 @@ def _rows_of_samples(samples: Sequence[Mapping[str, Any]]) -> list[dict[str, np.
         if missing:
             raise BatchKeyError(f"sample {i} lacks {missing} (keys present: {sorted(sample)})")
         length = len(sample["input_ids"])
-        lengths = {k: len(sample[k]) for k in ("labels", "loss_mask", "attention_mask") if sample.get(k) is not None}
+        lengths = {
+            k: len(sample[k]) for k in ("labels", "loss_mask", "attention_mask") if sample.get(k) is not None
+        }
         if any(n != length for n in lengths.values()):
             raise ValueError(f"sample {i}: input_ids has {length} entries but {lengths}")
         real = length
@@ -184,7 +190,11 @@ def _rows_of_samples(samples: Sequence[Mapping[str, Any]]) -> list[dict[str, np.
                     f"sample {i}: attention_mask must be 1s followed by 0s (right padding), got "
                     f"{mask.astype(int).tolist()}; left padding or gaps have no THD layout"
                 )
-        kept = {k: np.asarray(sample[k])[:real] for k in ("input_ids", "labels", "loss_mask") if sample.get(k) is not None}
+        kept = {
+            k: np.asarray(sample[k])[:real]
+            for k in ("input_ids", "labels", "loss_mask")
+            if sample.get(k) is not None
+        }
         rows.append(build_row([kept], padding_idx, length=width))
     return rows
 
@@ -202,4 +212,6 @@ def padded_sequence_thd_collater(
     if len(batch) == 0:
         return {}
     width = int(cp_padded(max(len(sample["input_ids"]) for sample in batch), cp_size))
-    return packed_sequence_thd_collater([build_row([sample], padding_idx, cp_size, width) for sample in batch])
+    return packed_sequence_thd_collater(
+        [build_row([sample], padding_idx, cp_size, width) for sample in batch]
+    )

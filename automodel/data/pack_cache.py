@@ -116,7 +116,12 @@ def cached_pack_dataset(
             packed.save_to_disk(str(staging))
             (staging / DIGEST).write_text(json.dumps({"xxh3_128": entry_digest(staging)}))
             os.rename(staging, entry)
-            logger.info("pack cache: packed %d rows into %s in %.1f s", len(packed), entry, time.perf_counter() - start)
+            logger.info(
+                "pack cache: packed %d rows into %s in %.1f s",
+                len(packed),
+                entry,
+                time.perf_counter() - start,
+            )
     logger.info("pack cache: reading %s", entry)
     written = json.loads((entry / DIGEST).read_text()).get("xxh3_128")
     if entry_digest(entry) != written:

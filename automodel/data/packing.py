@@ -115,7 +115,14 @@ def pack_dataset(
         seq_lens_padded [4 12]
     """
     _check_arguments(
-        packed_sequence_size, max_packs, padding_idx, drop_long_samples, cp_size, algorithm, seed, pad_to_multiple_of,
+        packed_sequence_size,
+        max_packs,
+        padding_idx,
+        drop_long_samples,
+        cp_size,
+        algorithm,
+        seed,
+        pad_to_multiple_of,
         vocab_size,
     )
     dataset = _select_split(dataset, split)
@@ -123,7 +130,12 @@ def pack_dataset(
 
     padded_lens = cp_padded(lengths, cp_size, pad_to_multiple_of)
     keep = keep_fitting(
-        "packed_sequence_size", padded_lens, packed_sequence_size, drop_long_samples, cp_size, pad_to_multiple_of
+        "packed_sequence_size",
+        padded_lens,
+        packed_sequence_size,
+        drop_long_samples,
+        cp_size,
+        pad_to_multiple_of,
     )
     fitting = np.flatnonzero(keep)
     plan = plan_packs(padded_lens[fitting], packed_sequence_size, algorithm, seed)
@@ -148,14 +160,30 @@ def pack_dataset(
     table = _build_table(lengths, columns, plan, padded_lens, packed_sequence_size, padding_idx)
     logger.info("pack_dataset: %s", report)
     fingerprint = Hasher.hash(
-        (getattr(dataset, "_fingerprint", None), packed_sequence_size, max_packs, padding_idx,
-         drop_long_samples, cp_size, algorithm, seed, pad_to_multiple_of)
+        (
+            getattr(dataset, "_fingerprint", None),
+            packed_sequence_size,
+            max_packs,
+            padding_idx,
+            drop_long_samples,
+            cp_size,
+            algorithm,
+            seed,
+            pad_to_multiple_of,
+        )
     )
     return datasets.Dataset(InMemoryTable(table), fingerprint=fingerprint)
 
 
 def _check_arguments(
-    packed_sequence_size, max_packs, padding_idx, drop_long_samples, cp_size, algorithm, seed, pad_to_multiple_of=1,
+    packed_sequence_size,
+    max_packs,
+    padding_idx,
+    drop_long_samples,
+    cp_size,
+    algorithm,
+    seed,
+    pad_to_multiple_of=1,
     vocab_size=None,
 ):
     check_positive_int("packed_sequence_size", packed_sequence_size)
@@ -165,8 +193,10 @@ def _check_arguments(
     check_positive_int("pad_to_multiple_of", pad_to_multiple_of)
     if max_packs is not None:
         check_positive_int("max_packs", max_packs)
-    if isinstance(padding_idx, bool) or not isinstance(padding_idx, (int, np.integer)) or not (
-        _INT32.min <= padding_idx <= _INT32.max
+    if (
+        isinstance(padding_idx, bool)
+        or not isinstance(padding_idx, (int, np.integer))
+        or not (_INT32.min <= padding_idx <= _INT32.max)
     ):
         raise ValueError(f"padding_idx must be an int32 token id, got {padding_idx!r}")
     if not isinstance(drop_long_samples, bool):
@@ -189,8 +219,10 @@ def _select_split(dataset, split) -> datasets.Dataset:
         if split not in dataset:
             raise ValueError(f"split {split!r} is not in the DatasetDict; available splits: {list(dataset)}")
         dataset = dataset[split]
-    elif hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__") and not isinstance(
-        dataset, (datasets.Dataset, str, Mapping)
+    elif (
+        hasattr(dataset, "__len__")
+        and hasattr(dataset, "__getitem__")
+        and not isinstance(dataset, (datasets.Dataset, str, Mapping))
     ):  # a list of rows, or a map-style dataset of them (NeMo AutoModel's ChatDataset, a torch Dataset)
         dataset = _dataset_of_rows([dataset[i] for i in range(len(dataset))])
     if not isinstance(dataset, datasets.Dataset):
@@ -207,7 +239,9 @@ def _dataset_of_rows(rows: list) -> datasets.Dataset:
         raise ValueError("dataset is empty: nothing to pack or batch")
     for i, row in enumerate(rows):
         if not isinstance(row, Mapping):
-            raise ValueError(f"row {i} is a {type(row).__name__}: rows must be dicts of token lists (input_ids, labels)")
+            raise ValueError(
+                f"row {i} is a {type(row).__name__}: rows must be dicts of token lists (input_ids, labels)"
+            )
     names = [c for c in ("input_ids", "labels", "loss_mask") if any(c in row for row in rows)]
     # plain lists: Arrow refuses a column mixing tensors or arrays of different dtypes
     columns = {name: [np.asarray(row.get(name)).tolist() for row in rows] for name in names}
@@ -254,7 +288,9 @@ def read_lengths(dataset: datasets.Dataset, vocab_size: int | None = None) -> np
                 or pa.types.is_fixed_size_list(column.type)):  # fmt: skip
             raise ValueError(f"{name} must hold lists of token ids, got Arrow type {column.type}")
         if column.null_count:
-            raise ValueError(f"{name}: sample {int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])} is null")
+            raise ValueError(
+                f"{name}: sample {int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])} is null"
+            )
     lengths = {c: pc.list_value_length(table.column(c)).to_numpy(zero_copy_only=False) for c in names}
     tokens = lengths["input_ids"].astype(np.int64)
     if tokens.min() == 0:
@@ -263,7 +299,9 @@ def read_lengths(dataset: datasets.Dataset, vocab_size: int | None = None) -> np
         bad = np.flatnonzero(lengths[name] != tokens)
         if len(bad):
             i = int(bad[0])
-            raise ValueError(f"{name}: sample {i} has {lengths[name][i]} entries but input_ids has {tokens[i]}")
+            raise ValueError(
+                f"{name}: sample {i} has {lengths[name][i]} entries but input_ids has {tokens[i]}"
+            )
     for name in names[:2]:
         _check_token_ids(table.column(name), name, vocab_size)
     return tokens
@@ -292,7 +330,12 @@ def _check_token_ids(column: pa.ChunkedArray, name: str, vocab_size: int | None)
 
 
 def keep_fitting(
-    limit: str, padded_lens: np.ndarray, cap: int, drop_long_samples: bool, cp_size: int, pad_to_multiple_of: int = 1,
+    limit: str,
+    padded_lens: np.ndarray,
+    cap: int,
+    drop_long_samples: bool,
+    cp_size: int,
+    pad_to_multiple_of: int = 1,
     whole: bool = True,
 ) -> np.ndarray:
     """``[N]`` bool, True for samples whose padded length fits ``cap`` (the setting named ``limit``):
@@ -320,7 +363,12 @@ def keep_fitting(
             )
         logger.warning(
             "dropped %d of %d samples (%.3f%%) longer than %s=%d tokens%s",
-            int(too_long.sum()), len(too_long), 100 * too_long.mean(), limit, cap, after,
+            int(too_long.sum()),
+            len(too_long),
+            100 * too_long.mean(),
+            limit,
+            cap,
+            after,
         )
     return ~too_long
 
@@ -343,7 +391,12 @@ def _list_column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _build_table(
-    lengths: np.ndarray, columns: dict, plan: PackPlan, padded_lens: np.ndarray, pack_size: int, padding_idx: int
+    lengths: np.ndarray,
+    columns: dict,
+    plan: PackPlan,
+    padded_lens: np.ndarray,
+    pack_size: int,
+    padding_idx: int,
 ) -> pa.Table:
     num_packs = plan.num_packs
     num_slots = num_packs * pack_size
@@ -354,15 +407,33 @@ def _build_table(
     out_ids = _prefaulted_empty(num_slots, token_dtype)
     out_labels = _prefaulted_empty(num_slots, token_dtype)
     out_positions = _prefaulted_empty(num_slots, np.int32)
-    step = max(num_packs // 100, -(-(1 << 22) // pack_size))  # progress chunks of >= 4M slots: one kernel launch each
+    step = max(
+        num_packs // 100, -(-(1 << 22) // pack_size)
+    )  # progress chunks of >= 4M slots: one kernel launch each
     torch_threads = torch.get_num_threads()
     with tqdm(total=num_packs, desc="Packing", unit="pack", disable=None, leave=False) as progress:
         for first in range(0, num_packs, step):
             last = min(num_packs, first + step)
             _fill_packs(
-                first, last, plan.pack_offsets, plan.sample_order, lengths, padded_lens, ids, ids_starts,
-                labels, labels_starts, mask, mask_starts, "loss_mask" in columns,
-                pack_size, padding_idx, CROSS_ENTROPY_IGNORE_INDEX, out_ids, out_labels, out_positions,
+                first,
+                last,
+                plan.pack_offsets,
+                plan.sample_order,
+                lengths,
+                padded_lens,
+                ids,
+                ids_starts,
+                labels,
+                labels_starts,
+                mask,
+                mask_starts,
+                "loss_mask" in columns,
+                pack_size,
+                padding_idx,
+                CROSS_ENTROPY_IGNORE_INDEX,
+                out_ids,
+                out_labels,
+                out_positions,
             )
             progress.update(last - first)
     # numba's OpenMP layer resizes the OpenMP pool torch shares to every core; left so, each rank of a
@@ -404,7 +475,9 @@ def _fits_int32(values: np.ndarray) -> bool:
 
 def _list_array(offsets: np.ndarray, values: np.ndarray) -> pa.Array:
     """A list column over ``values`` without copying them (large_list past 2**31 - 1 values)."""
-    values_array = pa.Array.from_buffers(pa.from_numpy_dtype(values.dtype), len(values), [None, pa.py_buffer(values)])
+    values_array = pa.Array.from_buffers(
+        pa.from_numpy_dtype(values.dtype), len(values), [None, pa.py_buffer(values)]
+    )
     if offsets[-1] <= _INT32.max:
         return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), values_array)
     return pa.LargeListArray.from_arrays(pa.array(offsets), values_array)

@@ -69,13 +69,17 @@ def plan_packs(lengths: np.ndarray, capacity: int, algorithm: str = "bfd", seed:
     if len(lengths) == 0:
         return PackPlan(np.zeros(0, np.int64), np.zeros(1, np.int64))
     if lengths.min() < 1 or lengths.max() > capacity:
-        raise ValueError(f"every length must be in [1, {capacity}], got range [{lengths.min()}, {lengths.max()}]")
+        raise ValueError(
+            f"every length must be in [1, {capacity}], got range [{lengths.min()}, {lengths.max()}]"
+        )
     if algorithm == "sequential":
         pack_of_sample = _next_fit(lengths, capacity)
         sample_order = np.arange(len(lengths), dtype=np.int64)  # next-fit keeps dataset order
         num_packs = int(pack_of_sample[-1]) + 1
     else:
-        pack_of_sample, num_packs = _best_fit_decreasing(lengths, np.argsort(-lengths, kind="stable"), capacity)
+        pack_of_sample, num_packs = _best_fit_decreasing(
+            lengths, np.argsort(-lengths, kind="stable"), capacity
+        )
         # A stream of its own: numpy seeds ``seed`` and ``(seed, 0)`` alike, and the epoch engine draws
         # epoch 0's order from ``(seed, 0)``, which would undo this shuffle (lengths sorted again).
         shuffle = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(_PACK_SHUFFLE_STREAM,)))
@@ -338,7 +342,9 @@ def improve_packs(
         slots = np.delete(np.arange(num_packs), h)
         col_pack = np.concatenate([pack_of[others], slots])
         d = costs[rows][:, None] - np.concatenate([costs[others], np.zeros(len(slots))])[None, :]
-        token_delta = lengths[rows][:, None] - np.concatenate([lengths[others], np.zeros(len(slots), np.int64)])
+        token_delta = lengths[rows][:, None] - np.concatenate(
+            [lengths[others], np.zeros(len(slots), np.int64)]
+        )
         ok = (d > 0) & (d < loads[h] - loads[col_pack]) & (tokens[col_pack] + token_delta <= cap)
         if sizes[h] == 1:
             ok[:, len(others) :] = False

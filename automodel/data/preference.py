@@ -36,7 +36,10 @@ from automodel.data.sources import check_source, load_sft_source
 
 logger = logging.getLogger(__name__)
 
-PREFERENCE_FORMATS = {"prompt_completion": ("prompt", "chosen", "rejected"), "messages": ("chosen", "rejected")}
+PREFERENCE_FORMATS = {
+    "prompt_completion": ("prompt", "chosen", "rejected"),
+    "messages": ("chosen", "rejected"),
+}
 SIDES = ("chosen", "rejected")
 _SAMPLE_COLUMNS = ("input_ids", "labels", "loss_mask")
 
@@ -72,7 +75,9 @@ class PreferenceData:
 
     def __post_init__(self) -> None:
         if self.format not in PREFERENCE_FORMATS:
-            raise ValueError(f"data.format={self.format!r}: a preference format must be one of {tuple(PREFERENCE_FORMATS)}")
+            raise ValueError(
+                f"data.format={self.format!r}: a preference format must be one of {tuple(PREFERENCE_FORMATS)}"
+            )
         unknown = set(self.columns or {}) - set(PREFERENCE_FORMATS[self.format])
         if unknown:
             raise ValueError(
@@ -80,8 +85,12 @@ class PreferenceData:
                 f"{PREFERENCE_FORMATS[self.format]}"
             )
         check_source(self.source, "data.source")
-        if self.validation is not None and (not isinstance(self.validation, dict) or set(self.validation) - {"source", "split"}):
-            raise ValueError(f"data.validation must be a mapping with source and/or split, got {self.validation!r}")
+        if self.validation is not None and (
+            not isinstance(self.validation, dict) or set(self.validation) - {"source", "split"}
+        ):
+            raise ValueError(
+                f"data.validation must be a mapping with source and/or split, got {self.validation!r}"
+            )
         check_shared_fields(self)
 
     def load_tokenizer(self, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
@@ -94,8 +103,16 @@ class PreferenceData:
         if self.val_fraction is not None:
             pairs, validation = hold_out(pairs, self.val_fraction, self.seed, self.source)
         elif self.validation is not None:
-            validation = self._pairs(self.validation.get("source", self.source), self.validation.get("split", self.split), tokenizer)
-        logger.info("data: %d preference pairs%s", len(pairs), f", {len(validation)} for validation" if validation else "")
+            validation = self._pairs(
+                self.validation.get("source", self.source),
+                self.validation.get("split", self.split),
+                tokenizer,
+            )
+        logger.info(
+            "data: %d preference pairs%s",
+            len(pairs),
+            f", {len(validation)} for validation" if validation else "",
+        )
         return pairs, validation
 
     def _pairs(self, source: str, split: str, tokenizer: PreTrainedTokenizerBase) -> datasets.Dataset:
@@ -113,7 +130,9 @@ class PreferenceData:
             counts, firsts = collections.Counter(reason for _, reason in bad), {}
             for row, reason in bad:
                 firsts.setdefault(reason, row)
-            listed = "; ".join(f"{n} with {reason} (first: {origin(firsts[reason])})" for reason, n in counts.items())
+            listed = "; ".join(
+                f"{n} with {reason} (first: {origin(firsts[reason])})" for reason, n in counts.items()
+            )
             if self.on_bad_row == "error":
                 raise ValueError(
                     f"{source}: {len(bad)} of {len(rows)} preference pairs cannot teach anything: {listed}; fix them, "
@@ -125,7 +144,12 @@ class PreferenceData:
             mapping = {"messages": columns[side]} if self.format == "messages" else {
                 "prompt": columns["prompt"], "completion": columns[side]}  # fmt: skip
             tokenized = tokenize_sft_dataset(
-                rows, tokenizer, format=self.format, columns=mapping, max_length=self.max_length, origin=origin
+                rows,
+                tokenizer,
+                format=self.format,
+                columns=mapping,
+                max_length=self.max_length,
+                origin=origin,
             )
             if len(tokenized) != len(rows):
                 raise ValueError(
@@ -184,9 +208,16 @@ class PreferenceBatching(_Mode):
     _positive = ("pairs_per_micro_batch",)
 
     def prepare(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
-        missing = [f"{side}_{c}" for side in SIDES for c in _SAMPLE_COLUMNS if f"{side}_{c}" not in dataset.column_names]
+        missing = [
+            f"{side}_{c}"
+            for side in SIDES
+            for c in _SAMPLE_COLUMNS
+            if f"{side}_{c}" not in dataset.column_names
+        ]
         if missing:
-            raise ValueError(f"packing: preference needs the pairs of data: PreferenceData (missing columns {missing})")
+            raise ValueError(
+                f"packing: preference needs the pairs of data: PreferenceData (missing columns {missing})"
+            )
         return Prepared(
             dataset.with_format("numpy"), np.arange(len(dataset)),
             functools.partial(_groups, size=self.pairs_per_micro_batch), functools.partial(collate_pairs, env=env), "",

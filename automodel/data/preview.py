@@ -47,7 +47,9 @@ def preview(cfg: DictConfig, samples: int = 3) -> dict[str, Any]:
     data, batching = build_section(cfg, "data"), build_section(cfg, "packing")
     trainer, parallel = build_section(cfg, "trainer"), build_section(cfg, "parallel")
     if cfg.get("dpo") is not None:
-        raise ConfigError("automodel data previews SFT data; preference pairs (a dpo section) are not shown yet")
+        raise ConfigError(
+            "automodel data previews SFT data; preference pairs (a dpo section) are not shown yet"
+        )
     try:
         tokenizer = data.load_tokenizer(trust_remote_code=bool(cfg.model.get("trust_remote_code", False)))
         dataset, validation = data.build(tokenizer)
@@ -58,7 +60,10 @@ def preview(cfg: DictConfig, samples: int = 3) -> dict[str, Any]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cp_size = parallel.cp_size
     env = LoaderEnv(
-        dp_rank=0, dp_size=max(1, world // cp_size), cp_size=cp_size, seed=trainer.seed,
+        dp_rank=0,
+        dp_size=max(1, world // cp_size),
+        cp_size=cp_size,
+        seed=trainer.seed,
         padding_idx=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
     )
     stream = batching.build(dataset, env)
@@ -77,14 +82,19 @@ def preview(cfg: DictConfig, samples: int = 3) -> dict[str, Any]:
         padding = make_cp_batch_for_te(None, batch)["padding_mask"]
         real, slots = real + int((~padding).sum()), slots + padding.numel()
     figures = {
-        "rows": len(rows), "tokens": sum(lengths), "learned_tokens": learned,
+        "rows": len(rows),
+        "tokens": sum(lengths),
+        "learned_tokens": learned,
         "validation_rows": 0 if validation is None else len(validation),
-        "micro_batches_per_epoch": stream.batches_per_epoch, "fill": real / slots,
+        "micro_batches_per_epoch": stream.batches_per_epoch,
+        "fill": real / slots,
         "steps_per_epoch": stream.batches_per_epoch // trainer.grad_accum_steps,
     }
     print("---")
-    print(f"rows {figures['rows']:,} (validation {figures['validation_rows']:,}), tokens {figures['tokens']:,}, "
-          f"learned {learned:,} ({100 * learned / figures['tokens']:.1f}%), sample length {min(lengths)}..{max(lengths)}")
+    print(
+        f"rows {figures['rows']:,} (validation {figures['validation_rows']:,}), tokens {figures['tokens']:,}, "
+        f"learned {learned:,} ({100 * learned / figures['tokens']:.1f}%), sample length {min(lengths)}..{max(lengths)}"
+    )
     print(f"fill {100 * figures['fill']:.1f}% of the token slots (over {measured} micro-batches)")
     print(f"{stream.batches_per_epoch} micro-batches per epoch on each of {env.dp_size} data-parallel rank(s) "
           f"(WORLD_SIZE={world}, cp_size={cp_size}); grad_accum_steps {trainer.grad_accum_steps}: "

@@ -34,7 +34,15 @@ from automodel.data.planning import check_positive_int, plan_balanced_packs
 
 # Fields with one entry per response token, sliced by response_lengths (the log-prob keys are the
 # per-response-token outputs a trainer may attach, e.g. torch.cat(result.token_log_probs)).
-RESPONSE_KEYS = ("loss_masks", "advantages", "returns", "rollout_log_probs", "log_probs", "ref_log_probs", "entropy")
+RESPONSE_KEYS = (
+    "loss_masks",
+    "advantages",
+    "returns",
+    "rollout_log_probs",
+    "log_probs",
+    "ref_log_probs",
+    "entropy",
+)
 TOKEN_KEYS = ("tokens", "position_ids", "labels")
 _DTYPES = {"loss_masks": torch.int32, "advantages": torch.float32, "returns": torch.float32,
            "rollout_log_probs": torch.float32}  # fmt: skip
@@ -73,14 +81,20 @@ def pack_sequences(
         per_sample["rollout_log_probs"] = rollout_log_probs
     for name, values in per_sample.items():
         if len(values) != len(tokens):
-            raise ValueError(f"{name} has {len(values)} entries for {len(tokens)} samples (tokens); give one per sample")
+            raise ValueError(
+                f"{name} has {len(values)} entries for {len(tokens)} samples (tokens); give one per sample"
+            )
     lengths = np.array([len(t) for t in tokens], np.int64)
     for i, (n, r) in enumerate(zip(lengths, response_lengths)):
         if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not 0 <= r < n:
-            raise ValueError(f"response_lengths[{i}]={r!r} must be an int in [0, {n}) (sample {i} has {n} tokens)")
+            raise ValueError(
+                f"response_lengths[{i}]={r!r} must be an int in [0, {n}) (sample {i} has {n} tokens)"
+            )
         for name in ("loss_masks", "advantages", "returns", "rollout_log_probs"):
             if name in per_sample and len(per_sample[name][i]) != r:
-                raise ValueError(f"{name}[{i}] has {len(per_sample[name][i])} entries; sample {i} has {r} response tokens")
+                raise ValueError(
+                    f"{name}[{i}] has {len(per_sample[name][i])} entries; sample {i} has {r} response tokens"
+                )
     if num_packs is None and max_tokens_per_gpu is None:
         num_packs = 1
     plan = plan_balanced_packs(lengths, num_packs=num_packs, max_tokens_per_gpu=max_tokens_per_gpu)

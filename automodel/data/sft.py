@@ -66,7 +66,13 @@ FORMATS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 CHAT_FORMATS = ("messages", "sharegpt", "alpaca")
 CHAT_ROLES = ("system", "user", "assistant")
-SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+}
 BAD_ROW_MODES = ("error", "skip")
 BUILTIN_TOKENIZERS = {"tiny": TINY_TOKENIZER_DIR}
 # The tag transformers looks for before it can return an assistant-token mask.
@@ -93,7 +99,9 @@ class BadRow(ValueError):
         self.field, self.reason = field, reason
 
 
-def load_tokenizer(path_or_name: str | os.PathLike, *, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+def load_tokenizer(
+    path_or_name: str | os.PathLike, *, trust_remote_code: bool = False
+) -> PreTrainedTokenizerBase:
     """Load a Hugging Face tokenizer without network access.
 
     Args:
@@ -137,7 +145,11 @@ def _damaged_file(directory: Path, error: Exception) -> str:
         try:
             json.loads(file.read_text(encoding="utf-8"))
         except (ValueError, UnicodeDecodeError) as bad:
-            where = f" line {bad.lineno} column {bad.colno}: {bad.msg}" if isinstance(bad, json.JSONDecodeError) else f": {bad}"
+            where = (
+                f" line {bad.lineno} column {bad.colno}: {bad.msg}"
+                if isinstance(bad, json.JSONDecodeError)
+                else f": {bad}"
+            )
             return f"{file}{where}"
     return f"{type(error).__name__}: {' '.join(str(error).split())}"
 
@@ -150,7 +162,9 @@ def check_chat_template(tokenizer: PreTrainedTokenizerBase, name: str) -> None:
     import jinja2
 
     try:
-        tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False, add_generation_prompt=True)
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "x"}], tokenize=False, add_generation_prompt=True
+        )
     except jinja2.TemplateError as error:
         line = f" line {error.lineno}" if getattr(error, "lineno", None) else ""
         raise ValueError(
@@ -251,7 +265,9 @@ def tokenize_sft_dataset(
         loss_mask  [0   0   0   0   0   0   0   0   0   0   0   1   1  ]
     """
     if isinstance(dataset, datasets.DatasetDict):
-        raise TypeError(f"pass one split of the DatasetDict (available: {list(dataset)}), e.g. dataset['train']")
+        raise TypeError(
+            f"pass one split of the DatasetDict (available: {list(dataset)}), e.g. dataset['train']"
+        )
     if not isinstance(dataset, datasets.Dataset):
         raise TypeError(f"dataset must be a map-style datasets.Dataset, got {type(dataset).__name__}")
     if len(dataset) == 0:
@@ -321,8 +337,9 @@ if sys.platform == "linux":
     os.register_at_fork(after_in_child=_die_with_parent)
 
 
-def _resolve_columns(dataset: datasets.Dataset, format: str, columns: dict[str, str], origin: RowOrigin
-                     ) -> dict[str, str]:
+def _resolve_columns(
+    dataset: datasets.Dataset, format: str, columns: dict[str, str], origin: RowOrigin
+) -> dict[str, str]:
     """field -> column for the fields this dataset has (required ones must be there)."""
     required, optional = FORMATS[format]
     present = set(dataset.column_names) - {RAW_ROW_COLUMN}
@@ -357,7 +374,9 @@ def _unread_rows(dataset: datasets.Dataset, origin: RowOrigin) -> str:
 
 def _check_tokenizer(tokenizer: PreTrainedTokenizerBase, format: str) -> None:
     if format in ("prompt_completion", "text") and tokenizer.eos_token_id is None:
-        raise ValueError(f"the tokenizer has no eos token, which ends every {format} sample; set tokenizer.eos_token")
+        raise ValueError(
+            f"the tokenizer has no eos token, which ends every {format} sample; set tokenizer.eos_token"
+        )
     if format in CHAT_FORMATS:
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError(
@@ -399,9 +418,13 @@ def _encode_batch(
             parsed.append(_PARSERS[format](named, tokenizer))
             bad.append("")
         except BadRow as error:
-            message = f"field {error.field!r} (column {columns.get(error.field, error.field)!r}): {error.reason}"
+            message = (
+                f"field {error.field!r} (column {columns.get(error.field, error.field)!r}): {error.reason}"
+            )
             if on_bad_row == "error":
-                raise DataError(f"{origin(index)}: {message}; fix the row, or set data.on_bad_row=skip") from None
+                raise DataError(
+                    f"{origin(index)}: {message}; fix the row, or set data.on_bad_row=skip"
+                ) from None
             bad.append(message)
     samples = iter(_ENCODERS[format](parsed, tokenizer) if parsed else [])
     out: dict[str, list] = {name: [] for name in _OUTPUT_FEATURES}
@@ -410,7 +433,9 @@ def _encode_batch(
         truncated = max_length is not None and len(input_ids) > max_length
         if truncated:
             input_ids, labels, loss_mask = input_ids[:max_length], labels[:max_length], loss_mask[:max_length]
-        for name, value in zip(_OUTPUT_FEATURES, (input_ids, labels, loss_mask, sum(loss_mask), truncated, reason)):
+        for name, value in zip(
+            _OUTPUT_FEATURES, (input_ids, labels, loss_mask, sum(loss_mask), truncated, reason)
+        ):
             out[name].append(value)
     return out
 
@@ -420,7 +445,9 @@ def _json_object(text: str) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
-def _drop_and_report(tokenized: datasets.Dataset, max_length: int | None, origin: RowOrigin) -> datasets.Dataset:
+def _drop_and_report(
+    tokenized: datasets.Dataset, max_length: int | None, origin: RowOrigin
+) -> datasets.Dataset:
     counters = tokenized.select_columns(["_learnable", "_truncated", "_bad"]).with_format("arrow")[:]
     learnable = counters.column("_learnable").to_numpy()
     truncated = counters.column("_truncated").to_numpy(zero_copy_only=False)
@@ -438,7 +465,9 @@ def _drop_and_report(tokenized: datasets.Dataset, max_length: int | None, origin
         )  # fmt: skip
     unlearnable = int(((learnable == 0) & ~np.array([bool(r) for r in bad], dtype=bool)).sum())
     if unlearnable:
-        reason = "no assistant turn" + (f", or the prompt fills max_length={max_length}" if max_length else "")
+        reason = "no assistant turn" + (
+            f", or the prompt fills max_length={max_length}" if max_length else ""
+        )
         logger.warning("dropped %s with no token to learn (%s)", share(unlearnable), reason)
     keep = np.flatnonzero(learnable > 0)
     if len(keep) == 0:
@@ -471,7 +500,9 @@ def _parse_messages(row: dict, tokenizer: Any = None, field: str = "messages") -
     if messages is None:
         raise BadRow(field, _MISSING)
     if not isinstance(messages, list) or not messages:
-        raise BadRow(field, f"must be a non-empty list of {{'role', 'content'}} messages, got {messages!r:.60}")
+        raise BadRow(
+            field, f"must be a non-empty list of {{'role', 'content'}} messages, got {messages!r:.60}"
+        )
     out = []
     for k, message in enumerate(messages):
         if not isinstance(message, dict):
@@ -488,7 +519,9 @@ def _parse_messages(row: dict, tokenizer: Any = None, field: str = "messages") -
         # Extra keys (name, tool_calls...) go to the template; keys other rows have (read as None) do not.
         out.append({key: value for key, value in message.items() if value is not None})
     if out[0]["role"] == "assistant":
-        raise BadRow(field, "the conversation starts with an assistant message; it needs a system or user prompt")
+        raise BadRow(
+            field, "the conversation starts with an assistant message; it needs a system or user prompt"
+        )
     return out
 
 
@@ -497,11 +530,16 @@ def _parse_sharegpt(row: dict, tokenizer: Any) -> list[dict]:
     if turns is None:
         raise BadRow("conversations", _MISSING)
     if not isinstance(turns, list) or not turns or not all(isinstance(t, dict) for t in turns):
-        raise BadRow("conversations", f"must be a non-empty list of {{'from', 'value'}} turns, got {turns!r:.60}")
+        raise BadRow(
+            "conversations", f"must be a non-empty list of {{'from', 'value'}} turns, got {turns!r:.60}"
+        )
     messages = []
     for k, turn in enumerate(turns):
         if turn.get("from") not in SHAREGPT_ROLES:
-            raise BadRow("conversations", f"turn {k}: 'from' {turn.get('from')!r} is not one of {tuple(SHAREGPT_ROLES)}")
+            raise BadRow(
+                "conversations",
+                f"turn {k}: 'from' {turn.get('from')!r} is not one of {tuple(SHAREGPT_ROLES)}",
+            )
         messages.append({"role": SHAREGPT_ROLES[turn["from"]], "content": turn.get("value")})
     return _parse_messages({"conversations": messages}, field="conversations")
 
@@ -527,7 +565,9 @@ def _parse_tokens(row: dict, tokenizer: PreTrainedTokenizerBase) -> tuple[list[i
             continue
         if value is None:
             raise BadRow(field, _MISSING)
-        if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        if not isinstance(value, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value
+        ):
             raise BadRow(field, f"must be a list of ints, got {value!r:.60}")
         if len(value) < 2:
             raise BadRow(field, f"needs at least 2 entries, got {len(value)}")
@@ -558,14 +598,18 @@ _PARSERS: dict[str, Callable[[dict, Any], Any]] = {
 
 def _encode_chat(conversations: list[list[dict]], tokenizer: PreTrainedTokenizerBase) -> list[_Sample]:
     if _GENERATION_TAG.search(tokenizer.get_chat_template()):  # the template marks the assistant tokens
-        out = tokenizer.apply_chat_template(conversations, return_dict=True, return_assistant_tokens_mask=True)
+        out = tokenizer.apply_chat_template(
+            conversations, return_dict=True, return_assistant_tokens_mask=True
+        )
         ids, masks = out["input_ids"], out["assistant_masks"]
     else:
         ids, masks = _encode_messages_by_prefix(conversations, tokenizer)
     return [shift_for_next_token(i, m) for i, m in zip(ids, masks, strict=True)]
 
 
-def _encode_prompt_completion(pairs: list[tuple[str, str]], tokenizer: PreTrainedTokenizerBase) -> list[_Sample]:
+def _encode_prompt_completion(
+    pairs: list[tuple[str, str]], tokenizer: PreTrainedTokenizerBase
+) -> list[_Sample]:
     prompts, completions = zip(*pairs, strict=True)
     prefix, eos = _special_prefix(tokenizer), tokenizer.eos_token_id
     prompt_ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]

@@ -47,9 +47,13 @@ class DataSource:
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
-            raise ValueError(f"data.format={self.format!r} for source {self.source!r}: must be one of {tuple(FORMATS)}")
+            raise ValueError(
+                f"data.format={self.format!r} for source {self.source!r}: must be one of {tuple(FORMATS)}"
+            )
         if not (isinstance(self.weight, (int, float)) and self.weight > 0):
-            raise ValueError(f"data.weight={self.weight!r} for source {self.source!r}: must be a positive number")
+            raise ValueError(
+                f"data.weight={self.weight!r} for source {self.source!r}: must be a positive number"
+            )
         if self.txt_samples not in TXT_SAMPLES:
             raise ValueError(f"data.txt_samples={self.txt_samples!r} for source {self.source!r}: must be one of "
                              f"{TXT_SAMPLES}")  # fmt: skip
@@ -62,25 +66,27 @@ class DataSource:
 
     def tokenize(self, tokenizer: PreTrainedTokenizerBase, **options) -> datasets.Dataset:
         rows, origin = load_sft_source(self.source, self.split, txt_samples=self.txt_samples)
-        return tokenize_sft_dataset(rows, tokenizer, format=self.format, columns=self.columns, origin=origin, **options)
+        return tokenize_sft_dataset(
+            rows, tokenizer, format=self.format, columns=self.columns, origin=origin, **options
+        )
 
 
 @dataclass
 class SFTData:
     """Attributes:
-        source, split, format, columns: the training data when it is one source (see :class:`DataSource`).
-        sources: several sources mixed by weight, each a :class:`DataSource` or a dict of its fields
-            (then set ``source: null``).
-        tokenizer: ``tiny`` (shipped) or a local tokenizer directory (often the checkpoint's).
-        max_length: cut samples to at most this many tokens (counted and reported).
-        on_bad_row: ``error`` (raise naming file, row and field) or ``skip`` (drop, count, report).
-        validation: a validation set: a :class:`DataSource` or a dict of its fields, which default
-            to the single training source's (``{split: validation}`` reads another split of it).
-        val_fraction: or hold out this fraction of every training source (seeded, before weighting).
-        txt_samples: a ``.txt`` source's samples, ``lines`` or ``blocks`` (see :class:`DataSource`).
-        seed: seeds the held-out split and the weighted subsampling.
-        num_proc: tokenization processes: ``auto`` (this machine's cores, at most 8), a number, or
-            null (in this process).
+    source, split, format, columns: the training data when it is one source (see :class:`DataSource`).
+    sources: several sources mixed by weight, each a :class:`DataSource` or a dict of its fields
+        (then set ``source: null``).
+    tokenizer: ``tiny`` (shipped) or a local tokenizer directory (often the checkpoint's).
+    max_length: cut samples to at most this many tokens (counted and reported).
+    on_bad_row: ``error`` (raise naming file, row and field) or ``skip`` (drop, count, report).
+    validation: a validation set: a :class:`DataSource` or a dict of its fields, which default
+        to the single training source's (``{split: validation}`` reads another split of it).
+    val_fraction: or hold out this fraction of every training source (seeded, before weighting).
+    txt_samples: a ``.txt`` source's samples, ``lines`` or ``blocks`` (see :class:`DataSource`).
+    seed: seeds the held-out split and the weighted subsampling.
+    num_proc: tokenization processes: ``auto`` (this machine's cores, at most 8), a number, or
+        null (in this process).
     """
 
     source: str | None = "tiny_sft"
@@ -101,9 +107,16 @@ class SFTData:
         if self.num_proc == "auto":
             self.num_proc = auto_num_proc()
         if (self.source is None) == (not self.sources):
-            raise ValueError("give data.source (one source) or data.sources (a list to mix), and set the other to null")
-        single = {"source": self.source, "split": self.split, "format": self.format, "columns": self.columns,
-                  "txt_samples": self.txt_samples}
+            raise ValueError(
+                "give data.source (one source) or data.sources (a list to mix), and set the other to null"
+            )
+        single = {
+            "source": self.source,
+            "split": self.split,
+            "format": self.format,
+            "columns": self.columns,
+            "txt_samples": self.txt_samples,
+        }
         self.sources = [_source(s, {}) for s in self.sources] if self.sources else [DataSource(**single)]
         if self.validation is not None:
             self.validation = _source(self.validation, single if self.source else {})
@@ -149,7 +162,9 @@ def check_shared_fields(data: SFTData | PreferenceData) -> None:
     if data.max_length is not None:
         check_positive_int("data.max_length", data.max_length)
     fraction = data.val_fraction
-    if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1):
+    if fraction is not None and (
+        isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1
+    ):
         raise ValueError(f"data.val_fraction must be a number in (0, 1) or null, got {fraction!r}")
     if data.validation is not None and fraction is not None:
         raise ValueError("give data.validation or data.val_fraction, not both")
@@ -159,7 +174,9 @@ def check_shared_fields(data: SFTData | PreferenceData) -> None:
         raise ValueError(f"data.on_bad_row must be one of {BAD_ROW_MODES}, got {data.on_bad_row!r}")
 
 
-def hold_out(rows: datasets.Dataset, fraction: float, seed: int, source: str) -> tuple[datasets.Dataset, datasets.Dataset]:
+def hold_out(
+    rows: datasets.Dataset, fraction: float, seed: int, source: str
+) -> tuple[datasets.Dataset, datasets.Dataset]:
     """``(train, validation)``: a seeded ``ceil(fraction * len(rows))`` of ``rows`` held out
     (``data.val_fraction``); ValueError naming it when no row would be left to train on."""
     held = math.ceil(fraction * len(rows))
@@ -190,8 +207,12 @@ def _source(value: DataSource | dict, defaults: dict) -> DataSource:
     if isinstance(value, DataSource):
         return value
     if not isinstance(value, dict):
-        raise ValueError(f"a data source must be a mapping of {list(DataSource.__dataclass_fields__)}, got {value!r}")
+        raise ValueError(
+            f"a data source must be a mapping of {list(DataSource.__dataclass_fields__)}, got {value!r}"
+        )
     unknown = set(value) - set(DataSource.__dataclass_fields__)
     if unknown:
-        raise ValueError(f"unknown key(s) {sorted(unknown)} in a data source; valid: {list(DataSource.__dataclass_fields__)}")
+        raise ValueError(
+            f"unknown key(s) {sorted(unknown)} in a data source; valid: {list(DataSource.__dataclass_fields__)}"
+        )
     return DataSource(**{**defaults, **value})

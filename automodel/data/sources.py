@@ -29,7 +29,10 @@ from automodel.assets import TINY_PREFERENCE_PATH, TINY_SFT_PATH
 # Built-in names are reserved: they never resolve to a local path of the same name.
 BUILTIN_SOURCES = {"tiny_sft": TINY_SFT_PATH, "tiny_preference": TINY_PREFERENCE_PATH}
 _BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "txt"}
-TXT_SAMPLES = ("lines", "blocks")  # a .txt file's samples: each non-blank line, or each run of non-blank lines
+TXT_SAMPLES = (
+    "lines",
+    "blocks",
+)  # a .txt file's samples: each non-blank line, or each run of non-blank lines
 SUPPORTED_EXTENSIONS = tuple(_BUILDERS)
 _GLOB_CHARS = re.compile(r"[*?\[]")
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
@@ -115,7 +118,9 @@ def load_sft_source(
     return rows, origin
 
 
-def _load_source(name: str, split: str, cache: str | None, txt_samples: str) -> tuple[datasets.Dataset, RowOrigin]:
+def _load_source(
+    name: str, split: str, cache: str | None, txt_samples: str
+) -> tuple[datasets.Dataset, RowOrigin]:
     if name in BUILTIN_SOURCES:
         return _load_files([str(BUILTIN_SOURCES[name])], split, cache, txt_samples)
     path = Path(name).expanduser()
@@ -126,7 +131,9 @@ def _load_source(name: str, split: str, cache: str | None, txt_samples: str) -> 
         return _load_files(files, split, cache, txt_samples)
     if not path.exists():  # check_source: a Hub id
         return _load_hub(name, split, cache)
-    if path.is_dir() and any((path / f).is_file() for f in ("dataset_dict.json", "state.json")):  # save_to_disk
+    if path.is_dir() and any(
+        (path / f).is_file() for f in ("dataset_dict.json", "state.json")
+    ):  # save_to_disk
         return _load_saved(path, split)
     if path.is_dir():
         hidden = lambda p: any(part.startswith((".", "_")) for part in p.relative_to(path).parts)  # noqa: E731
@@ -183,7 +190,9 @@ def _load_file(builder: str, file: str, cache_dir: str | None) -> datasets.Datas
     ValueError naming the file."""
     features = {"features": _csv_text_features(file)} if builder == "csv" else {}
     try:
-        return datasets.load_dataset(builder, data_files=[file], split="train", cache_dir=cache_dir, **features)
+        return datasets.load_dataset(
+            builder, data_files=[file], split="train", cache_dir=cache_dir, **features
+        )
     except (ValueError, DatasetsError) as error:  # DatasetGenerationError carries the reader's own error
         reason = " ".join(str(error.__cause__ or error).split())
         raise ValueError(f"{file}: cannot be read as {builder} ({reason}); fix or convert the file") from None
@@ -198,7 +207,9 @@ def _csv_text_features(file: str) -> datasets.Features:
         header = next(reader, [])
         twice = sorted({name for name in header if header.count(name) > 1})
         if twice:
-            raise ValueError(f"{file}: the CSV header names column(s) {twice} more than once; rename or drop one")
+            raise ValueError(
+                f"{file}: the CSV header names column(s) {twice} more than once; rename or drop one"
+            )
         for row in reader:
             if row and len(row) != len(header):
                 raise ValueError(
@@ -240,7 +251,9 @@ def _load_json_files(files: list[str], split: str) -> tuple[datasets.Dataset, Ro
 
 def _load_txt_files(files: list[str], split: str, samples: str) -> tuple[datasets.Dataset, RowOrigin]:
     """Text files as one ``text`` column (:func:`txt_rows`), each row with its file line."""
-    entries = [(index, line, text) for index, file in enumerate(files) for line, text in txt_rows(file, samples)]
+    entries = [
+        (index, line, text) for index, file in enumerate(files) for line, text in txt_rows(file, samples)
+    ]
     (instruction,) = datasets.ReadInstruction.from_spec(split).to_absolute({"train": len(entries)})
     entries = entries[instruction.from_ : instruction.to]
     table = datasets.Dataset.from_dict({"text": [text for *_, text in entries]})

@@ -48,7 +48,12 @@ class _WindowPlanner:
     """
 
     def __init__(self, capacity: int, buffer_size: int, max_wait_rounds: int, seed: int):
-        self.capacity, self.buffer_size, self.max_wait_rounds, self.seed = capacity, buffer_size, max_wait_rounds, seed
+        self.capacity, self.buffer_size, self.max_wait_rounds, self.seed = (
+            capacity,
+            buffer_size,
+            max_wait_rounds,
+            seed,
+        )
         self.samples: list[Mapping[str, Any]] = []  # waiting samples, in arrival order
         self.lengths: list[int] = []
         self.first_round: list[int] = []  # the first round each waiting sample takes part in
@@ -77,7 +82,9 @@ class _WindowPlanner:
             emit[candidates[: np.searchsorted(np.cumsum(members[candidates]), missing) + 1]] = True
         self.rounds += 1
         order = plan.sample_order
-        packs = [[self.samples[i] for i in order[starts[p] : starts[p] + members[p]]] for p in np.flatnonzero(emit)]
+        packs = [
+            [self.samples[i] for i in order[starts[p] : starts[p] + members[p]]] for p in np.flatnonzero(emit)
+        ]
         stays = np.empty(len(lengths), np.bool_)
         stays[plan.sample_order] = ~np.repeat(emit, members)
         self.samples = [sample for sample, stay in zip(self.samples, stays) if stay]
@@ -120,7 +127,9 @@ class _EpochPacks(torch.utils.data.IterableDataset):
                 for pack in planner.add([chunk[i] for i in fits], padded[fits].tolist()):
                     yield build_row(pack, env.padding_idx, env.cp_size, m.packed_sequence_size)
             if read == 0:
-                raise ValueError(f"dataset: DP rank {env.dp_rank} of {env.dp_size} got no rows; use more data or fewer ranks")
+                raise ValueError(
+                    f"dataset: DP rank {env.dp_rank} of {env.dp_size} got no rows; use more data or fewer ranks"
+                )
             if fitting == 0:  # a pass with nothing to pack: the next one would read the same, forever
                 raise DataError(
                     f"no sample fits packing.packed_sequence_size={m.packed_sequence_size}: all {read} rows of a pass "
@@ -143,7 +152,9 @@ class StreamedMicroBatches(_Position):
             packs = _EpochPacks(self.mode, self.rows, self.env, self.epoch)
             loader = StatefulDataLoader(packs, batch_size=self.mode.micro_batch_size,
                                         collate_fn=packed_sequence_thd_collater)  # fmt: skip
-            self._iterator = itertools.islice(iter(loader), self.start // self.env.dp_size, None)  # replay to the position
+            self._iterator = itertools.islice(
+                iter(loader), self.start // self.env.dp_size, None
+            )  # replay to the position
         self.taken += 1
         return next(self._iterator)
 
@@ -162,7 +173,13 @@ class StreamingPackedBatching:
     shuffle: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("packed_sequence_size", "micro_batch_size", "steps_per_epoch", "buffer_size", "max_wait_rounds"):
+        for name in (
+            "packed_sequence_size",
+            "micro_batch_size",
+            "steps_per_epoch",
+            "buffer_size",
+            "max_wait_rounds",
+        ):
             check_positive_int(f"packing.{name}", getattr(self, name))
 
     def build(self, dataset: Iterable[Mapping[str, Any]], env: LoaderEnv) -> StreamedMicroBatches:
@@ -172,7 +189,9 @@ class StreamingPackedBatching:
         if isinstance(dataset, datasets.Dataset):
             dataset = dataset.to_iterable_dataset()
         if not isinstance(dataset, Iterable) or isinstance(dataset, (str, bytes, Mapping)):
-            raise ValueError(f"dataset: give a datasets.IterableDataset or an iterable of rows, got {type(dataset).__name__}")
+            raise ValueError(
+                f"dataset: give a datasets.IterableDataset or an iterable of rows, got {type(dataset).__name__}"
+            )
         fingerprint = _fingerprint(type(self).__name__, asdict(self), env.seed, env.cp_size, env.dp_size)
         return StreamedMicroBatches(self, dataset, env, fingerprint)
 
@@ -181,6 +200,8 @@ class StreamingPackedBatching:
         ``val_fraction``), packed whole into packs of the same size as ``packing: bfd`` evaluates;
         the loss is a token mean, so how the samples are packed does not change it."""
         return PackedBatching(
-            packed_sequence_size=self.packed_sequence_size, micro_batch_size=self.micro_batch_size,
-            drop_long_samples=self.drop_long_samples, shuffle=False,
+            packed_sequence_size=self.packed_sequence_size,
+            micro_batch_size=self.micro_batch_size,
+            drop_long_samples=self.drop_long_samples,
+            shuffle=False,
         ).build_eval(dataset, env)

@@ -98,7 +98,9 @@ def make_cp_batch_for_te(
         A tuple ``(batch, local_indices)`` when ``return_local_indices``.
     """
     if qkv_format != "thd":
-        raise ValueError(f"Currently only 'thd' format is supported, got: {qkv_format!r}; set qkv_format='thd'")
+        raise ValueError(
+            f"Currently only 'thd' format is supported, got: {qkv_format!r}; set qkv_format='thd'"
+        )
     cp_size, cp_rank = _resolve_cp(cp_mesh, cp_size, cp_rank)
 
     def shard(rows: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor]:
@@ -121,7 +123,10 @@ def make_cp_batch_for_te(
     for key, value in chunks[0].items():
         if torch.is_tensor(value):
             values = [chunk[key] for chunk in chunks]
-            ragged = key in ("cu_seqlens", "cu_seqlens_padded")  # chunks may hold different numbers of sequences
+            ragged = key in (
+                "cu_seqlens",
+                "cu_seqlens_padded",
+            )  # chunks may hold different numbers of sequences
             stacked[key] = (
                 pad_sequence(values, batch_first=True, padding_value=seq_lens_padding_value)
                 if ragged

@@ -88,7 +88,11 @@ def init_distributed(config: ParallelConfig, on_group: Callable[[], None] | None
     use_cuda = torch.cuda.is_available()
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world_size = int(os.environ["WORLD_SIZE"]) if launched else 1
-    unset = [n for n in ("MASTER_ADDR", "MASTER_PORT") if launched and n not in os.environ and not dist.is_initialized()]
+    unset = [
+        n
+        for n in ("MASTER_ADDR", "MASTER_PORT")
+        if launched and n not in os.environ and not dist.is_initialized()
+    ]
     if unset:  # RANK and WORLD_SIZE left in the shell, or set by hand: torch's error names no launcher
         raise ValueError(
             f"RANK and WORLD_SIZE={world_size} are set but {' and '.join(unset)} not: start every rank with torchrun "
@@ -125,7 +129,9 @@ def init_distributed(config: ParallelConfig, on_group: Callable[[], None] | None
     return ParallelDims(dist.get_rank(), world_size, dp_size, config.cp_size, device, mesh)
 
 
-def apply_fsdp(model: CausalLMForTraining, mesh: DeviceMesh, compute_dtype: torch.dtype = torch.float32) -> None:
+def apply_fsdp(
+    model: CausalLMForTraining, mesh: DeviceMesh, compute_dtype: torch.dtype = torch.float32
+) -> None:
     """FSDP2 over ``mesh``. The units (:func:`fsdp_units`): each decoder layer (``model.decoder_layers``),
     the input embeddings and the output head, each on its own (as torchtitan does), and the rest in the
     root unit (the final norm, any other module outside the layers, and embeddings tied to the head).
@@ -153,8 +159,13 @@ def apply_fsdp(model: CausalLMForTraining, mesh: DeviceMesh, compute_dtype: torc
     hf = getattr(model, "transformers_model", None)
     head = hf.get_output_embeddings() if hf is not None else None
     for module, reshard_after_forward in fsdp_units(model, ignored or set()):
-        fully_shard(module, mesh=mesh, mp_policy=policy, ignored_params=ignored,
-                    reshard_after_forward=reshard_after_forward)
+        fully_shard(
+            module,
+            mesh=mesh,
+            mp_policy=policy,
+            ignored_params=ignored,
+            reshard_after_forward=reshard_after_forward,
+        )
         if module is head:  # the loss reads the head's weight: FSDP2 unshards it around head_output
             setattr(head, HEAD_OUTPUT_METHOD, types.MethodType(head_output, head))
             register_fsdp_forward_method(head, HEAD_OUTPUT_METHOD)
@@ -194,6 +205,7 @@ def fsdp_units(
 
 def _owns_its_parameters(model: torch.nn.Module, module: torch.nn.Module) -> bool:
     """True when none of ``module``'s parameters is also reached through a module outside it."""
+
     def references(root: torch.nn.Module) -> Counter:
         return Counter(id(p) for _, p in root.named_parameters(remove_duplicate=False))
 

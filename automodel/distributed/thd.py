@@ -73,8 +73,12 @@ def process_input_for_thd(
             f"process_input_for_thd: batch lacks {missing}; pass the output of packed_sequence_thd_collater "
             f"(keys present: {sorted(batch)})"
         )
-    for key in _REQUIRED_KEYS:  # float ids or lengths would be cast silently; [B, S, H] input_ids are embeddings
-        if batch[key] is not None and not (key == "input_ids" and torch.is_tensor(batch[key]) and batch[key].dim() == 3):
+    for (
+        key
+    ) in _REQUIRED_KEYS:  # float ids or lengths would be cast silently; [B, S, H] input_ids are embeddings
+        if batch[key] is not None and not (
+            key == "input_ids" and torch.is_tensor(batch[key]) and batch[key].dim() == 3
+        ):
             check_integers(batch[key], key, tensor=key in ("input_ids", "labels", "position_ids"))
     input_ids = batch["input_ids"]
     if input_ids.dim() < 2:
@@ -181,10 +185,14 @@ def _valid_seq_lens(
         )
     if (used[:, 1:] & ~used[:, :-1]).any():
         row = int(torch.nonzero((used[:, 1:] & ~used[:, :-1]).any(1))[0])
-        raise ValueError(f"pack {row}: sentinel {pad_value} may only right-pad seq_lens, got {real[row].tolist()}")
+        raise ValueError(
+            f"pack {row}: sentinel {pad_value} may only right-pad seq_lens, got {real[row].tolist()}"
+        )
     empty = torch.nonzero(~used.any(1))
     if empty.numel():
-        raise ValueError(f"pack {int(empty[0])}: seq_lens holds no sequence, every entry is the sentinel {pad_value}")
+        raise ValueError(
+            f"pack {int(empty[0])}: seq_lens holds no sequence, every entry is the sentinel {pad_value}"
+        )
     real_lens, padded_lens = real[used], padded[used]
     bad = torch.nonzero((real_lens < 0) | (real_lens > padded_lens))
     if bad.numel():

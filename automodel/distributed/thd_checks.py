@@ -17,13 +17,19 @@ def check_integers(value: Any, name: str, *, ndim: int | None = None, tensor: bo
     """ValueError naming ``name`` unless ``value`` holds integers (token ids, positions, lengths: a
     float would be cast silently) with ``ndim`` dimensions; ``tensor`` requires a ``torch.Tensor``."""
     if tensor and not torch.is_tensor(value):
-        raise ValueError(f"{name} must be a torch.Tensor (as packed_sequence_thd_collater returns), got {type(value).__name__}")
+        raise ValueError(
+            f"{name} must be a torch.Tensor (as packed_sequence_thd_collater returns), got {type(value).__name__}"
+        )
     try:
         array = value.detach().cpu().numpy() if torch.is_tensor(value) else np.asarray(value)
     except ValueError:  # ragged nested lists
-        raise ValueError(f"{name} must be a {ndim or 'rectangular'}-D array of ints, got ragged nested lists") from None
+        raise ValueError(
+            f"{name} must be a {ndim or 'rectangular'}-D array of ints, got ragged nested lists"
+        ) from None
     if array.size and array.dtype.kind not in "iu":
-        raise ValueError(f"{name} must hold integers, got dtype {value.dtype if torch.is_tensor(value) else array.dtype}")
+        raise ValueError(
+            f"{name} must hold integers, got dtype {value.dtype if torch.is_tensor(value) else array.dtype}"
+        )
     if ndim is not None and array.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(array.shape)}")
 
@@ -54,7 +60,9 @@ def check_cu_seqlens_padded(
     if not isinstance(cu_seqlens_padded, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(cu_seqlens_padded).__name__}")
     if cu_seqlens_padded.dtype != torch.int32:
-        raise ValueError(f"{name} must be int32 (Transformer Engine's contract), got {cu_seqlens_padded.dtype}")
+        raise ValueError(
+            f"{name} must be int32 (Transformer Engine's contract), got {cu_seqlens_padded.dtype}"
+        )
     if cu_seqlens_padded.dim() != 1 or cu_seqlens_padded.numel() < 2:
         raise ValueError(
             f"{name} must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens_padded.shape)}"

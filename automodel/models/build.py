@@ -141,8 +141,10 @@ class CausalLMForTraining(nn.Module):
         else:
             layout = {"thd_layout": thd_layout}
         return self.decoder(
-            input_ids=input_ids_T[None], position_ids=batched_position_ids(self.config, position_ids_T),
-            use_cache=False, **layout,
+            input_ids=input_ids_T[None],
+            position_ids=batched_position_ids(self.config, position_ids_T),
+            use_cache=False,
+            **layout,
         ).last_hidden_state[0]
 
 
@@ -215,7 +217,9 @@ def setup_checks(
 ) -> tuple[PretrainedConfig, dict]:
     """Every check of the model that needs no weights: :func:`config_checks`, then
     :func:`checkpoint_checks`. Returns what :func:`config_checks` returns."""
-    config, entry = config_checks(spec, cp_size=cp_size, max_sample_tokens=max_sample_tokens, row_tokens=row_tokens)
+    config, entry = config_checks(
+        spec, cp_size=cp_size, max_sample_tokens=max_sample_tokens, row_tokens=row_tokens
+    )
     checkpoint_checks(spec, config, vocab_needed=vocab_needed, lora=lora)
     return config, entry
 
@@ -232,12 +236,16 @@ def config_checks(
         The config and the verdict (a table entry: status, features, backends), whose
         ``dense_mask`` (:func:`~automodel.models.families.uses_dense_mask`) :func:`build_model` takes."""
     config = spec.hf_config()
-    check_model_sanity(config, max_sample_tokens=max_sample_tokens, exceed_max_positions=spec.exceed_max_positions)
+    check_model_sanity(
+        config, max_sample_tokens=max_sample_tokens, exceed_max_positions=spec.exceed_max_positions
+    )
     backend = resolve_attention_backend(spec.attention_backend)
     check_config_fields(config)
     entry = model_verdict(spec, config, max_sample_tokens=max_sample_tokens, row_tokens=row_tokens)
     check_model_config(config, backend, entry, cp_size=cp_size, max_sample_tokens=max_sample_tokens)
-    check_backend_device(backend)  # after the features: a feature no backend computes is the first thing to fix
+    check_backend_device(
+        backend
+    )  # after the features: a feature no backend computes is the first thing to fix
     return config, entry
 
 
@@ -267,7 +275,8 @@ def model_verdict(
         return config_verdict(config, sample_tokens=max_sample_tokens, row_tokens=row_tokens)
     logger.warning(
         "model.verify=false: this config's packed step is not checked against each sample alone; the "
-        "supported table's verdict on the %s default config is used", config.model_type,
+        "supported table's verdict on the %s default config is used",
+        config.model_type,
     )
     return table_verdict(config)
 
@@ -294,7 +303,10 @@ def build_model(
     implementation = own_attention_implementation(config) if dense_mask else THD_ATTENTION
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(
-            config, attn_implementation=implementation, dtype=torch.float32, trust_remote_code=spec.trust_remote_code
+            config,
+            attn_implementation=implementation,
+            dtype=torch.float32,
+            trust_remote_code=spec.trust_remote_code,
         )
     model = CausalLMForTraining(hf, dense_mask=dense_mask).train()
     if not dense_mask:
@@ -312,14 +324,19 @@ def build_model(
     load_weights(model, spec, config, seed=seed, is_main=is_main, lora=lora)
     if lora is not None and lora.quantize_base == "nf4":
         quantize_frozen_base(
-            model, model.decoder_layers, block_size=lora.nf4_block_size, scaler_block_size=lora.nf4_scaler_block_size
+            model,
+            model.decoder_layers,
+            block_size=lora.nf4_block_size,
+            scaler_block_size=lora.nf4_scaler_block_size,
         )
     if spec.compile:
         compile_decoder_layers(model)
     return model
 
 
-COMPILE_BACKEND = "inductor"  # torch.compile's default; the CPU tests use aot_eager (inductor's C++ build is slow)
+COMPILE_BACKEND = (
+    "inductor"  # torch.compile's default; the CPU tests use aot_eager (inductor's C++ build is slow)
+)
 
 
 def compile_decoder_layers(model: CausalLMForTraining) -> None:
@@ -336,20 +353,34 @@ def source_model(spec: ModelSpec, config: PretrainedConfig, seed: int) -> PreTra
     """The full model on CPU in float32: the checkpoint, or transformers' init seeded with ``seed``."""
     if spec.pretrained_path is None:
         torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=spec.trust_remote_code)
+        return AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, trust_remote_code=spec.trust_remote_code
+        )
     hf, info = AutoModelForCausalLM.from_pretrained(
-        spec.pretrained_path, config=config, dtype=torch.float32, output_loading_info=True,
+        spec.pretrained_path,
+        config=config,
+        dtype=torch.float32,
+        output_loading_info=True,
         trust_remote_code=spec.trust_remote_code,
     )
-    wrong = {key: names for key, names in info.items() if key in ("missing_keys", "unexpected_keys") and names}
+    wrong = {
+        key: names for key, names in info.items() if key in ("missing_keys", "unexpected_keys") and names
+    }
     if wrong:
-        raise ValueError(f"model.pretrained_path={spec.pretrained_path!r}: the checkpoint does not match its config: {wrong}")
+        raise ValueError(
+            f"model.pretrained_path={spec.pretrained_path!r}: the checkpoint does not match its config: {wrong}"
+        )
     return hf
 
 
 @torch.no_grad()
 def load_weights(
-    model: CausalLMForTraining, spec: ModelSpec, config: PretrainedConfig, *, seed: int, is_main: bool,
+    model: CausalLMForTraining,
+    spec: ModelSpec,
+    config: PretrainedConfig,
+    *,
+    seed: int,
+    is_main: bool,
     lora: LoraConfig | None = None,
 ) -> None:
     """A local safetensors checkpoint: every rank reads its own shards (``load_sharded``) and builds
@@ -357,23 +388,33 @@ def load_weights(
     transformers does by arithmetic) rank 0 builds the source model once and broadcasts it."""
     if spec.pretrained_path is not None:
         try:
-            load_sharded(model.transformers_model, spec.pretrained_path, f"model.pretrained_path={spec.pretrained_path!r}")
+            load_sharded(
+                model.transformers_model,
+                spec.pretrained_path,
+                f"model.pretrained_path={spec.pretrained_path!r}",
+            )
         except UnshardableCheckpoint as why:
             logger.warning("%s: rank 0 reads the whole model and broadcasts it", why)
         else:
             if lora is not None:
                 adapters = {_PREFIX + k: v for k, v in adapter_init(spec, config, lora, seed).items()}
-                set_model_state_dict(model, adapters, options=StateDictOptions(full_state_dict=True, strict=False))
+                set_model_state_dict(
+                    model, adapters, options=StateDictOptions(full_state_dict=True, strict=False)
+                )
             return
     load_from_rank0(model, spec, config, seed=seed, is_main=is_main, lora=lora)
 
 
-def adapter_init(spec: ModelSpec, config: PretrainedConfig, lora: LoraConfig, seed: int) -> dict[str, torch.Tensor]:
+def adapter_init(
+    spec: ModelSpec, config: PretrainedConfig, lora: LoraConfig, seed: int
+) -> dict[str, torch.Tensor]:
     """The adapters peft gives the model after ``torch.manual_seed(seed)`` (as on the broadcast
     path), by peft itself on a copy whose base weights are allocated but never written (virtual
     memory only): every rank gets the same values, whatever the world size."""
     with torch.device("meta"):
-        template = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=spec.trust_remote_code)
+        template = AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, trust_remote_code=spec.trust_remote_code
+        )
     template.to_empty(device="cpu")
     torch.manual_seed(seed)
     return {k: v for k, v in lora.apply(template).state_dict().items() if ".lora_" in k}
@@ -381,7 +422,12 @@ def adapter_init(spec: ModelSpec, config: PretrainedConfig, lora: LoraConfig, se
 
 @torch.no_grad()
 def load_from_rank0(
-    model: CausalLMForTraining, spec: ModelSpec, config: PretrainedConfig, *, seed: int, is_main: bool,
+    model: CausalLMForTraining,
+    spec: ModelSpec,
+    config: PretrainedConfig,
+    *,
+    seed: int,
+    is_main: bool,
     lora: LoraConfig | None = None,
 ) -> None:
     """Rank 0 builds the source model once (with ``lora``'s adapters, initialized from ``seed``);
@@ -395,7 +441,9 @@ def load_from_rank0(
             torch.manual_seed(seed)  # peft's adapter init (lora_A random, lora_B zero)
             source = lora.apply(source)
         state = {_PREFIX + k: v for k, v in source.state_dict().items()}
-        check_finite(state, f"model.pretrained_path={spec.pretrained_path!r}" if spec.pretrained_path else "init")
+        check_finite(
+            state, f"model.pretrained_path={spec.pretrained_path!r}" if spec.pretrained_path else "init"
+        )
         buffers = [{k: v for k, v in source.named_buffers() if k not in persistent}]
         del source
     # weights reach the other ranks' shards by broadcast; an unsharded model (the exactness check's,
@@ -411,8 +459,14 @@ def load_from_rank0(
 
 
 def export_model(
-    model: CausalLMForTraining, output_dir: Path, tokenizer: Any, *, dtype: torch.dtype, is_main: bool,
-    lora: LoraConfig | None = None, base: str | None = None,
+    model: CausalLMForTraining,
+    output_dir: Path,
+    tokenizer: Any,
+    *,
+    dtype: torch.dtype,
+    is_main: bool,
+    lora: LoraConfig | None = None,
+    base: str | None = None,
 ) -> None:
     """The final model, streamed one tensor at a time by ``export_hf``: ``output_dir/hf``
     (safetensors in ``dtype``, config.json, generation_config.json, tokenizer); under LoRA
@@ -435,11 +489,19 @@ def export_model(
         export_lora_adapter(model, output_dir / "adapter", tokenizer, is_main=is_main)
         if not lora.export_merged:
             return
-    export_hf(hf, output_dir / "hf", dtype, is_main=is_main, merge=lora.merger() if lora else None,
-              write_extra=tokenizer.save_pretrained)
+    export_hf(
+        hf,
+        output_dir / "hf",
+        dtype,
+        is_main=is_main,
+        merge=lora.merger() if lora else None,
+        write_extra=tokenizer.save_pretrained,
+    )
 
 
-def export_lora_adapter(model: CausalLMForTraining, directory: Path, tokenizer: Any, *, is_main: bool) -> None:
+def export_lora_adapter(
+    model: CausalLMForTraining, directory: Path, tokenizer: Any, *, is_main: bool
+) -> None:
     """``directory`` in PEFT's format, from the adapter tensors alone (gathered, small), written
     beside and renamed like ``export_hf``. Collective."""
     adapters = {k: v for k, v in model.hf.state_dict().items() if ".lora_" in k}
@@ -452,7 +514,9 @@ def export_lora_adapter(model: CausalLMForTraining, directory: Path, tokenizer: 
             tokenizer.save_pretrained(staging)
         except OSError as error:
             failure = error
-    publish(staging, directory, failure, sum(v.numel() * v.element_size() for v in adapters.values()), is_main)
+    publish(
+        staging, directory, failure, sum(v.numel() * v.element_size() for v in adapters.values()), is_main
+    )
 
 
 def generation_eos(eos: int | list[int] | None, tokenizer: Any) -> int | list[int] | None:
@@ -464,6 +528,8 @@ def generation_eos(eos: int | list[int] | None, tokenizer: Any) -> int | list[in
         return eos
     logger.info(
         "generation_config.eos_token_id: %s plus the chat template's end of turn %d (%r)",
-        listed, end_of_turn, tokenizer.convert_ids_to_tokens(end_of_turn),
+        listed,
+        end_of_turn,
+        tokenizer.convert_ids_to_tokens(end_of_turn),
     )
     return [*listed, end_of_turn]

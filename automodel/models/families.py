@@ -99,7 +99,11 @@ def table_verdict(config: PretrainedConfig) -> dict:
 
 
 def config_verdict(
-    config: PretrainedConfig, *, sample_tokens: int | None, row_tokens: int | None, cache_dir: Path | None = None
+    config: PretrainedConfig,
+    *,
+    sample_tokens: int | None,
+    row_tokens: int | None,
+    cache_dir: Path | None = None,
 ) -> dict:
     """The differential check on the run's own config (:func:`~automodel.models.verify.width_config`)
     with one packed row of samples as long as the run's longest (:func:`~automodel.models.verify.check_lengths`),
@@ -142,7 +146,9 @@ def _cached_or_checked(checked: PretrainedConfig, lengths: tuple[int, ...], path
     if verdict.status != "verified":  # not cached: a refusal stops the run, and may come from the machine
         return entry
     logger.info(
-        "exactness verified for this config (%s; max rel error %.1e, %.1f s)", what, verdict.max_error,
+        "exactness verified for this config (%s; max rel error %.1e, %.1f s)",
+        what,
+        verdict.max_error,
         time.perf_counter() - start,
     )
     try:
@@ -187,7 +193,9 @@ def check_config_fields(config: PretrainedConfig) -> None:
     dropout (the THD kernels apply none, and dropped probabilities would differ from each sample
     alone)."""
     model_type, types = config.model_type, rope_types(config)
-    validates = hasattr(config, "_validate_default_rope_parameters")  # transformers' per-type validators (5.x)
+    validates = hasattr(
+        config, "_validate_default_rope_parameters"
+    )  # transformers' per-type validators (5.x)
     unknown_rope = {t for t in types if validates and not hasattr(config, f"_validate_{t}_rope_parameters")}
     if unknown_rope:  # transformers only warns, then fails building the rotary embedding
         raise ConfigError(

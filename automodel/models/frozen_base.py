@@ -41,7 +41,11 @@ def store_frozen_base(model: nn.Module, dtype: torch.dtype) -> None:
 def nf4_quantizable(shape: torch.Size, block_size: int, scaler_block_size: int, shards: int) -> bool:
     """True when torchao can quantize a ``[out, in]`` weight and FSDP2 can split it into ``shards``
     row shards: whole blocks and whole scaler blocks per shard."""
-    return len(shape) == 2 and shape[0] % shards == 0 and shape.numel() % (block_size * scaler_block_size * shards) == 0
+    return (
+        len(shape) == 2
+        and shape[0] % shards == 0
+        and shape.numel() % (block_size * scaler_block_size * shards) == 0
+    )
 
 
 @torch.no_grad()
@@ -77,7 +81,11 @@ def quantize_frozen_base(
         )  # fmt: skip
         _point_fsdp_at(model, linear, local)
     if kept:
-        logger.warning("peft.quantize_base=nf4: %d frozen Linear weight(s) stay in the compute dtype: %s", len(kept), kept)
+        logger.warning(
+            "peft.quantize_base=nf4: %d frozen Linear weight(s) stay in the compute dtype: %s",
+            len(kept),
+            kept,
+        )
     return kept
 
 

@@ -54,8 +54,16 @@ logger = logging.getLogger(__name__)
 MAX_SHARD_BYTES = 5 * 2**30  # per safetensors file; one tensor larger than this gets a file of its own
 INDEX = "model.safetensors.index.json"
 _ST_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
 }
 
 
@@ -84,7 +92,9 @@ def stored_tensors(path: str | Path) -> dict[str, StoredTensor]:
     directory = Path(path)
     files = sorted(directory.glob("*.safetensors")) if directory.is_dir() else []
     if (directory / INDEX).is_file():  # the files the index names, as from_pretrained reads them
-        files = sorted({directory / name for name in json.loads((directory / INDEX).read_text())["weight_map"].values()})
+        files = sorted(
+            {directory / name for name in json.loads((directory / INDEX).read_text())["weight_map"].values()}
+        )
     if not files:
         raise UnshardableCheckpoint(f"{path} is not a local directory of safetensors files")
     found = {}
@@ -150,14 +160,18 @@ def remember_conversions(hf: PreTrainedModel) -> None:
         hf._weight_conversions = [c for c in conversions if not isinstance(c, PrefixChange)]
 
 
-def published_entries(hf: PreTrainedModel, shapes: dict[str, tuple[int, ...]]) -> tuple[dict[str, tuple[int, ...]], bool]:
+def published_entries(
+    hf: PreTrainedModel, shapes: dict[str, tuple[int, ...]]
+) -> tuple[dict[str, tuple[int, ...]], bool]:
     """The checkpoint entries ``save_pretrained`` writes for the model tensors ``shapes`` (name ->
     shape), by transformers' reverse conversion for the class on meta tensors: name -> shape; and
     whether the conversion only renames (it hands back the very tensor it was given, where any
     reordering would make a new one)."""
     given = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
     entries = revert_weight_conversion(hf, given)
-    renamed = len(given) == 1 and len(entries) == 1 and next(iter(entries.values())) is next(iter(given.values()))
+    renamed = (
+        len(given) == 1 and len(entries) == 1 and next(iter(entries.values())) is next(iter(given.values()))
+    )
     return {key: tuple(value.shape) for key, value in entries.items()}, renamed
 
 
@@ -184,7 +198,9 @@ def conversion_groups(hf: PreTrainedModel, shapes: dict[str, tuple[int, ...]]) -
     groups = []
     for names in sorted((m for m in members if m), key=lambda m: max(position[n] for n in m)):
         names.sort(key=position.get)
-        converted = single[names[0]] if len(names) == 1 else published_entries(hf, {n: shapes[n] for n in names})
+        converted = (
+            single[names[0]] if len(names) == 1 else published_entries(hf, {n: shapes[n] for n in names})
+        )
         groups.append(ConversionGroup(tuple(names), *converted))
     return groups
 
@@ -252,18 +268,23 @@ def load_sharded(hf: PreTrainedModel, path: str | Path, where: str) -> None:
     stored = stored_tensors(path)
     match = match_checkpoint(hf, stored, where)
     if match.missing:
-        raise UnshardableCheckpoint(f"{where}: the checkpoint lacks {match.missing[:3]} in both the model's layout "
-                                    "and the one transformers converts at load")
+        raise UnshardableCheckpoint(
+            f"{where}: the checkpoint lacks {match.missing[:3]} in both the model's layout "
+            "and the one transformers converts at load"
+        )
     tensors = {checkpoint_name(k): t for k, t in model_tensors(hf).items() if ".lora_" not in k}
     for group in match.converted:
         if sum(map(math.prod, group.entries.values())) != sum(tensors[n].numel() for n in group.tensors):
-            raise UnshardableCheckpoint(f"{where}: transformers builds the model's {list(group.tensors)[:3]} from "
-                                        f"{list(group.entries)[:3]} by more than a reordering")
+            raise UnshardableCheckpoint(
+                f"{where}: transformers builds the model's {list(group.tensors)[:3]} from "
+                f"{list(group.entries)[:3]} by more than a reordering"
+            )
     consumed = {checkpoint_name(k) for k in hf.state_dict()} | {k for g in match.converted for k in g.entries}
     unused = sorted(set(stored) - consumed)
     if unused:  # e.g. quantization scales: from_pretrained decides what they mean
-        raise UnshardableCheckpoint(f"{where}: the checkpoint holds tensors the model has no place for, first "
-                                    f"{unused[:3]}")
+        raise UnshardableCheckpoint(
+            f"{where}: the checkpoint holds tensors the model has no place for, first {unused[:3]}"
+        )
     init_buffers(hf)
     # a renamed tensor is read slice by slice under its stored name, like the others
     renamed = {next(iter(g.entries)): tensors[g.tensors[0]] for g in match.converted if g.renamed}
@@ -273,7 +294,9 @@ def load_sharded(hf: PreTrainedModel, path: str | Path, where: str) -> None:
                 group_tensors = {name: tensors[name] for name in group.tensors}
                 _scatter_group(group_tensors, _element_sources(hf, group_tensors), stored)
         dcp.load({**match.direct, **renamed}, storage_reader=HuggingFaceStorageReader(str(path)))
-    check_finite_shards({**match.direct, **{n: tensors[n] for g in match.converted for n in g.tensors}}, where)
+    check_finite_shards(
+        {**match.direct, **{n: tensors[n] for g in match.converted for n in g.tensors}}, where
+    )
 
 
 def _element_sources(hf: PreTrainedModel, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -290,8 +313,9 @@ def _element_sources(hf: PreTrainedModel, tensors: dict[str, torch.Tensor]) -> d
     return {key: value.reshape(-1) for key, value in revert_weight_conversion(hf, pieces).items()}
 
 
-def _scatter_group(tensors: dict[str, torch.Tensor], sources: dict[str, torch.Tensor],
-                   stored: dict[str, StoredTensor]) -> None:
+def _scatter_group(
+    tensors: dict[str, torch.Tensor], sources: dict[str, torch.Tensor], stored: dict[str, StoredTensor]
+) -> None:
     """Copy into this rank's part of each of ``tensors`` (one conversion group) the elements of the
     checkpoint entries that land in it (``sources``: :func:`_element_sources`); an entry (one
     expert's matrix) is read whole, and only when it touches this rank's parts."""
@@ -349,7 +373,9 @@ def _with_owner(module: nn.Module, owner: PreTrainedModel) -> Iterator[tuple[nn.
 def check_finite_shards(tensors: dict[str, torch.Tensor], where: str) -> None:
     """ValueError on every rank naming the tensors with NaN or inf in any rank's part."""
     names = list(tensors)
-    bad = torch.tensor([not bool(torch.isfinite(_local(t)[0]).all()) for t in tensors.values()], dtype=torch.float32)
+    bad = torch.tensor(
+        [not bool(torch.isfinite(_local(t)[0]).all()) for t in tensors.values()], dtype=torch.float32
+    )
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(bad)
     listed = [name for name, flag in zip(names, bad.tolist()) if flag]
@@ -360,8 +386,9 @@ def check_finite_shards(tensors: dict[str, torch.Tensor], where: str) -> None:
 # ---- export ------------------------------------------------------------------------------------
 
 
-def full_tensors(hf: nn.Module, merge: Callable[[str, torch.Tensor, Callable], torch.Tensor] | None = None
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
+def full_tensors(
+    hf: nn.Module, merge: Callable[[str, torch.Tensor, Callable], torch.Tensor] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``(transformers name, full tensor)`` one at a time, each gathered from every rank's shard
     (collective). Adapter tensors are skipped; with ``merge``, each ``base_layer`` weight is passed
     through ``merge(name, weight, gather)`` (LoRA folded in)."""
@@ -385,13 +412,20 @@ def _gather(tensor: torch.Tensor) -> torch.Tensor:
     if not isinstance(tensor, DTensor):
         return dequantize_float32(tensor) if is_quantized(tensor) else tensor
     if is_quantized(tensor):
-        tensor = DTensor.from_local(dequantize_float32(tensor.to_local()), tensor.device_mesh, tensor.placements,
-                                    run_check=False, shape=tensor.shape, stride=tensor.stride())
+        tensor = DTensor.from_local(
+            dequantize_float32(tensor.to_local()),
+            tensor.device_mesh,
+            tensor.placements,
+            run_check=False,
+            shape=tensor.shape,
+            stride=tensor.stride(),
+        )
     return tensor.full_tensor()
 
 
-def export_plan(groups: list[ConversionGroup], tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                max_shard_bytes: int) -> list[dict[str, tuple[tuple[int, ...], torch.dtype]]]:
+def export_plan(
+    groups: list[ConversionGroup], tensors: dict[str, torch.Tensor], dtype: torch.dtype, max_shard_bytes: int
+) -> list[dict[str, tuple[tuple[int, ...], torch.dtype]]]:
     """The files of the export: per file, checkpoint name -> (shape, dtype), in writing order (the
     published layout of each conversion group, group by group)."""
     files: list[dict] = [{}]
@@ -426,7 +460,11 @@ class _SafetensorsStream:
         header, offset = {}, 0
         for name, (shape, dtype) in entries.items():
             nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            header[name] = {
+                "dtype": _ST_DTYPES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
             offset += nbytes
         header["__metadata__"] = {"format": "pt"}
         raw = json.dumps(header, separators=(",", ":")).encode()
@@ -437,9 +475,13 @@ class _SafetensorsStream:
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         if name != self.pending[0] or tuple(tensor.shape) != self.entries[name][0]:
-            raise RuntimeError(f"export out of plan: got {name} {tuple(tensor.shape)}, expected {self.pending[0]}")
+            raise RuntimeError(
+                f"export out of plan: got {name} {tuple(tensor.shape)}, expected {self.pending[0]}"
+            )
         self.pending.pop(0)
-        self.file.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        self.file.write(
+            tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+        )
 
     def close(self) -> None:
         self.file.close()
@@ -507,8 +549,10 @@ def export_hf(
             for stream in streams:
                 stream.close()
             if len(names) > 1:
-                index = {"metadata": {"total_size": total},
-                         "weight_map": {key: names[i] for key, i in sorted(where.items())}}
+                index = {
+                    "metadata": {"total_size": total},
+                    "weight_map": {key: names[i] for key, i in sorted(where.items())},
+                }
                 (staging / INDEX).write_text(json.dumps(index, indent=2) + "\n")
             if write_extra is not None:
                 write_extra(staging)
@@ -521,7 +565,9 @@ def export_hf(
     logger.info("exported %s (%d file(s), %s bytes of weights)", directory, len(names), f"{total:,}")
 
 
-def publish(staging: Path, directory: Path, failure: BaseException | None, nbytes: int, is_main: bool) -> None:
+def publish(
+    staging: Path, directory: Path, failure: BaseException | None, nbytes: int, is_main: bool
+) -> None:
     """Rename rank 0's finished ``staging`` to ``directory``, or, when rank 0 failed to write it,
     remove it and raise ExportWriteError on every rank (collective when a process group exists)."""
     failed = torch.tensor([float(failure is not None)])

@@ -61,11 +61,17 @@ class LoraConfig:
         if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
             self.target_modules = [name.strip() for name in self.target_modules.split(",") if name.strip()]
         if not self.target_modules:
-            raise ValueError("peft.target_modules is empty; name modules (q_proj,v_proj...) or use all-linear")
+            raise ValueError(
+                "peft.target_modules is empty; name modules (q_proj,v_proj...) or use all-linear"
+            )
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ValueError(f"peft.rank must be a positive int, got {self.rank!r}")
         # alpha / rank scales the adapter's output and gradients: 1e30 overflows them at step 1
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 < self.alpha / self.rank <= 1e3:
+        if (
+            isinstance(self.alpha, bool)
+            or not isinstance(self.alpha, (int, float))
+            or not 0 < self.alpha / self.rank <= 1e3
+        ):
             raise ValueError(
                 f"peft.alpha={self.alpha!r} with peft.rank={self.rank}: alpha / rank scales the update and must be in "
                 "(0, 1000] (alpha = 2 x rank is common)"
@@ -93,9 +99,15 @@ class LoraConfig:
         gradient; a head tied to the input embeddings is one tensor under two names besides."""
         head = model.get_output_embeddings()
         name = next((n for n, m in model.named_modules() if m is head), None)
-        targets = [] if self.target_modules == "all-linear" else self.target_modules  # all-linear skips the head
+        targets = (
+            [] if self.target_modules == "all-linear" else self.target_modules
+        )  # all-linear skips the head
         if name is not None and any(name == t or name.endswith("." + t) for t in targets):
-            tied = ", and this model ties it to its input embeddings" if getattr(model.config, "tie_word_embeddings", False) else ""
+            tied = (
+                ", and this model ties it to its input embeddings"
+                if getattr(model.config, "tie_word_embeddings", False)
+                else ""
+            )
             raise ValueError(
                 f"peft.target_modules={self.target_modules!r} includes the output head {name!r}: the loss reads its "
                 f"weight directly (chunked over the vocabulary) and never calls it, so an adapter there would not be "
@@ -142,7 +154,9 @@ def lora_decoder_layers(model: peft.PeftModel) -> torch.nn.ModuleList:
     return model.get_base_model().model.layers
 
 
-def export_adapter(model: peft.PeftModel, full_state_dict: dict[str, torch.Tensor], out_dir: str | os.PathLike) -> None:
+def export_adapter(
+    model: peft.PeftModel, full_state_dict: dict[str, torch.Tensor], out_dir: str | os.PathLike
+) -> None:
     """Write ``adapter_config.json`` + ``adapter_model.safetensors`` for ``PeftModel.from_pretrained``.
 
     Args:
@@ -161,6 +175,9 @@ def merged_state_dict(full_state_dict: dict[str, torch.Tensor], lora: LoraConfig
     """
     merge = lora.merger()
     return {
-        key.removeprefix(_PREFIX).replace(".base_layer.", "."): merge(key, tensor, full_state_dict.__getitem__)
-        for key, tensor in full_state_dict.items() if ".lora_A." not in key and ".lora_B." not in key
+        key.removeprefix(_PREFIX).replace(".base_layer.", "."): merge(
+            key, tensor, full_state_dict.__getitem__
+        )
+        for key, tensor in full_state_dict.items()
+        if ".lora_A." not in key and ".lora_B." not in key
     }

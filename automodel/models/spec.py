@@ -80,7 +80,9 @@ class ModelSpec:
         if not isinstance(self.verify, bool):
             raise ValueError(f"model.verify must be true or false, got {self.verify!r}")
         if not isinstance(self.activation_checkpointing, bool):
-            raise ValueError(f"model.activation_checkpointing must be true or false, got {self.activation_checkpointing!r}")
+            raise ValueError(
+                f"model.activation_checkpointing must be true or false, got {self.activation_checkpointing!r}"
+            )
         if not isinstance(self.compile, bool):
             raise ValueError(f"model.compile must be true or false, got {self.compile!r}")
         if self.compile and self.activation_checkpointing:
@@ -102,7 +104,9 @@ class ModelSpec:
             try:
                 return AutoConfig.for_model(fields.pop("model_type"), **fields)
             except StrictDataclassError as error:  # transformers' typed fields: an int where a float goes...
-                raise ValueError(f"model.config: {' '.join(str(error).split())}; write it as that type (1.0 for a float)") from None
+                raise ValueError(
+                    f"model.config: {' '.join(str(error).split())}; write it as that type (1.0 for a float)"
+                ) from None
         path = Path(self.pretrained_path)
         if path.is_dir() and not (path / "config.json").is_file():
             raise ValueError(f"model.pretrained_path={self.pretrained_path!r} holds no config.json")
@@ -135,7 +139,14 @@ def _refuse_own_model_class(file: Path) -> None:
 
 
 # Sizes and counts a model divides by or allocates with: 0 is a traceback (or an empty model) later.
-_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
 
 
 def _check_sizes(fields: dict[str, Any], where: str) -> None:
@@ -187,10 +198,14 @@ def check_model_sanity(
                     f"{name}={ids!r} in the model config: token ids are in [0, vocab_size={vocab}); {where}"
                 )
     if max_sample_tokens is not None:
-        check_max_positions(config, max_sample_tokens, "data.max_length, else the pack size", exceed_max_positions)
+        check_max_positions(
+            config, max_sample_tokens, "data.max_length, else the pack size", exceed_max_positions
+        )
 
 
-def check_max_positions(config: PretrainedConfig, sample_tokens: int, source: str, exceed_max_positions: bool) -> None:
+def check_max_positions(
+    config: PretrainedConfig, sample_tokens: int, source: str, exceed_max_positions: bool
+) -> None:
     """ValueError when samples of ``sample_tokens`` tokens (``source`` says where that number comes
     from) are longer than the config's ``max_position_embeddings``, unless ``model.exceed_max_positions``."""
     limit = getattr(config, "max_position_embeddings", None)

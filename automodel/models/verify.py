@@ -181,7 +181,12 @@ def width_config(config: PretrainedConfig) -> PretrainedConfig:
 # what width_config keeps: depth (cut by _cut_depth instead) and every length a run can cross
 _LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")
 _DEPTH_AND_LENGTHS = {
-    *_LAYER_COUNTS, "max_position_embeddings", "n_positions", "sliding_window", "window_size", "attention_chunk_size"
+    *_LAYER_COUNTS,
+    "max_position_embeddings",
+    "n_positions",
+    "sliding_window",
+    "window_size",
+    "attention_chunk_size",
 }
 # integer fields that set a per-layer pattern at build time (every k-th layer, the first k dense)
 _LAYER_PATTERN_INTS = ("interval", "_step", "_freq", "first_k_dense")
@@ -210,7 +215,11 @@ def _cut_depth(config: PretrainedConfig) -> None:
     for values in index_lists.values():
         keep |= {values[0], next((i for i in range(layers) if i not in values), 0)}
     for name, value in config.to_dict().items():
-        if isinstance(value, int) and not isinstance(value, bool) and any(p in name for p in _LAYER_PATTERN_INTS):
+        if (
+            isinstance(value, int)
+            and not isinstance(value, bool)
+            and any(p in name for p in _LAYER_PATTERN_INTS)
+        ):
             keep |= set(range(min(value + 1, layers)))
     chosen = sorted(i for i in keep if i < layers)
     config.num_hidden_layers = len(chosen)
@@ -221,7 +230,9 @@ def _cut_depth(config: PretrainedConfig) -> None:
 
 
 def _shrink(config: PretrainedConfig, widths_only: bool = False) -> None:
-    counts = {name: getattr(config, name) for name in _LAYER_COUNTS if isinstance(getattr(config, name, None), int)}
+    counts = {
+        name: getattr(config, name) for name in _LAYER_COUNTS if isinstance(getattr(config, name, None), int)
+    }
     sizes = {k: v for k, v in _TINY.items() if not (widths_only and k in _DEPTH_AND_LENGTHS)}
     for name, current in config.to_dict().items():  # family-specific names: *vocab*, hidden_size_*
         if isinstance(current, int) and ("vocab" in name or name.startswith("hidden_size")):
@@ -238,7 +249,14 @@ def _shrink(config: PretrainedConfig, widths_only: bool = False) -> None:
         config.head_dim = config.hidden_size // config.num_attention_heads
     if getattr(config, "num_key_value_heads", None) is None and hasattr(config, "num_key_value_heads"):
         config.num_key_value_heads = _TINY["num_key_value_heads"]
-    for name in ("num_local_experts", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group", "n_shared_experts"):
+    for name in (
+        "num_local_experts",
+        "n_routed_experts",
+        "num_experts_per_tok",
+        "n_group",
+        "topk_group",
+        "n_shared_experts",
+    ):
         # unset expert counts and routing sizes of a tiny MoE
         if hasattr(config, name) and getattr(config, name) is None:
             setattr(config, name, _TINY[name])
@@ -267,7 +285,10 @@ def _shrink(config: PretrainedConfig, widths_only: bool = False) -> None:
         kinds = list(dict.fromkeys(layer_types))  # first-appearance order
         config.num_hidden_layers = max(layers, len(kinds))
         config.layer_types = (kinds * config.num_hidden_layers)[: config.num_hidden_layers]
-    for count, before in counts.items():  # per-layer lists (GPT-Neo's attention_layers): one entry per layer kept
+    for (
+        count,
+        before,
+    ) in counts.items():  # per-layer lists (GPT-Neo's attention_layers): one entry per layer kept
         after = getattr(config, count)
         for name, value in config.to_dict().items():
             if name != "layer_types" and isinstance(value, list) and len(value) == before > after:
@@ -633,7 +654,9 @@ def verify_config(
         else:
             if not ("KeyError" in message and THD_ATTENTION in message):
                 refusal = Verdict("refused", REASONS["differs"].format(message))
-        return verify_dense_mask(config, refusal, lengths) if dense_mask_fallback or refusal is None else refusal
+        return (
+            verify_dense_mask(config, refusal, lengths) if dense_mask_fallback or refusal is None else refusal
+        )
     if not errors:
         features = _features(config, calls)
         # a window field that no layer applies (verified exact with it set): setup need not restrict it

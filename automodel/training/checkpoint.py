@@ -60,16 +60,30 @@ class UnsafeCheckpointError(ConfigError):
 # What DCP's ``.metadata`` pickle may name (torch 2.13): its metadata dataclasses, torch.Size, the
 # dtypes, layouts by name, and the checkpoint's path. Anything else (a function, a class with side
 # effects) is refused before it is called.
-_METADATA_GLOBALS = frozenset({
-    *(("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING",
-    )),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
-})
+_METADATA_GLOBALS = frozenset(
+    {
+        *(
+            ("torch.distributed.checkpoint.metadata", name)
+            for name in (
+                "Metadata",
+                "MetadataIndex",
+                "StorageMeta",
+                "TensorProperties",
+                "TensorStorageMetadata",
+                "ChunkStorageMetadata",
+                "BytesStorageMetadata",
+                "_MEM_FORMAT_ENCODING",
+            )
+        ),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PureWindowsPath"),
+    }
+)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -93,7 +107,9 @@ def read_dcp_metadata(path: Path) -> Metadata:
             "delete that checkpoint directory to resume from the previous one, or start a new trainer.output_dir"
         ) from None
     if not isinstance(metadata, Metadata):
-        raise UnsafeCheckpointError(f"{file} holds a {type(metadata).__name__}, not DCP metadata; delete that checkpoint")
+        raise UnsafeCheckpointError(
+            f"{file} holds a {type(metadata).__name__}, not DCP metadata; delete that checkpoint"
+        )
     return metadata
 
 
@@ -115,7 +131,9 @@ def verify_checkpoint(path: Path) -> None:
         if not isinstance(entry, BytesStorageMetadata):
             continue
         storage = storage_of.get(index)
-        if storage is None or storage.transform_descriptors:  # compressed values: the load's planner checks them
+        if (
+            storage is None or storage.transform_descriptors
+        ):  # compressed values: the load's planner checks them
             continue
         with (Path(path) / storage.relative_path).open("rb") as f:
             f.seek(storage.offset)
@@ -189,8 +207,13 @@ def rng_state() -> dict[str, Any]:
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -201,8 +224,15 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     numpy = state["numpy"]
-    np.random.set_state((numpy["kind"], numpy["keys"].numpy().astype(np.uint32), numpy["pos"],
-                         numpy["has_gauss"], numpy["cached_gaussian"]))
+    np.random.set_state(
+        (
+            numpy["kind"],
+            numpy["keys"].numpy().astype(np.uint32),
+            numpy["pos"],
+            numpy["has_gauss"],
+            numpy["cached_gaussian"],
+        )
+    )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -218,7 +248,9 @@ class CheckpointInfo:
     world_size: int
     dp_size: int
     cp_size: int
-    micro_batches_per_step: int  # data-parallel size x gradient accumulation: the global batch in micro-batches
+    micro_batches_per_step: (
+        int  # data-parallel size x gradient accumulation: the global batch in micro-batches
+    )
     scheduler: dict[str, Any]
 
 
@@ -237,8 +269,13 @@ def read_info(path: Path) -> CheckpointInfo:
         if file.stat().st_size != size:
             raise ValueError(f"{file} has {file.stat().st_size} bytes, {size} were written")
     return CheckpointInfo(
-        path=path, step=meta["step"], run_id=meta["run_id"], world_size=meta["world_size"],
-        dp_size=meta["dp_size"], cp_size=meta["cp_size"], micro_batches_per_step=meta["micro_batches_per_step"],
+        path=path,
+        step=meta["step"],
+        run_id=meta["run_id"],
+        world_size=meta["world_size"],
+        dp_size=meta["dp_size"],
+        cp_size=meta["cp_size"],
+        micro_batches_per_step=meta["micro_batches_per_step"],
         scheduler=meta["scheduler"],
     )
 
@@ -297,7 +334,9 @@ class Checkpointer:
         found = self.checkpoints()
         return found[-1] if found else None
 
-    def save(self, step: int, model, optimizer, scheduler, stream, micro_batches_per_step: int, mesh_sizes) -> Path:
+    def save(
+        self, step: int, model, optimizer, scheduler, stream, micro_batches_per_step: int, mesh_sizes
+    ) -> Path:
         """Write a checkpoint of ``step`` on every rank; ``mesh_sizes`` is ``(dp_size, cp_size)``."""
         check_finite_parameters(model, f"checkpoint of step {step} not written")
         final = self.root / f"step_{step:08d}"
@@ -322,7 +361,9 @@ class Checkpointer:
             if self.rank == 0:
                 shutil.rmtree(staging, ignore_errors=True)
             free = shutil.disk_usage(self.root).free
-            detail = f" ({type(cause).__name__}: {cause})" if cause is not None else " (failed on another rank)"
+            detail = (
+                f" ({type(cause).__name__}: {cause})" if cause is not None else " (failed on another rank)"
+            )
             raise CheckpointWriteError(
                 f"could not write the checkpoint of step {step} to {staging}{detail}: it needs about {needed:,} "
                 f"bytes and {free:,} are free there; free space, or point trainer.output_dir at a larger disk"
@@ -330,8 +371,12 @@ class Checkpointer:
         if self.rank == 0:
             dp_size, cp_size = mesh_sizes
             meta = {
-                "step": step, "run_id": self.run_id, "world_size": self.world_size, "dp_size": dp_size,
-                "cp_size": cp_size, "micro_batches_per_step": micro_batches_per_step,
+                "step": step,
+                "run_id": self.run_id,
+                "world_size": self.world_size,
+                "dp_size": dp_size,
+                "cp_size": cp_size,
+                "micro_batches_per_step": micro_batches_per_step,
                 "scheduler": scheduler.state_dict(),
                 "files": {p.name: p.stat().st_size for p in sorted(staging.iterdir())},
             }

@@ -58,25 +58,45 @@ class OptimConfig:
     fused: bool | None = None
 
     def __post_init__(self) -> None:
-        _check(_is_real(self.lr) and self.lr > 0, f"optim.lr must be a finite positive number, got {self.lr!r}")
-        _check(self.lr <= MAX_LR,
-               f"optim.lr={self.lr!r} is above {MAX_LR}: AdamW moves every weight by about lr per step, and weights "
-               "are of order 0.02 to 1, so the model is rewritten in a step or two (the loss explodes); fine-tuning "
-               "uses 1e-6 to 1e-2")
-        _check(_is_real(self.weight_decay) and self.weight_decay >= 0,
-               f"optim.weight_decay must be a finite number >= 0, got {self.weight_decay!r}")
-        _check(isinstance(self.betas, (list, tuple)) and len(self.betas) == 2
-               and all(_is_real(b) and 0 <= b < 1 for b in self.betas),
-               f"optim.betas must be two numbers in [0, 1), e.g. [0.9, 0.95]; got {self.betas!r}")
-        _check(_is_real(self.eps) and self.eps > 0, f"optim.eps must be a finite positive number, got {self.eps!r}")
-        _check(_is_int(self.warmup_steps) and self.warmup_steps >= 0,
-               f"optim.warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
-        _check(_is_real(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1,
-               f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
-        _check(self.max_grad_norm is None or (_is_real(self.max_grad_norm) and self.max_grad_norm > 0),
-               f"optim.max_grad_norm must be a finite positive number or null, got {self.max_grad_norm!r}")
-        _check(self.fused is None or isinstance(self.fused, bool),
-               f"optim.fused must be true, false or null (auto), got {self.fused!r}")
+        _check(
+            _is_real(self.lr) and self.lr > 0, f"optim.lr must be a finite positive number, got {self.lr!r}"
+        )
+        _check(
+            self.lr <= MAX_LR,
+            f"optim.lr={self.lr!r} is above {MAX_LR}: AdamW moves every weight by about lr per step, and weights "
+            "are of order 0.02 to 1, so the model is rewritten in a step or two (the loss explodes); fine-tuning "
+            "uses 1e-6 to 1e-2",
+        )
+        _check(
+            _is_real(self.weight_decay) and self.weight_decay >= 0,
+            f"optim.weight_decay must be a finite number >= 0, got {self.weight_decay!r}",
+        )
+        _check(
+            isinstance(self.betas, (list, tuple))
+            and len(self.betas) == 2
+            and all(_is_real(b) and 0 <= b < 1 for b in self.betas),
+            f"optim.betas must be two numbers in [0, 1), e.g. [0.9, 0.95]; got {self.betas!r}",
+        )
+        _check(
+            _is_real(self.eps) and self.eps > 0,
+            f"optim.eps must be a finite positive number, got {self.eps!r}",
+        )
+        _check(
+            _is_int(self.warmup_steps) and self.warmup_steps >= 0,
+            f"optim.warmup_steps must be an int >= 0, got {self.warmup_steps!r}",
+        )
+        _check(
+            _is_real(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1,
+            f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}",
+        )
+        _check(
+            self.max_grad_norm is None or (_is_real(self.max_grad_norm) and self.max_grad_norm > 0),
+            f"optim.max_grad_norm must be a finite positive number or null, got {self.max_grad_norm!r}",
+        )
+        _check(
+            self.fused is None or isinstance(self.fused, bool),
+            f"optim.fused must be true, false or null (auto), got {self.fused!r}",
+        )
 
     def fused_on(self, device: torch.device) -> bool:
         """Whether the optimizer runs the fused kernel on ``device``. ValueError naming the device when
@@ -101,7 +121,11 @@ class OptimConfig:
         trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: adapters only, no base state
         fused = bool(trainable) and self.fused_on(trainable[0].device)
         optimizer = torch.optim.AdamW(
-            trainable, lr=self.lr, betas=tuple(self.betas), eps=self.eps, weight_decay=self.weight_decay,
+            trainable,
+            lr=self.lr,
+            betas=tuple(self.betas),
+            eps=self.eps,
+            weight_decay=self.weight_decay,
             fused=fused or None,  # None: torch's default
         )
         return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_factor_schedule(max_steps))
@@ -119,28 +143,28 @@ class OptimConfig:
 @dataclass
 class TrainerConfig:
     """Attributes:
-        max_steps: optimizer steps (the LR schedule spans them).
-        grad_accum_steps: micro-batches per optimizer step on each data-parallel rank.
-        seed: seeds model init, data order and packing.
-        output_dir: run directory (config, metrics, checkpoints, exported model, loss curve); a
-            leading ``~`` is the home directory.
-        eval_every: evaluate on the validation set (``data.validation`` or ``data.val_fraction``) every
-            N steps; always after the last step when there is validation data.
-        checkpoint_every: save a checkpoint every N steps (and always at the end); null: only at the end.
-        keep_last: checkpoints kept on disk.
-        resume: ``auto`` continues from the newest checkpoint of this run in output_dir (the recipe must
-            match the run's, see :mod:`automodel.training.run_dir`); ``never`` starts fresh.
-        overwrite: let a fresh run delete another run's outputs in output_dir (refused otherwise).
-        stop_at_step: stop after this step as a preempted job would (checkpoint, no export); the LR
-            schedule still follows max_steps.
-        export_hf: write the final model as a Hugging Face checkpoint (output_dir/hf); under LoRA the
-            adapter (output_dir/adapter), and output_dir/hf only with ``peft.export_merged``.
-        bf16_autocast: bf16 autocast on CUDA (ignored on CPU).
-        progress_bar: a tqdm bar on rank 0 when stderr is a terminal (else a log line per log_every steps).
-        sync_debug_step: on CUDA, run this step under torch's sync debug mode and log every place
-            where the host waited for the device (file, line, operation); ``host_syncs`` in that
-            step's metrics record counts them. Null: off.
-        tracking: experiment trackers (:class:`TrackingConfig`): TensorBoard by default, W&B, MLflow.
+    max_steps: optimizer steps (the LR schedule spans them).
+    grad_accum_steps: micro-batches per optimizer step on each data-parallel rank.
+    seed: seeds model init, data order and packing.
+    output_dir: run directory (config, metrics, checkpoints, exported model, loss curve); a
+        leading ``~`` is the home directory.
+    eval_every: evaluate on the validation set (``data.validation`` or ``data.val_fraction``) every
+        N steps; always after the last step when there is validation data.
+    checkpoint_every: save a checkpoint every N steps (and always at the end); null: only at the end.
+    keep_last: checkpoints kept on disk.
+    resume: ``auto`` continues from the newest checkpoint of this run in output_dir (the recipe must
+        match the run's, see :mod:`automodel.training.run_dir`); ``never`` starts fresh.
+    overwrite: let a fresh run delete another run's outputs in output_dir (refused otherwise).
+    stop_at_step: stop after this step as a preempted job would (checkpoint, no export); the LR
+        schedule still follows max_steps.
+    export_hf: write the final model as a Hugging Face checkpoint (output_dir/hf); under LoRA the
+        adapter (output_dir/adapter), and output_dir/hf only with ``peft.export_merged``.
+    bf16_autocast: bf16 autocast on CUDA (ignored on CPU).
+    progress_bar: a tqdm bar on rank 0 when stderr is a terminal (else a log line per log_every steps).
+    sync_debug_step: on CUDA, run this step under torch's sync debug mode and log every place
+        where the host waited for the device (file, line, operation); ``host_syncs`` in that
+        step's metrics record counts them. Null: off.
+    tracking: experiment trackers (:class:`TrackingConfig`): TensorBoard by default, W&B, MLflow.
     """
 
     max_steps: int = 100
@@ -169,19 +193,39 @@ class TrainerConfig:
         for name in ("max_steps", "grad_accum_steps", "log_every", "keep_last"):
             value = getattr(self, name)
             _check(_is_int(value) and value >= 1, f"trainer.{name} must be a positive int, got {value!r}")
-        _check(_is_int(self.seed) and 0 <= self.seed < 2**32,
-               f"trainer.seed must be an int in [0, 2**32) (numpy's seed range), got {self.seed!r}")
-        _check(isinstance(self.output_dir, str) and self.output_dir.strip() != "",
-               f"trainer.output_dir must be a directory path such as runs/my_run, got {self.output_dir!r}")
-        self.output_dir = os.path.expanduser(self.output_dir)  # '~/x' quoted past Hydra: not a directory named '~'
-        _check(self.eval_every is None or (_is_int(self.eval_every) and self.eval_every >= 1),
-               f"trainer.eval_every must be a positive int or null, got {self.eval_every!r}")
-        _check(self.sync_debug_step is None or (_is_int(self.sync_debug_step) and self.sync_debug_step >= 1),
-               f"trainer.sync_debug_step must be a positive int or null, got {self.sync_debug_step!r}")
-        _check(self.checkpoint_every is None or (_is_int(self.checkpoint_every) and self.checkpoint_every >= 1),
-               f"trainer.checkpoint_every must be a positive int or null, got {self.checkpoint_every!r}")
-        _check(self.resume in RESUME_MODES, f"trainer.resume must be one of {RESUME_MODES}, got {self.resume!r}")
+        _check(
+            _is_int(self.seed) and 0 <= self.seed < 2**32,
+            f"trainer.seed must be an int in [0, 2**32) (numpy's seed range), got {self.seed!r}",
+        )
+        _check(
+            isinstance(self.output_dir, str) and self.output_dir.strip() != "",
+            f"trainer.output_dir must be a directory path such as runs/my_run, got {self.output_dir!r}",
+        )
+        self.output_dir = os.path.expanduser(
+            self.output_dir
+        )  # '~/x' quoted past Hydra: not a directory named '~'
+        _check(
+            self.eval_every is None or (_is_int(self.eval_every) and self.eval_every >= 1),
+            f"trainer.eval_every must be a positive int or null, got {self.eval_every!r}",
+        )
+        _check(
+            self.sync_debug_step is None or (_is_int(self.sync_debug_step) and self.sync_debug_step >= 1),
+            f"trainer.sync_debug_step must be a positive int or null, got {self.sync_debug_step!r}",
+        )
+        _check(
+            self.checkpoint_every is None or (_is_int(self.checkpoint_every) and self.checkpoint_every >= 1),
+            f"trainer.checkpoint_every must be a positive int or null, got {self.checkpoint_every!r}",
+        )
+        _check(
+            self.resume in RESUME_MODES, f"trainer.resume must be one of {RESUME_MODES}, got {self.resume!r}"
+        )
         for name in ("overwrite", "export_hf", "bf16_autocast", "progress_bar"):
-            _check(isinstance(getattr(self, name), bool), f"trainer.{name} must be true or false, got {getattr(self, name)!r}")
-        _check(self.stop_at_step is None or (_is_int(self.stop_at_step) and 1 <= self.stop_at_step <= self.max_steps),
-               f"trainer.stop_at_step must be null or in [1, max_steps={self.max_steps}], got {self.stop_at_step!r}")
+            _check(
+                isinstance(getattr(self, name), bool),
+                f"trainer.{name} must be true or false, got {getattr(self, name)!r}",
+            )
+        _check(
+            self.stop_at_step is None
+            or (_is_int(self.stop_at_step) and 1 <= self.stop_at_step <= self.max_steps),
+            f"trainer.stop_at_step must be null or in [1, max_steps={self.max_steps}], got {self.stop_at_step!r}",
+        )

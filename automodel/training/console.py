@@ -49,7 +49,9 @@ def configure_console(is_main: bool) -> None:
     ``transformers`` (writing shards) off a terminal."""
     logging.basicConfig(
         level=logging.INFO if is_main else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", force=True,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        force=True,
     )
     silence_known_warnings()
     if not on_terminal():

@@ -31,7 +31,15 @@ from automodel.training.finetune import FinetuneRecipe
 logger = logging.getLogger("automodel")
 
 # per-step sums reduced over DP ranks, then divided by the pair count
-_SUMMED = ("loss", "reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy", "logp_chosen", "logp_rejected")
+_SUMMED = (
+    "loss",
+    "reward_chosen",
+    "reward_rejected",
+    "reward_margin",
+    "reward_accuracy",
+    "logp_chosen",
+    "logp_rejected",
+)
 
 
 MAX_BETA = 1e3
@@ -45,8 +53,14 @@ class DPOConfig:
 
     def __post_init__(self) -> None:
         # beta scales the gradient: 1e30 overflows it at step 1, where the failure would be blamed on lr or data
-        if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) or not 0 < self.beta <= MAX_BETA:
-            raise ValueError(f"dpo.beta must be a positive number up to {MAX_BETA:g} (0.1 is common), got {self.beta!r}")
+        if (
+            isinstance(self.beta, bool)
+            or not isinstance(self.beta, (int, float))
+            or not 0 < self.beta <= MAX_BETA
+        ):
+            raise ValueError(
+                f"dpo.beta must be a positive number up to {MAX_BETA:g} (0.1 is common), got {self.beta!r}"
+            )
 
 
 def dpo_terms(policy_P2: torch.Tensor, reference_P2: torch.Tensor, beta: float) -> dict[str, torch.Tensor]:
@@ -78,7 +92,9 @@ class DPORecipe(FinetuneRecipe):
             ("dpo", self.dpo, DPOConfig), ("data", self.data, PreferenceData), ("packing", self.batching, PreferenceBatching)
         ):  # fmt: skip
             if not isinstance(value, kind):
-                raise ConfigError(f"{name}: a DPO recipe needs {kind.__module__}.{kind.__name__}, got {type(value).__name__}")
+                raise ConfigError(
+                    f"{name}: a DPO recipe needs {kind.__module__}.{kind.__name__}, got {type(value).__name__}"
+                )
 
     def setup(self) -> None:
         super().setup()
@@ -88,7 +104,9 @@ class DPORecipe(FinetuneRecipe):
             devices = [self.dims.device.index or 0] if self.dims.device.type == "cuda" else []
             with torch.random.fork_rng(devices=devices):
                 self.reference = self._build_model().eval().requires_grad_(False)
-            logger.info("DPO reference: a frozen copy of the starting model (no gradients, no optimizer state)")
+            logger.info(
+                "DPO reference: a frozen copy of the starting model (no gradients, no optimizer state)"
+            )
 
     @staticmethod
     def _pair_log_probs(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,9 +127,13 @@ class DPORecipe(FinetuneRecipe):
         dist.all_reduce(values, group=self.dims.mesh["dp"].get_group())
         return values
 
-    def _forward_backward(self, micro_batches: list[dict[str, Any]], label_tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _forward_backward(
+        self, micro_batches: list[dict[str, Any]], label_tokens: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
         """The step's mean DPO loss over all its pairs (every DP rank's), backward done; reward metrics."""
-        pairs = self._sum_over_dp(torch.tensor(float(sum(len(b["attn_meta"].real_lens) // 2 for b in micro_batches))))
+        pairs = self._sum_over_dp(
+            torch.tensor(float(sum(len(b["attn_meta"].real_lens) // 2 for b in micro_batches)))
+        )
         totals = torch.zeros(len(_SUMMED), dtype=torch.float64, device=self.dims.device)
         for i, batch in enumerate(micro_batches):
             self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # reduce once per step
@@ -143,6 +165,10 @@ class DPORecipe(FinetuneRecipe):
         record = {f"val_{k}": v / pairs for k, v in zip(_SUMMED, sums)}
         logger.info(
             "step %d  val_loss %.4f  val_reward_accuracy %.3f  val_reward_margin %.4f over %d pairs",
-            self.step, record["val_loss"], record["val_reward_accuracy"], record["val_reward_margin"], int(pairs),
+            self.step,
+            record["val_loss"],
+            record["val_reward_accuracy"],
+            record["val_reward_margin"],
+            int(pairs),
         )
         return record

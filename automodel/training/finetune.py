@@ -68,7 +68,9 @@ class FinetuneRecipe:
         # A process group the caller made (a notebook, a larger job) is used and left open at cleanup.
         self._owns_process_group = not dist.is_initialized()
         try:
-            self.dims = init_distributed(self.parallel_config, on_group=functools.partial(check_ranks_agree, self.cfg))
+            self.dims = init_distributed(
+                self.parallel_config, on_group=functools.partial(check_ranks_agree, self.cfg)
+            )
             self.optim_config.fused_on(self.dims.device)  # optim.fused=true where torch has no fused AdamW
         except ValueError as error:
             raise ConfigError(str(error)) from None
@@ -77,27 +79,45 @@ class FinetuneRecipe:
         # Before anything is written: the model config, and the differential check on it (model.verify, cached)
         with _as_user_error(ModelError):
             self.hf_config, self.model_verdict = config_checks(
-                self.model_spec, cp_size=self.dims.cp_size, max_sample_tokens=self._longest_sample(),
+                self.model_spec,
+                cp_size=self.dims.cp_size,
+                max_sample_tokens=self._longest_sample(),
                 row_tokens=self._row_tokens(),
             )
         # Lock, resume checks and the saved recipe: all before any data or model work.
         self.run_dir = RunDirectory(self.output_dir, self.dims.rank)
-        run_id, resume_from = self.run_dir.prepare(self.cfg, self.trainer, self.dims.world_size, self.dims.dp_size)
+        run_id, resume_from = self.run_dir.prepare(
+            self.cfg, self.trainer, self.dims.world_size, self.dims.dp_size
+        )
         logger.info(
-            "%s %s: %d steps, world %d = dp %d x cp %d on %s; full config in %s", "resuming" if resume_from else "run",
-            self.output_dir, self.trainer.max_steps, self.dims.world_size, self.dims.dp_size, self.dims.cp_size,
-            self.dims.device, self.output_dir / RECIPE,
+            "%s %s: %d steps, world %d = dp %d x cp %d on %s; full config in %s",
+            "resuming" if resume_from else "run",
+            self.output_dir,
+            self.trainer.max_steps,
+            self.dims.world_size,
+            self.dims.dp_size,
+            self.dims.cp_size,
+            self.dims.device,
+            self.output_dir / RECIPE,
         )
         torch.manual_seed(self.trainer.seed)
         self.metrics = open_metrics_log(  # trackers start (or fail) before any data work
-            self.output_dir, run_id, resume_from.step if resume_from else 0, self.trainer.tracking, self.cfg,
+            self.output_dir,
+            run_id,
+            resume_from.step if resume_from else 0,
+            self.trainer.tracking,
+            self.cfg,
             self.dims.is_main,
         )
 
         with _as_user_error(ConfigError):  # data.tokenizer: a path or name the recipe gives
             self.tokenizer = self.data.load_tokenizer(trust_remote_code=self.model_spec.trust_remote_code)
-        with _as_user_error(ModelError):  # the tokenizer, checkpoint and LoRA targets, before tokenizing and packing
-            checkpoint_checks(self.model_spec, self.hf_config, vocab_needed=len(self.tokenizer), lora=self.lora)
+        with _as_user_error(
+            ModelError
+        ):  # the tokenizer, checkpoint and LoRA targets, before tokenizing and packing
+            checkpoint_checks(
+                self.model_spec, self.hf_config, vocab_needed=len(self.tokenizer), lora=self.lora
+            )
         # rank 0 fills the datasets cache, the others read it; a bad row raised in a worker process
         # of datasets.map arrives here as the worker's ValueError
         with _main_rank_first(self.dims.is_main), _as_user_error(DataError):
@@ -105,12 +125,17 @@ class FinetuneRecipe:
         if self._longest_sample() is None:  # no bound in the recipe (DPO pairs): the samples themselves
             with _as_user_error(ModelError):
                 check_max_positions(
-                    self.hf_config, _longest_tokenized(dataset, self.val_dataset), "the longest tokenized sample",
+                    self.hf_config,
+                    _longest_tokenized(dataset, self.val_dataset),
+                    "the longest tokenized sample",
                     self.model_spec.exceed_max_positions,
                 )
         padding_idx = self.tokenizer.pad_token_id
         env = LoaderEnv(
-            dp_rank=self.dims.dp_rank, dp_size=self.dims.dp_size, cp_size=self.dims.cp_size, seed=self.trainer.seed,
+            dp_rank=self.dims.dp_rank,
+            dp_size=self.dims.dp_size,
+            cp_size=self.dims.cp_size,
+            seed=self.trainer.seed,
             padding_idx=padding_idx if padding_idx is not None else 0,
         )
         # No collective is open while packing: with packing.cache_dir one rank packs and the others
@@ -120,7 +145,9 @@ class FinetuneRecipe:
         except ValueError as error:  # the packing section against this run (cp_size, data): a config error
             raise ConfigError(str(error)) from None
         logger.info("%d micro-batches per epoch on each data-parallel rank", self.stream.batches_per_epoch)
-        self.val_batches = None if self.val_dataset is None else self.batching.build_eval(self.val_dataset, env)
+        self.val_batches = (
+            None if self.val_dataset is None else self.batching.build_eval(self.val_dataset, env)
+        )
 
         # a checkpoint without weights or not matching its config, bad LoRA targets
         with _as_user_error(ModelError, (ValueError, OSError)):
@@ -131,18 +158,24 @@ class FinetuneRecipe:
         )
         self.step = 0
         if resume_from is not None:
-            self.step = self.checkpointer.load(resume_from, self.model, self.optimizer, self.scheduler, self.stream)
+            self.step = self.checkpointer.load(
+                resume_from, self.model, self.optimizer, self.scheduler, self.stream
+            )
             logger.info("resumed from %s at step %d", resume_from.path, self.step)
 
     def _warn_no_validation_data(self) -> None:
         """Say so when ``trainer.eval_every`` will never evaluate (a warning: a recipe's own
         ``eval_every`` stays when an override drops its validation set)."""
         every = self.trainer.eval_every
-        if every is not None and getattr(self.data, "validation", None) is None \
-                and getattr(self.data, "val_fraction", None) is None:
+        if (
+            every is not None
+            and getattr(self.data, "validation", None) is None
+            and getattr(self.data, "val_fraction", None) is None
+        ):
             logger.warning(
                 "trainer.eval_every=%d but the data section has no validation set: no evaluation will run; set "
-                "data.val_fraction (e.g. 0.05) or data.validation (e.g. {split: validation}) to evaluate", every
+                "data.val_fraction (e.g. 0.05) or data.validation (e.g. {split: validation}) to evaluate",
+                every,
             )
 
     def _longest_sample(self) -> int | None:
@@ -159,29 +192,44 @@ class FinetuneRecipe:
             apply_fsdp, mesh=self.dims.fsdp_mesh, compute_dtype=self.model_spec.torch_dtype
         )
         model = build_model(
-            self.model_spec, self.hf_config, device=self.dims.device, shard=shard, seed=self.trainer.seed,
-            cp_comm_type=self.parallel_config.cp_comm_type, is_main=self.dims.is_main, lora=self.lora,
+            self.model_spec,
+            self.hf_config,
+            device=self.dims.device,
+            shard=shard,
+            seed=self.trainer.seed,
+            cp_comm_type=self.parallel_config.cp_comm_type,
+            is_main=self.dims.is_main,
+            lora=self.lora,
             dense_mask=uses_dense_mask(self.model_verdict),
         )
         parameters = sum(p.numel() for p in model.parameters())
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         logger.info(
-            "model: %s, %.2fM parameters, %.2fM trained%s", self.hf_config.model_type, parameters / 1e6,
-            trainable / 1e6, f" (LoRA on {self.lora.target_modules}, rank {self.lora.rank})" if self.lora else "",
+            "model: %s, %.2fM parameters, %.2fM trained%s",
+            self.hf_config.model_type,
+            parameters / 1e6,
+            trainable / 1e6,
+            f" (LoRA on {self.lora.target_modules}, rank {self.lora.rank})" if self.lora else "",
         )
         row = self._row_tokens()
         if model.dense_mask and row:
             logger.info(
                 "%s runs its own attention under a dense [T, T] block-diagonal mask: %.0f MiB per micro-batch of "
-                "%d tokens (%s)", self.hf_config.model_type, row * row * self.model_spec.torch_dtype.itemsize / 2**20,
-                row, self.model_spec.dtype,
+                "%d tokens (%s)",
+                self.hf_config.model_type,
+                row * row * self.model_spec.torch_dtype.itemsize / 2**20,
+                row,
+                self.model_spec.dtype,
             )
         return model
 
     def train(self) -> None:
         last_step = self.trainer.stop_at_step or self.trainer.max_steps
         progress = tqdm(
-            total=self.trainer.max_steps, initial=self.step, desc="training", unit="step",
+            total=self.trainer.max_steps,
+            initial=self.step,
+            desc="training",
+            unit="step",
             disable=not (self.dims.is_main and self.trainer.progress_bar and on_terminal()),
         )
         while self.step < last_step:
@@ -197,14 +245,24 @@ class FinetuneRecipe:
                 self.metrics.write(record)
                 logger.info(
                     "step %d/%d  loss %.4f  lr %.3g  grad_norm %.3f  %.0f real tok/s  fill %.1f%%",
-                    self.step, self.trainer.max_steps, record["loss"], record["lr"], record["grad_norm"],
-                    record["tokens_per_s"], 100 * record["fill"],
+                    self.step,
+                    self.trainer.max_steps,
+                    record["loss"],
+                    record["lr"],
+                    record["grad_norm"],
+                    record["tokens_per_s"],
+                    100 * record["fill"],
                 )
             every = self.trainer.checkpoint_every
             if (every and self.step % every == 0) or self.step == last_step:
                 self.checkpointer.save(
-                    self.step, self.model, self.optimizer, self.scheduler, self.stream,
-                    self.dims.dp_size * self.trainer.grad_accum_steps, (self.dims.dp_size, self.dims.cp_size),
+                    self.step,
+                    self.model,
+                    self.optimizer,
+                    self.scheduler,
+                    self.stream,
+                    self.dims.dp_size * self.trainer.grad_accum_steps,
+                    (self.dims.dp_size, self.dims.cp_size),
                 )
         progress.close()
         if self.step == self.trainer.max_steps:
@@ -234,9 +292,7 @@ class FinetuneRecipe:
             raise ValueError(
                 f"step {self.step + 1} has no label token on any rank; check the loss masks of the data"
             )
-        if not (
-            math.isfinite(loss) and math.isfinite(grad_norm)
-        ):  # before the step writes NaN into weights
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # before the step writes NaN into weights
             raise NonFiniteError(
                 f"step {self.step + 1}: loss {loss} and grad norm {grad_norm} must be finite; "
                 "stopped before the optimizer step (nothing of this step was saved). Lower optim.lr, set "
@@ -264,7 +320,9 @@ class FinetuneRecipe:
             record["peak_memory_gb"] = torch.cuda.max_memory_allocated(self.dims.device) / 2**30
         return record
 
-    def _forward_backward(self, micro_batches: list[dict[str, Any]], label_tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _forward_backward(
+        self, micro_batches: list[dict[str, Any]], label_tokens: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
         """The objective, the one part a :class:`automodel.training.dpo.DPORecipe` replaces: forward
         and backward of the step's micro-batches. ``label_tokens``: the step's label tokens on all
         ranks (a device tensor). Returns 0-dim device tensors, not read here: ``loss`` (the global
@@ -323,7 +381,10 @@ class FinetuneRecipe:
             )  # fmt: skip
         logger.info(
             "step %d  val_loss %.4f  val_perplexity %.3f over %d label tokens",
-            self.step, result.val_loss, result.val_perplexity, result.val_label_tokens,
+            self.step,
+            result.val_loss,
+            result.val_perplexity,
+            result.val_label_tokens,
         )
         return result.as_record()
 
@@ -362,8 +423,13 @@ class FinetuneRecipe:
     def _finish(self) -> None:
         if self.trainer.export_hf:
             export_model(
-                self.model, self.output_dir, self.tokenizer, dtype=self.model_spec.torch_dtype,
-                is_main=self.dims.is_main, lora=self.lora, base=self.model_spec.pretrained_path,
+                self.model,
+                self.output_dir,
+                self.tokenizer,
+                dtype=self.model_spec.torch_dtype,
+                is_main=self.dims.is_main,
+                lora=self.lora,
+                base=self.model_spec.pretrained_path,
             )
         if not self.dims.is_main:
             return
@@ -373,8 +439,12 @@ class FinetuneRecipe:
         if self.trainer.export_hf and self.lora is not None:
             write_adapter_card(self.output_dir / "adapter", self.cfg, records)
         logger.info(
-            "done: loss %.4f (step %d) -> %.4f (step %d); outputs in %s", records[0]["loss"], records[0]["step"],
-            records[-1]["loss"], records[-1]["step"], self.output_dir,
+            "done: loss %.4f (step %d) -> %.4f (step %d); outputs in %s",
+            records[0]["loss"],
+            records[0]["step"],
+            records[-1]["loss"],
+            records[-1]["step"],
+            self.output_dir,
         )
 
     def cleanup(self, failed: bool = False) -> None:
@@ -434,7 +504,9 @@ def recipe_class(cfg: DictConfig) -> type[FinetuneRecipe]:
         if str((cfg.get(name) or {}).get("_target_", "")).startswith("automodel.data.preference.")
     ]  # fmt: skip
     if preference and cfg.get("dpo") is None:
-        raise ConfigError(f"{', '.join(preference)} holds preference pairs, which need a dpo section (dpo=sigmoid)")
+        raise ConfigError(
+            f"{', '.join(preference)} holds preference pairs, which need a dpo section (dpo=sigmoid)"
+        )
     if cfg.get("dpo") is not None:
         from automodel.training.dpo import DPORecipe  # imports this module
 

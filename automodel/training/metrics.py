@@ -30,11 +30,17 @@ class MetricsLog:
     """
 
     def __init__(
-        self, path: str | Path, resumed_step: int = 0, tracking: TrackingConfig | None = None, run_id: str = "",
+        self,
+        path: str | Path,
+        resumed_step: int = 0,
+        tracking: TrackingConfig | None = None,
+        run_id: str = "",
         recipe: dict[str, Any] | None = None,
     ):
         self.path = Path(path)
-        self.sinks = (tracking or TrackingConfig()).build(self.path.parent, run_id, resumed_step, recipe or {})
+        self.sinks = (tracking or TrackingConfig()).build(
+            self.path.parent, run_id, resumed_step, recipe or {}
+        )
         records = read_metrics(self.path)
         kept = [r for r in records if r["step"] <= resumed_step]
         if records and not resumed_step:
@@ -66,7 +72,12 @@ class MetricsLog:
 
 
 def open_metrics_log(
-    output_dir: Path, run_id: str, resumed_step: int, tracking: TrackingConfig, recipe: DictConfig, is_main: bool
+    output_dir: Path,
+    run_id: str,
+    resumed_step: int,
+    tracking: TrackingConfig,
+    recipe: DictConfig,
+    is_main: bool,
 ) -> MetricsLog | None:
     """Rank 0's :class:`MetricsLog` (None on the other ranks), trackers started. Collective: a tracker
     that cannot start raises the same ConfigError on every rank."""
@@ -76,7 +87,11 @@ def open_metrics_log(
     if is_main:
         try:
             log = MetricsLog(
-                output_dir / "metrics.jsonl", resumed_step, tracking, run_id, OmegaConf.to_container(recipe, resolve=True)
+                output_dir / "metrics.jsonl",
+                resumed_step,
+                tracking,
+                run_id,
+                OmegaConf.to_container(recipe, resolve=True),
             )
         except ConfigError as failure:
             error = [str(failure)]

@@ -13,7 +13,10 @@ def write_adapter_card(adapter_dir: Path, cfg: DictConfig, records: list[dict[st
     """Replace peft's empty template with the run's facts and its resolved recipe."""
     base = json.loads((adapter_dir / "adapter_config.json").read_text())["base_model_name_or_path"]
     model, data, peft = cfg.model, cfg.data, cfg.peft
-    trained_on = model.get("pretrained_path") or f"a {model.config.model_type} built from model.config (seed {cfg.trainer.seed})"
+    trained_on = (
+        model.get("pretrained_path")
+        or f"a {model.config.model_type} built from model.config (seed {cfg.trainer.seed})"
+    )
     sources = data.sources if data.get("sources") else [data]
     data_lines = [f"- `{s.source}` (split `{s.get('split', 'train')}`, format `{s.format}`)" for s in sources]
     first, last = records[0], records[-1]

@@ -52,13 +52,31 @@ RUN_MARKERS = (RUN, RECIPE, LOCK, "checkpoints", "metrics.jsonl")
 # Keys (and sections under them) that may change between a checkpoint and its resume. The global
 # batch is checked separately (trainer.grad_accum_steps may change with the world size).
 MUTABLE_KEYS = (
-    "trainer.max_steps", "trainer.grad_accum_steps", "trainer.output_dir", "trainer.log_every", "trainer.eval_every",
-    "trainer.checkpoint_every", "trainer.keep_last", "trainer.resume", "trainer.overwrite", "trainer.stop_at_step",
-    "trainer.export_hf", "trainer.progress_bar", "trainer.sync_debug_step", "parallel.timeout_minutes",
+    "trainer.max_steps",
+    "trainer.grad_accum_steps",
+    "trainer.output_dir",
+    "trainer.log_every",
+    "trainer.eval_every",
+    "trainer.checkpoint_every",
+    "trainer.keep_last",
+    "trainer.resume",
+    "trainer.overwrite",
+    "trainer.stop_at_step",
+    "trainer.export_hf",
+    "trainer.progress_bar",
+    "trainer.sync_debug_step",
+    "parallel.timeout_minutes",
     "parallel.cp_comm_type",
-    "model.attention_backend", "model.trust_remote_code", "model.exceed_max_positions", "model.verify", "data.num_proc",
-    "model.compile", "optim.fused",  # how the step runs, not what it computes
-    "packing.num_workers", "packing.cache_dir", "peft.export_merged",
+    "model.attention_backend",
+    "model.trust_remote_code",
+    "model.exceed_max_positions",
+    "model.verify",
+    "data.num_proc",
+    "model.compile",
+    "optim.fused",  # how the step runs, not what it computes
+    "packing.num_workers",
+    "packing.cache_dir",
+    "peft.export_merged",
     "trainer.tracking",  # where the numbers go, not what is trained
 )  # the rest of peft.* (targets, rank, alpha, dropout) shapes the trained parameters: never mutable
 
@@ -182,7 +200,11 @@ class RunDirectory:
                 "another output_dir"
             ) from None
         self._lock = lock
-        holder = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        holder = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
         (self.path / HOLDER).write_text(json.dumps(holder))
 
     def release(self) -> None:
@@ -191,7 +213,9 @@ class RunDirectory:
             self._lock.release()
             self._lock = None
 
-    def prepare(self, cfg: DictConfig, trainer, world_size: int, dp_size: int) -> tuple[str, CheckpointInfo | None]:
+    def prepare(
+        self, cfg: DictConfig, trainer, world_size: int, dp_size: int
+    ) -> tuple[str, CheckpointInfo | None]:
         """Lock the directory, decide fresh start or resume, save the recipe: ``(run_id, checkpoint)``.
 
         Collective: rank 0 decides and every rank gets its decision (or its error)."""
@@ -216,7 +240,9 @@ class RunDirectory:
             raise error from None
         return run_id, read_info(Path(checkpoint)) if checkpoint else None
 
-    def _decide(self, cfg: DictConfig, trainer, world_size: int, dp_size: int) -> tuple[str, CheckpointInfo | None]:
+    def _decide(
+        self, cfg: DictConfig, trainer, world_size: int, dp_size: int
+    ) -> tuple[str, CheckpointInfo | None]:
         saved_run = self.path / RUN
         run_id = self._saved_run_id() if saved_run.is_file() else None
         latest = None
@@ -227,9 +253,15 @@ class RunDirectory:
             self._check_resume(cfg, trainer, latest, world_size, dp_size)
         else:
             # Checkpoints with a meta.json belong to a run; a fresh run must not mix its own with them.
-            others = [p.name for p in Checkpointer(self.path, 1, 0, 1, "").step_dirs() if (p / META).is_file()]
+            others = [
+                p.name for p in Checkpointer(self.path, 1, 0, 1, "").step_dirs() if (p / META).is_file()
+            ]
             if others and not trainer.overwrite:
-                reason = "trainer.resume=never" if trainer.resume == "never" else "none is a complete checkpoint of this run"
+                reason = (
+                    "trainer.resume=never"
+                    if trainer.resume == "never"
+                    else "none is a complete checkpoint of this run"
+                )
                 raise ConfigError(
                     f"trainer.output_dir={str(self.path)!r} holds the checkpoints {others} of another run and "
                     f"this run starts fresh ({reason}); use a new output_dir, or set trainer.overwrite=true to "
@@ -264,7 +296,9 @@ class RunDirectory:
         } - {None})  # fmt: skip
         resume = ""
         if len(found) == 1:
-            resume = f'write {{"run_id": "{found[0]}"}} into it (the run id its checkpoints carry) to resume, or '
+            resume = (
+                f'write {{"run_id": "{found[0]}"}} into it (the run id its checkpoints carry) to resume, or '
+            )
         raise ConfigError(
             f"{file} is damaged ({problem}); it holds the id of the run in {self.path}: {resume}delete it and start "
             "over with trainer.resume=never trainer.overwrite=true, or use a new trainer.output_dir"
@@ -288,7 +322,9 @@ class RunDirectory:
             "trainer.resume=never trainer.overwrite=true, or use a new trainer.output_dir"
         )
 
-    def _check_resume(self, cfg: DictConfig, trainer, latest: CheckpointInfo, world_size: int, dp_size: int) -> None:
+    def _check_resume(
+        self, cfg: DictConfig, trainer, latest: CheckpointInfo, world_size: int, dp_size: int
+    ) -> None:
         ways_out = (
             f"keep the recipe of that run, or start over in a new trainer.output_dir (or with trainer.resume=never "
             f"trainer.overwrite=true, which deletes {self.path}'s checkpoints)"
@@ -313,7 +349,11 @@ class RunDirectory:
             )
         stop = trainer.stop_at_step or trainer.max_steps
         if latest.step > stop:
-            which = f"trainer.stop_at_step={trainer.stop_at_step}" if trainer.stop_at_step else "trainer.max_steps"
+            which = (
+                f"trainer.stop_at_step={trainer.stop_at_step}"
+                if trainer.stop_at_step
+                else "trainer.max_steps"
+            )
             raise ConfigError(
                 f"the run in {self.path} is already at step {latest.step}, past {which}={stop}: nothing to train; "
                 f"ask for more steps (trainer.max_steps > {latest.step}), or {ways_out}"
@@ -321,7 +361,11 @@ class RunDirectory:
         per_step = dp_size * trainer.grad_accum_steps
         if per_step != latest.micro_batches_per_step:
             accum = latest.micro_batches_per_step / dp_size
-            fix = f"trainer.grad_accum_steps={int(accum)}" if accum.is_integer() else "a world size that divides it"
+            fix = (
+                f"trainer.grad_accum_steps={int(accum)}"
+                if accum.is_integer()
+                else "a world size that divides it"
+            )
             raise ConfigError(
                 f"cannot resume {latest.path}: it was written by world size {latest.world_size} (data-parallel "
                 f"{latest.dp_size}) with {latest.micro_batches_per_step} micro-batches per step; this job has world "
@@ -329,4 +373,6 @@ class RunDirectory:
                 f"{per_step}. Keep the global batch with {fix}, or {ways_out}"
             )
         if latest.world_size != world_size:
-            logger.info("resuming a world-size-%d checkpoint on %d ranks (resharded)", latest.world_size, world_size)
+            logger.info(
+                "resuming a world-size-%d checkpoint on %d ranks (resharded)", latest.world_size, world_size
+            )

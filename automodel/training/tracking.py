@@ -93,8 +93,16 @@ class TrackingConfig:
         ids = {k: v for k, v in saved.items() if k != "run_id"} if saved.get("run_id") == run_id else {}
         wanted = [
             ("tensorboard", lambda: TensorBoardSink(run_dir / "tensorboard", resumed_step), self.tensorboard),
-            ("wandb", lambda: WandbSink(run_dir, self.wandb, recipe, ids.get("wandb")), self.wandb is not None),
-            ("mlflow", lambda: MlflowSink(run_dir, self.mlflow, recipe, ids.get("mlflow")), self.mlflow is not None),
+            (
+                "wandb",
+                lambda: WandbSink(run_dir, self.wandb, recipe, ids.get("wandb")),
+                self.wandb is not None,
+            ),
+            (
+                "mlflow",
+                lambda: MlflowSink(run_dir, self.mlflow, recipe, ids.get("mlflow")),
+                self.mlflow is not None,
+            ),
         ]
         sinks: list[Sink] = []
         for name, make, enabled in wanted:
@@ -169,7 +177,11 @@ class WandbSink:
             offline_dir = Path(self.run.dir).parent
             logger.info(
                 "W&B: no credentials (WANDB_API_KEY or `wandb login`), so run %s logs offline to %s; view it with "
-                "`wandb leet %s`, upload it with `wandb sync %s`", self.run_id, offline_dir, offline_dir, offline_dir,
+                "`wandb leet %s`, upload it with `wandb sync %s`",
+                self.run_id,
+                offline_dir,
+                offline_dir,
+                offline_dir,
             )
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
@@ -196,8 +208,12 @@ class MlflowSink:
         if resume_id is None:
             name = options.get("experiment_name", run_dir.name)
             experiment = self.client.get_experiment_by_name(name)
-            experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(
-                name, artifact_location=str(run_dir / "mlartifacts") if default_store else None
+            experiment_id = (
+                experiment.experiment_id
+                if experiment
+                else self.client.create_experiment(
+                    name, artifact_location=str(run_dir / "mlartifacts") if default_store else None
+                )
             )
             self.run_id = self.client.create_run(experiment_id, run_name=options.get("run_name")).info.run_id
             logged = {}

@@ -89,7 +89,9 @@ def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
 @contextlib.contextmanager
 def _rng_untouched() -> Iterator[None]:
     python_state, numpy_state = random.getstate(), np.random.get_state()
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    devices = (
+        [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    )
     with torch.random.fork_rng(devices=devices):
         yield
     random.setstate(python_state)

@@ -49,8 +49,13 @@ from automodel.training.run_dir import RunDirectory
 sys.path.insert(0, str(Path(__file__).parent))
 from torchrun import run_torchrun  # noqa: E402
 
-FAST = ["data.split='train[:64]'", "packing.packed_sequence_size=256", "trainer.progress_bar=false",
-        "trainer.export_hf=false", "trainer.max_steps=2"]
+FAST = [
+    "data.split='train[:64]'",
+    "packing.packed_sequence_size=256",
+    "trainer.progress_bar=false",
+    "trainer.export_hf=false",
+    "trainer.max_steps=2",
+]
 
 
 @pytest.fixture
@@ -111,7 +116,10 @@ RECIPE_CASES = [
     (["packing=bdf"], "packing=bdf: no such option in the packing config group; available: balanced, bfd,"),
     (["extra=1"], "unknown key 'extra' (no 'extra' in the recipe)"),  # was Hydra's traceback
     (["parallel.cp_size=0"], "cp_size"),
-    (["packing.cp_size=2"], "packing.cp_size"),  # cp_size comes from parallel.cp_size, not the packing section
+    (
+        ["packing.cp_size=2"],
+        "packing.cp_size",
+    ),  # cp_size comes from parallel.cp_size, not the packing section
     (["parallel.cp_comm_type=ring"], "cp_comm_type"),
     (["parallel.timeout_minutes=-1"], "parallel.timeout_minutes"),
     (["data.source=/nonexistent/train.jsonl"], "data.source"),
@@ -127,8 +135,10 @@ RECIPE_CASES = [
     (["+peft=lora", "peft.alpha=1e30"], "peft.alpha=1e+30 with peft.rank=8"),
     (["+peft=lora", "peft.target_modules=[lm_head]"], "peft.target_modules"),  # tied to the embeddings
     # untied: the chunked loss reads lm_head.weight without the adapter, which would get no gradient
-    (["+peft=lora", "peft.target_modules=[q_proj,lm_head]", "model.config.tie_word_embeddings=false"],
-     "includes the output head 'lm_head'"),
+    (
+        ["+peft=lora", "peft.target_modules=[q_proj,lm_head]", "model.config.tie_word_embeddings=false"],
+        "includes the output head 'lm_head'",
+    ),
     (["model.config.num_hidden_layers=0"], "num_hidden_layers=0"),
     # transformers' default hidden_size 4096 filled in: a 27M model trained in place of the recipe's 0.85M one
     (["~model.config.hidden_size"], "'~model.config.hidden_size' deletes a key of the recipe's model config"),
@@ -138,46 +148,82 @@ RECIPE_CASES = [
     # values that made step 1 NaN, blamed on lr or data; and ones an export carried on unchecked
     (["model.config.rope_theta=0"], "rope_theta=0"),
     (["model.config.rms_norm_eps=-1.0"], "rms_norm_eps=-1.0"),
-    (["model.config.rms_norm_eps=-1"], "model.config: Validation error for field 'rms_norm_eps'"),  # an int: typed field
+    (
+        ["model.config.rms_norm_eps=-1"],
+        "model.config: Validation error for field 'rms_norm_eps'",
+    ),  # an int: typed field
     (["model.config.num_attention_heads=0"], "num_attention_heads=0"),
     (["model.config.hidden_size=0"], "hidden_size=0"),
-    (["+model.config.rope_parameters={rope_type:linear,factor:0.0,rope_theta:10000.0}"], "rope_parameters.factor=0.0"),
-    (["+model.config.rope_parameters={rope_type:linear,factor:-2.0,rope_theta:10000.0}"], "rope_parameters.factor=-2.0"),
+    (
+        ["+model.config.rope_parameters={rope_type:linear,factor:0.0,rope_theta:10000.0}"],
+        "rope_parameters.factor=0.0",
+    ),
+    (
+        ["+model.config.rope_parameters={rope_type:linear,factor:-2.0,rope_theta:10000.0}"],
+        "rope_parameters.factor=-2.0",
+    ),
     (["+model.config.bos_token_id=-5"], "bos_token_id=-5"),
     (["+model.config.eos_token_id=[2,512]"], "eos_token_id=[2, 512]"),  # vocab_size 512
-    (["+model.config.quantization_config={quant_method:bitsandbytes,load_in_4bit:true}"], "quantization_config"),
-    *([] if torch.cuda.is_available() else [(["model.attention_backend=varlen"], "model.attention_backend='varlen'")]),
+    (
+        ["+model.config.quantization_config={quant_method:bitsandbytes,load_in_4bit:true}"],
+        "quantization_config",
+    ),
+    *(
+        []
+        if torch.cuda.is_available()
+        else [(["model.attention_backend=varlen"], "model.attention_backend='varlen'")]
+    ),
     # an ImportError at the first forward, after all the data work
-    *([] if te_pytorch() is not None else [(["model.attention_backend=te"], "model.attention_backend='te': attention "
-                                                                             "backend 'te' needs Transformer Engine")]),
+    *(
+        []
+        if te_pytorch() is not None
+        else [
+            (
+                ["model.attention_backend=te"],
+                "model.attention_backend='te': attention backend 'te' needs Transformer Engine",
+            )
+        ]
+    ),
     # a ValueError in the attention at step 1; a TypeError at setup; transformers' KeyError blamed on the model type
-    (["model.config.num_key_value_heads=3"], "num_attention_heads=4 in model.config is not a multiple of "
-                                             "num_key_value_heads=3"),
+    (
+        ["model.config.num_key_value_heads=3"],
+        "num_attention_heads=4 in model.config is not a multiple of num_key_value_heads=3",
+    ),
     (["data.max_length=abc"], "data.max_length must be a positive int, got 'abc'"),
     (["data.val_fraction=abc"], "data.val_fraction must be a number in (0, 1) or null, got 'abc'"),
-    (["+model.config.rope_parameters={rope_type: nonexistent, rope_theta: 10000.0}"],
-     "rope_type ['nonexistent'] is not a RoPE type transformers knows"),
+    (
+        ["+model.config.rope_parameters={rope_type: nonexistent, rope_theta: 10000.0}"],
+        "rope_type ['nonexistent'] is not a RoPE type transformers knows",
+    ),
     # model types the differential check refused, and a feature the backend lacks (supported.json)
     (["model.config.model_type=bart"], "model_type 'bart' (model.pretrained_path / model.config) is refused"),
     (["model.config.model_type=bloom"], "AttentionInterface"),
     (["model.config.model_type=gemma2", "model.attention_backend=te"], "softcap"),
     # its own attention under a dense mask: neither kernel replaces it
-    (["model.config.model_type=stablelm", "model.attention_backend=te"], "stablelm uses attention dense_mask"),
+    (
+        ["model.config.model_type=stablelm", "model.attention_backend=te"],
+        "stablelm uses attention dense_mask",
+    ),
 ]
 
 
 @pytest.mark.parametrize("overrides, field", RECIPE_CASES, ids=[" ".join(o) for o, _ in RECIPE_CASES])
-def test_a_bad_recipe_value_fails_naming_the_field_before_any_data_work(tmp_path, data_work, overrides, field):
+def test_a_bad_recipe_value_fails_naming_the_field_before_any_data_work(
+    tmp_path, data_work, overrides, field
+):
     with pytest.raises(ConfigError) as error:
         run(load_recipe("tiny_llama_sft", [*FAST, f"trainer.output_dir={tmp_path}", *overrides]))
     assert field in str(error.value), str(error.value)
     assert data_work == []
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["model.config.model_type=falcon_mamba"], "falcon_mamba.*refused"),
-    (["model.config.model_type=gpt_oss", "model.attention_backend=te"], "gpt_oss uses attention sinks"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.config.model_type=falcon_mamba"], "falcon_mamba.*refused"),
+        (["model.config.model_type=gpt_oss", "model.attention_backend=te"], "gpt_oss uses attention sinks"),
+    ],
+)
 def test_a_refused_model_type_or_feature_writes_no_run_directory(tmp_path, data_work, overrides, message):
     output = tmp_path / "run"
     with pytest.raises(ConfigError, match=message):
@@ -294,14 +340,22 @@ def test_output_dir_must_be_new_empty_or_a_run_directory(tmp_path, monkeypatch, 
 
 
 def _rows(*lengths: int) -> datasets.Dataset:
-    return datasets.Dataset.from_dict({
-        "input_ids": [list(range(1, n + 1)) for n in lengths], "labels": [list(range(2, n + 2)) for n in lengths]
-    })
+    return datasets.Dataset.from_dict(
+        {
+            "input_ids": [list(range(1, n + 1)) for n in lengths],
+            "labels": [list(range(2, n + 2)) for n in lengths],
+        }
+    )
 
 
 def _pack(size=8, lens=(3, 5)) -> dict:
-    return {"input_ids": list(range(size)), "labels": list(range(size)), "position_ids": list(range(size)),
-            "seq_lens": list(lens), "seq_lens_padded": list(lens)}
+    return {
+        "input_ids": list(range(size)),
+        "labels": list(range(size)),
+        "position_ids": list(range(size)),
+        "seq_lens": list(lens),
+        "seq_lens_padded": list(lens),
+    }
 
 
 def _collated(**change) -> dict:
@@ -321,26 +375,71 @@ FUNCTION_CASES = [
     (lambda: pack_dataset(_rows(3, 4), "train", 8, drop_long_samples=1), ValueError, "drop_long_samples"),
     (lambda: pack_dataset(_rows(3, 4), "train", 8, seed="x"), ValueError, "seed"),
     (lambda: pack_dataset(datasets.DatasetDict(train=_rows(3)), "test", 8), ValueError, "split"),
-    (lambda: pack_dataset(_rows(3, 4).remove_columns("labels").add_column("labels", [[1], [1, 2, 3, 4]]),
-                          "train", 8), ValueError, "labels"),
-    (lambda: pack_dataset(_rows(3, 20), "train", 8, drop_long_samples=False), ValueError, "packed_sequence_size=8"),
+    (
+        lambda: pack_dataset(
+            _rows(3, 4).remove_columns("labels").add_column("labels", [[1], [1, 2, 3, 4]]), "train", 8
+        ),
+        ValueError,
+        "labels",
+    ),
+    (
+        lambda: pack_dataset(_rows(3, 20), "train", 8, drop_long_samples=False),
+        ValueError,
+        "packed_sequence_size=8",
+    ),
     # ids an embedding cannot look up: packed silently before
-    (lambda: pack_dataset(_rows(3, 4).map(lambda r, i: {"input_ids": [i - 1] * len(r["input_ids"])}, with_indices=True),
-                          "train", 8), ValueError, "input_ids: sample 0 holds token id -1; ids must be 0 or more"),
-    (lambda: pack_dataset(_rows(3, 4).map(lambda r: {"labels": [-100, -7, 1][: len(r["labels"])] + r["labels"][3:]}),
-                          "train", 8), ValueError, "labels: sample 0 holds token id -7; ids must be 0 or more or -100"),
-    (lambda: pack_dataset(_rows(3, 4), "train", 8, vocab_size=4), ValueError,
-     "input_ids: sample 1 holds token id 4; ids must be [0, vocab_size=4)"),
+    (
+        lambda: pack_dataset(
+            _rows(3, 4).map(lambda r, i: {"input_ids": [i - 1] * len(r["input_ids"])}, with_indices=True),
+            "train",
+            8,
+        ),
+        ValueError,
+        "input_ids: sample 0 holds token id -1; ids must be 0 or more",
+    ),
+    (
+        lambda: pack_dataset(
+            _rows(3, 4).map(lambda r: {"labels": [-100, -7, 1][: len(r["labels"])] + r["labels"][3:]}),
+            "train",
+            8,
+        ),
+        ValueError,
+        "labels: sample 0 holds token id -7; ids must be 0 or more or -100",
+    ),
+    (
+        lambda: pack_dataset(_rows(3, 4), "train", 8, vocab_size=4),
+        ValueError,
+        "input_ids: sample 1 holds token id 4; ids must be [0, vocab_size=4)",
+    ),
     (lambda: pack_dataset(_rows(3, 4), "train", 8, vocab_size=0), ValueError, "vocab_size"),
-    (lambda: packed_sequence_thd_collater([_pack(), {k: v for k, v in _pack().items() if k != "seq_lens"}]),
-     ValueError, "seq_lens"),
-    (lambda: packed_sequence_thd_collater([_pack(8), _pack(10, (10,))]), RowLengthError, "packed_sequence_size"),
+    (
+        lambda: packed_sequence_thd_collater(
+            [_pack(), {k: v for k, v in _pack().items() if k != "seq_lens"}]
+        ),
+        ValueError,
+        "seq_lens",
+    ),
+    (
+        lambda: packed_sequence_thd_collater([_pack(8), _pack(10, (10,))]),
+        RowLengthError,
+        "packed_sequence_size",
+    ),
     (lambda: packed_sequence_thd_collater([{**_pack(), "labels": [0] * 7}]), RowLengthError, "labels"),
-    (lambda: process_input_for_thd({k: v for k, v in _collated().items() if k != "seq_lens_padded"}),
-     BatchKeyError, "seq_lens_padded"),
-    (lambda: process_input_for_thd(_collated(labels=torch.zeros(2, 7, dtype=torch.long))), ValueError, "labels"),
-    (lambda: process_input_for_thd(_collated(seq_lens_padded=torch.tensor([[3, 4], [3, 5]]))),
-     ValueError, "seq_lens_padded"),
+    (
+        lambda: process_input_for_thd({k: v for k, v in _collated().items() if k != "seq_lens_padded"}),
+        BatchKeyError,
+        "seq_lens_padded",
+    ),
+    (
+        lambda: process_input_for_thd(_collated(labels=torch.zeros(2, 7, dtype=torch.long))),
+        ValueError,
+        "labels",
+    ),
+    (
+        lambda: process_input_for_thd(_collated(seq_lens_padded=torch.tensor([[3, 4], [3, 5]]))),
+        ValueError,
+        "seq_lens_padded",
+    ),
     (lambda: make_cp_batch_for_te(None, _collated(), qkv_format="bshd"), ValueError, "qkv_format"),
     (lambda: make_cp_batch_for_te(None, _collated(), num_chunks=3), ValueError, "num_chunks"),
     (lambda: make_cp_batch_for_te(None, _collated(), cp_size=2), ValueError, "cp_rank"),
@@ -349,26 +448,60 @@ FUNCTION_CASES = [
     (lambda: thd_get_partitioned_indices(CU, 9, 2, 0), ValueError, "total_tokens"),
     (lambda: thd_get_partitioned_indices(CU, 8, 0, 0), ValueError, "world_size"),
     (lambda: thd_get_partitioned_indices(CU, 8, 2, 3), ValueError, "rank"),
-    (lambda: thd_get_partitioned_indices(torch.tensor([0, 3, 8], dtype=torch.int32), 8, 2, 0),
-     ValueError, "cu_seqlens_padded"),
-    (lambda: packed_sequence_thd_collater([{**_pack(), "input_ids": [float(i) for i in range(8)]}]),
-     ValueError, "input_ids must hold integers"),
-    (lambda: packed_sequence_thd_collater([{**_pack(), "seq_lens": [3.0, 5.0]}]), ValueError, "seq_lens must hold integers"),
-    (lambda: packed_sequence_thd_collater([{**_pack(), "input_ids": [[i] for i in range(8)]}]),
-     ValueError, "input_ids must be 1-D"),
-    (lambda: process_input_for_thd(_collated(input_ids=torch.zeros(2, 8))), ValueError, "input_ids must hold integers"),
-    (lambda: process_input_for_thd(_collated(seq_lens=torch.tensor([[3.0, 5.0], [3.0, 5.0]]))),
-     ValueError, "seq_lens must hold integers"),
-    (lambda: process_input_for_thd(_collated(input_ids=[[0] * 8, [0] * 8])), ValueError, "input_ids must be a torch.Tensor"),
-    (lambda: make_cp_batch_for_te(None, _collated(labels=torch.zeros(2, 8))), ValueError, "labels must hold integers"),
-    (lambda: make_cp_batch_for_te(None, _collated(seq_lens_padded=torch.tensor([[3.5, 5.0], [3.0, 5.0]]))),
-     ValueError, "seq_lens_padded must hold integers"),
+    (
+        lambda: thd_get_partitioned_indices(torch.tensor([0, 3, 8], dtype=torch.int32), 8, 2, 0),
+        ValueError,
+        "cu_seqlens_padded",
+    ),
+    (
+        lambda: packed_sequence_thd_collater([{**_pack(), "input_ids": [float(i) for i in range(8)]}]),
+        ValueError,
+        "input_ids must hold integers",
+    ),
+    (
+        lambda: packed_sequence_thd_collater([{**_pack(), "seq_lens": [3.0, 5.0]}]),
+        ValueError,
+        "seq_lens must hold integers",
+    ),
+    (
+        lambda: packed_sequence_thd_collater([{**_pack(), "input_ids": [[i] for i in range(8)]}]),
+        ValueError,
+        "input_ids must be 1-D",
+    ),
+    (
+        lambda: process_input_for_thd(_collated(input_ids=torch.zeros(2, 8))),
+        ValueError,
+        "input_ids must hold integers",
+    ),
+    (
+        lambda: process_input_for_thd(_collated(seq_lens=torch.tensor([[3.0, 5.0], [3.0, 5.0]]))),
+        ValueError,
+        "seq_lens must hold integers",
+    ),
+    (
+        lambda: process_input_for_thd(_collated(input_ids=[[0] * 8, [0] * 8])),
+        ValueError,
+        "input_ids must be a torch.Tensor",
+    ),
+    (
+        lambda: make_cp_batch_for_te(None, _collated(labels=torch.zeros(2, 8))),
+        ValueError,
+        "labels must hold integers",
+    ),
+    (
+        lambda: make_cp_batch_for_te(None, _collated(seq_lens_padded=torch.tensor([[3.5, 5.0], [3.0, 5.0]]))),
+        ValueError,
+        "seq_lens_padded must hold integers",
+    ),
 ]
 
 
-@pytest.mark.parametrize("call, error_class, field", FUNCTION_CASES, ids=[f"{i}-{f}" for i, (_, _, f) in
-                                                                           enumerate(FUNCTION_CASES)])
-def test_a_bad_input_to_a_public_function_fails_naming_the_field_before_packing(data_work, call, error_class, field):
+@pytest.mark.parametrize(
+    "call, error_class, field", FUNCTION_CASES, ids=[f"{i}-{f}" for i, (_, _, f) in enumerate(FUNCTION_CASES)]
+)
+def test_a_bad_input_to_a_public_function_fails_naming_the_field_before_packing(
+    data_work, call, error_class, field
+):
     with pytest.raises(error_class) as error:
         call()
     assert type(error.value) is error_class and field in str(error.value), str(error.value)
@@ -389,8 +522,16 @@ def test_a_fifo_as_data_source_is_refused_not_read_forever(tmp_path, data_work):
     signal.alarm(60)  # a read of the FIFO would block forever: fail instead
     try:
         with pytest.raises(ConfigError, match="data.source=.*data.jsonl' is not a regular file or directory"):
-            run(load_recipe("tiny_llama_sft", [*FAST, f"trainer.output_dir={tmp_path / 'run'}",
-                                               f"data.source={tmp_path / 'data.jsonl'}"]))
+            run(
+                load_recipe(
+                    "tiny_llama_sft",
+                    [
+                        *FAST,
+                        f"trainer.output_dir={tmp_path / 'run'}",
+                        f"data.source={tmp_path / 'data.jsonl'}",
+                    ],
+                )
+            )
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
@@ -407,12 +548,19 @@ def test_ranks_started_with_different_recipes_all_stop_naming_the_keys(tmp_path)
     result = run_torchrun(["--no-python", "bash", "-c", command], nproc=2)
     assert "exitcode  : 2" in result.stdout, result.stdout[-3000:]
     for rank in (0, 1):
-        assert (f"config error: the 2 ranks of this job resolved different recipes (rank {rank} reports): "
-                "optim.lr: 0.001 on rank(s) 0; 0.002 on rank(s) 1") in result.stdout, result.stdout[-3000:]
+        assert (
+            f"config error: the 2 ranks of this job resolved different recipes (rank {rank} reports): "
+            "optim.lr: 0.001 on rank(s) 0; 0.002 on rank(s) 1"
+        ) in result.stdout, result.stdout[-3000:]
     assert "data:" not in result.stdout and not (tmp_path / "run").exists()
 
 
-DPO_FAST = ["data.split='train[:64]'", "trainer.max_steps=2", "trainer.progress_bar=false", "trainer.export_hf=false"]
+DPO_FAST = [
+    "data.split='train[:64]'",
+    "trainer.max_steps=2",
+    "trainer.progress_bar=false",
+    "trainer.export_hf=false",
+]
 
 
 def test_a_dpo_beta_that_overflows_step_1_is_refused_at_setup(tmp_path):
@@ -422,11 +570,20 @@ def test_a_dpo_beta_that_overflows_step_1_is_refused_at_setup(tmp_path):
 
 def test_dpo_samples_longer_than_max_position_embeddings_are_refused_before_the_model(tmp_path):
     """DPO has no length bound in the recipe (data.max_length null): the tokenized pairs are measured."""
-    with pytest.raises(ConfigError, match=r"samples may have \d+ tokens \(the longest tokenized sample\) but the "
-                                          "model's max_position_embeddings is 16"):
-        run(load_recipe("tiny_llama_dpo", [*DPO_FAST, f"trainer.output_dir={tmp_path}",
-                                           "model.config.max_position_embeddings=16"]))
-    assert not list(tmp_path.glob("checkpoints/*")) and '"step"' not in (tmp_path / "metrics.jsonl").read_text()
+    with pytest.raises(
+        ConfigError,
+        match=r"samples may have \d+ tokens \(the longest tokenized sample\) but the "
+        "model's max_position_embeddings is 16",
+    ):
+        run(
+            load_recipe(
+                "tiny_llama_dpo",
+                [*DPO_FAST, f"trainer.output_dir={tmp_path}", "model.config.max_position_embeddings=16"],
+            )
+        )
+    assert (
+        not list(tmp_path.glob("checkpoints/*")) and '"step"' not in (tmp_path / "metrics.jsonl").read_text()
+    )
 
 
 def test_damaged_or_edited_run_files_are_named_with_the_way_out(tmp_path):
@@ -449,7 +606,9 @@ def test_damaged_or_edited_run_files_are_named_with_the_way_out(tmp_path):
     with pytest.raises(ConfigError) as error:
         run(load_recipe("tiny_llama_sft", overrides))
     assert "run.json is damaged (JSONDecodeError" in str(error.value)
-    assert f'write {{"run_id": "{run_id}"}} into it' in str(error.value) and "trainer.overwrite=true" in str(error.value)
+    assert f'write {{"run_id": "{run_id}"}} into it' in str(error.value) and "trainer.overwrite=true" in str(
+        error.value
+    )
     (tmp_path / "run.json").write_text(json.dumps({"run_id": run_id}))
 
     # files that steer a resume without running code: the scheduler state in meta.json, DCP's storage paths
@@ -458,16 +617,22 @@ def test_damaged_or_edited_run_files_are_named_with_the_way_out(tmp_path):
     edited = {**meta, "scheduler": {**meta["scheduler"], "base_lrs": [200.0]}}
     (checkpoint / "meta.json").write_text(json.dumps(edited))
     more_steps = [*overrides, "trainer.max_steps=2"]
-    with pytest.raises(ConfigError, match=r"meta.json has the scheduler state base_lrs=\[200.0\].*optim.lr=0.002"):
+    with pytest.raises(
+        ConfigError, match=r"meta.json has the scheduler state base_lrs=\[200.0\].*optim.lr=0.002"
+    ):
         run(load_recipe("tiny_llama_sft", more_steps))
     (checkpoint / "meta.json").write_text(json.dumps(meta))
     metadata = read_dcp_metadata(checkpoint)
     metadata.storage_data = {k: dataclasses.replace(v, relative_path="../../../../outside.distcp")
                              for k, v in metadata.storage_data.items()}  # fmt: skip
     (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
-    meta["files"][".metadata"] = (checkpoint / ".metadata").stat().st_size  # sizes agree: only the paths are wrong
+    meta["files"][".metadata"] = (
+        (checkpoint / ".metadata").stat().st_size
+    )  # sizes agree: only the paths are wrong
     (checkpoint / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(ConfigError, match=r"\.metadata points storage at '../../../../outside.distcp', outside"):
+    with pytest.raises(
+        ConfigError, match=r"\.metadata points storage at '../../../../outside.distcp', outside"
+    ):
         run(load_recipe("tiny_llama_sft", more_steps))
 
 
@@ -519,9 +684,10 @@ def test_dpo_pairs_that_cannot_teach_are_counted_and_refused_or_skipped(tmp_path
 
     text = tmp_path / "text.jsonl"
     text.write_text(json.dumps({"prompt": "Q", "chosen": " a", "rejected": " a"}) + "\n")
-    with pytest.raises(ValueError, match=f"1 of 1 preference pairs .*chosen identical to rejected \\(first: {text} line 1\\)"):
+    with pytest.raises(
+        ValueError, match=f"1 of 1 preference pairs .*chosen identical to rejected \\(first: {text} line 1\\)"
+    ):
         PreferenceData(source=str(text)).build(tokenizer)
-
 
 
 def test_an_edited_pack_cache_entry_is_refused(tmp_path):
@@ -541,21 +707,35 @@ def test_an_edited_pack_cache_entry_is_refused(tmp_path):
 def test_a_checkpoints_own_model_class_is_refused_before_its_configuration_code_runs(tmp_path):
     """With model.trust_remote_code=true the own AutoModelForCausalLM was refused only after
     AutoConfig had imported the checkpoint's configuration_*.py."""
-    directory = _checkpoint_dir(tmp_path, "good", auto_map={
-        "AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XForCausalLM"})
+    directory = _checkpoint_dir(
+        tmp_path,
+        "good",
+        auto_map={"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XForCausalLM"},
+    )
     marker = tmp_path / "configuration code ran"
     (directory / "configuration_x.py").write_text(
         f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n"
         "from transformers import LlamaConfig\nclass XConfig(LlamaConfig):\n    model_type = 'llama'\n"
     )
     with pytest.raises(ConfigError, match=r"own model code \(modeling_x.XForCausalLM\)"):
-        run(load_recipe("tiny_llama_sft", [*FAST, f"trainer.output_dir={tmp_path / 'run'}", "model=hf_checkpoint",
-                                           f"model.pretrained_path={directory}", "model.trust_remote_code=true"]))
+        run(
+            load_recipe(
+                "tiny_llama_sft",
+                [
+                    *FAST,
+                    f"trainer.output_dir={tmp_path / 'run'}",
+                    "model=hf_checkpoint",
+                    f"model.pretrained_path={directory}",
+                    "model.trust_remote_code=true",
+                ],
+            )
+        )
     assert not marker.exists()
 
 
-
-@pytest.mark.parametrize("override", ["trainer.output_dir=~/x", "data.source=donn\u00e9es.jsonl", "data.split=train[:10]"])
+@pytest.mark.parametrize(
+    "override", ["trainer.output_dir=~/x", "data.source=donn\u00e9es.jsonl", "data.split=train[:10]"]
+)
 def test_an_override_hydra_cannot_lex_says_to_quote_it(override):
     key, _, value = override.partition("=")
     with pytest.raises(ConfigError) as error:
@@ -567,8 +747,15 @@ def test_an_override_hydra_cannot_lex_says_to_quote_it(override):
 
 def test_a_quoted_home_path_is_the_home_directory_not_a_directory_named_tilde(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
-    cfg = load_recipe("tiny_llama_sft", ["trainer.output_dir='~/x'", "model=hf_checkpoint",
-                                         "model.pretrained_path='~/checkpoint'", "data.source='~/data.jsonl'"])
+    cfg = load_recipe(
+        "tiny_llama_sft",
+        [
+            "trainer.output_dir='~/x'",
+            "model=hf_checkpoint",
+            "model.pretrained_path='~/checkpoint'",
+            "data.source='~/data.jsonl'",
+        ],
+    )
     with pytest.raises(ConfigError, match="data.source='~/data.jsonl' does not exist"):
         recipe_class(cfg)(cfg)
     (tmp_path / "data.jsonl").write_text(json.dumps(ROW) + "\n")
@@ -615,20 +802,33 @@ def test_a_dead_writers_staging_is_removed_and_a_wait_on_the_pack_cache_lock_is_
     with caplog.at_level(logging.INFO, logger="automodel.data.pack_cache"):
         cached_pack_dataset(rows, "train", 8, cache_dir=tmp_path)
     assert holder.wait() == 0
-    assert f"waiting up to 14400 s for {tmp_path / f'packed-{key}.lock'}, held by {socket.gethostname()} pid {holder.pid}" \
-        in caplog.text, caplog.text
+    assert (
+        f"waiting up to 14400 s for {tmp_path / f'packed-{key}.lock'}, held by {socket.gethostname()} pid {holder.pid}"
+        in caplog.text
+    ), caplog.text
 
 
 def test_paths_the_filesystem_refuses_are_named_in_one_line(tmp_path, monkeypatch, data_work):
     """Each was a traceback (NotADirectoryError, FileNotFoundError from Hydra's os.getcwd())."""
     (tmp_path / "a_file").write_text("")
-    with pytest.raises(ConfigError, match=f"trainer.output_dir='{tmp_path}/a_file/run': cannot write the run there "
-                                          f"\\(Not a directory: {tmp_path}/a_file/run\\)"):
+    with pytest.raises(
+        ConfigError,
+        match=f"trainer.output_dir='{tmp_path}/a_file/run': cannot write the run there "
+        f"\\(Not a directory: {tmp_path}/a_file/run\\)",
+    ):
         run(load_recipe("tiny_llama_sft", [*FAST, f"trainer.output_dir={tmp_path / 'a_file' / 'run'}"]))
     assert data_work == []
     with pytest.raises(ConfigError, match=f"cache_dir='{tmp_path}/a_file/cache': cannot create it"):
-        run(load_recipe("tiny_llama_sft", [*FAST, f"trainer.output_dir={tmp_path / 'run'}",
-                                           f"packing.cache_dir={tmp_path / 'a_file' / 'cache'}"]))
+        run(
+            load_recipe(
+                "tiny_llama_sft",
+                [
+                    *FAST,
+                    f"trainer.output_dir={tmp_path / 'run'}",
+                    f"packing.cache_dir={tmp_path / 'a_file' / 'cache'}",
+                ],
+            )
+        )
     (tmp_path / "gone").mkdir()
     monkeypatch.chdir(tmp_path / "gone")
     (tmp_path / "gone").rmdir()
@@ -643,8 +843,10 @@ def test_a_val_fraction_that_leaves_nothing_to_train_on_is_named_as_such():
     rows = _rows(3, 4, 5, 2)
     with pytest.raises(ValueError) as error:
         hold_out(rows, 0.8, seed=0, source="data.jsonl")  # ceil(0.8 * 4) = 4 held out
-    assert str(error.value) == ("data.val_fraction=0.8 holds out 4 of the 4 samples of 'data.jsonl', which leaves "
-                                "none to train on; lower data.val_fraction, or use more data")
+    assert str(error.value) == (
+        "data.val_fraction=0.8 holds out 4 of the 4 samples of 'data.jsonl', which leaves "
+        "none to train on; lower data.val_fraction, or use more data"
+    )
     train, validation = hold_out(rows, 0.7, seed=0, source="data.jsonl")  # ceil(2.8) = 3
     assert (len(train), len(validation)) == (1, 3)
     assert sorted([*train["input_ids"], *validation["input_ids"]]) == sorted(rows["input_ids"])
@@ -662,8 +864,11 @@ def test_every_sample_too_long_blames_the_length_limit_not_the_data_parallel_siz
     previous = signal.signal(signal.SIGALRM, _hung)
     signal.alarm(60)
     try:
-        with pytest.raises(ValueError, match=f"no sample fits {limit}: all 2 (are longer, the shortest 3 tokens|rows of "
-                                             "a pass over the data are longer)"):
+        with pytest.raises(
+            ValueError,
+            match=f"no sample fits {limit}: all 2 (are longer, the shortest 3 tokens|rows of "
+            "a pass over the data are longer)",
+        ):
             next(iter(mode().build(_rows(3, 4), LoaderEnv())))
     finally:
         signal.alarm(0)
@@ -672,13 +877,18 @@ def test_every_sample_too_long_blames_the_length_limit_not_the_data_parallel_siz
 
 def test_dyn_bsz_with_no_sample_within_both_limits_names_both_limits():
     """Each limit alone keeps one sample, so neither check fired, and the empty epoch was blamed on dp_size."""
-    rows = datasets.Dataset.from_dict({
-        "input_ids": [[1] * 8, [1] * 4],
-        "labels": [[-100] * 6 + [2, 2], [2] * 4],  # 8 tokens with 2 learned; 4 tokens, all 4 learned
-    })
+    rows = datasets.Dataset.from_dict(
+        {
+            "input_ids": [[1] * 8, [1] * 4],
+            "labels": [[-100] * 6 + [2, 2], [2] * 4],  # 8 tokens with 2 learned; 4 tokens, all 4 learned
+        }
+    )
     mode = DynBszBatching(max_tokens_per_micro_batch=3, count="label_tokens", max_packed_length=6)
-    with pytest.raises(ValueError, match=r"^no sample fits both packing.max_packed_length=6 \(tokens\) and "
-                                         r"packing.max_tokens_per_micro_batch=3 \(label tokens\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"^no sample fits both packing.max_packed_length=6 \(tokens\) and "
+        r"packing.max_tokens_per_micro_batch=3 \(label tokens\)",
+    ):
         mode.build(rows, LoaderEnv())
 
 
@@ -688,17 +898,28 @@ def test_a_write_the_filesystem_refuses_mid_run_is_one_line_with_the_way_out(tmp
 
     previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     limits = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, limits[1]))  # the run files fit; the packed rows do not
+    resource.setrlimit(
+        resource.RLIMIT_FSIZE, (20_000, limits[1])
+    )  # the run files fit; the packed rows do not
     try:
-        code = main(["finetune", "tiny_llama_sft", *FAST, f"trainer.output_dir={tmp_path / 'run'}",
-                     f"packing.cache_dir={tmp_path / 'cache'}"])
+        code = main(
+            [
+                "finetune",
+                "tiny_llama_sft",
+                *FAST,
+                f"trainer.output_dir={tmp_path / 'run'}",
+                f"packing.cache_dir={tmp_path / 'cache'}",
+            ]
+        )
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, limits)
         signal.signal(signal.SIGXFSZ, previous)
     err = capsys.readouterr().err
     assert code == 1
-    assert "automodel finetune: File too large (--debug shows the traceback): raise the file size limit (ulimit -f), " \
-           "then run the same command again" in err, err
+    assert (
+        "automodel finetune: File too large (--debug shows the traceback): raise the file size limit (ulimit -f), "
+        "then run the same command again" in err
+    ), err
     assert "Traceback" not in err
     assert not list((tmp_path / "run").glob("checkpoints/*"))
 
@@ -750,8 +971,11 @@ def test_rank_and_world_size_without_torchrun_name_the_launcher(tmp_path, monkey
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     monkeypatch.delenv("MASTER_PORT", raising=False)
-    with pytest.raises(ConfigError, match=r"RANK and WORLD_SIZE=2 are set but MASTER_ADDR and MASTER_PORT not: start "
-                                          r"every rank with torchrun \(torchrun --nproc-per-node 2"):
+    with pytest.raises(
+        ConfigError,
+        match=r"RANK and WORLD_SIZE=2 are set but MASTER_ADDR and MASTER_PORT not: start "
+        r"every rank with torchrun \(torchrun --nproc-per-node 2",
+    ):
         run(load_recipe("tiny_llama_sft", [*FAST, f"trainer.output_dir={tmp_path}"]))
     assert data_work == []
 
@@ -759,36 +983,71 @@ def test_rank_and_world_size_without_torchrun_name_the_launcher(tmp_path, monkey
 def test_a_split_that_selects_no_rows_names_the_split(tmp_path, data_work):
     """Was 'dataset is empty: nothing to tokenize', naming neither the source nor the split."""
     with pytest.raises(DataError, match=r"^source 'tiny_sft' with split 'train\[5000:6000\]' gives no rows"):
-        run(load_recipe("tiny_llama_sft", [*FAST[1:], "data.split='train[5000:6000]'", f"trainer.output_dir={tmp_path}"]))
+        run(
+            load_recipe(
+                "tiny_llama_sft",
+                [*FAST[1:], "data.split='train[5000:6000]'", f"trainer.output_dir={tmp_path}"],
+            )
+        )
 
 
 def test_preference_rows_without_the_pair_columns_name_them(tmp_path):
     """Was datasets' "Column 'chosen' doesn't exist." without the file or the format."""
     source = tmp_path / "sft.jsonl"
     source.write_text('{"text": "hello"}\n')
-    with pytest.raises(DataError, match=rf"^{source}: format='prompt_completion' needs the column\(s\) "
-                                        r"\['chosen', 'prompt', 'rejected'\].*\(columns: \['text'\]\)"):
-        run(load_recipe("tiny_llama_dpo", ["trainer.progress_bar=false", f"data.source={source}",
-                                           f"trainer.output_dir={tmp_path / 'run'}"]))
+    with pytest.raises(
+        DataError,
+        match=rf"^{source}: format='prompt_completion' needs the column\(s\) "
+        r"\['chosen', 'prompt', 'rejected'\].*\(columns: \['text'\]\)",
+    ):
+        run(
+            load_recipe(
+                "tiny_llama_dpo",
+                [
+                    "trainer.progress_bar=false",
+                    f"data.source={source}",
+                    f"trainer.output_dir={tmp_path / 'run'}",
+                ],
+            )
+        )
 
 
 def test_a_file_no_row_of_which_parses_names_the_first_bad_line(tmp_path):
     """A cut JSON file: the column error pointed at data.columns, not at the file."""
     source = tmp_path / "cut.json"
     source.write_text('{"messages": [{"role": "user", "content": "hi"}\n')
-    with pytest.raises(DataError, match=rf"column 'messages' is not in the dataset \(columns: \[\]\).*1 row\(s\) had no "
-                                        rf"columns to read, the first at {source} line 1: \"<not valid JSON"):
-        run(load_recipe("tiny_llama_sft", [*FAST, "data=chat_jsonl", f"data.source={source}", "data.tokenizer=tiny",
-                                           f"trainer.output_dir={tmp_path / 'run'}"]))
+    with pytest.raises(
+        DataError,
+        match=rf"column 'messages' is not in the dataset \(columns: \[\]\).*1 row\(s\) had no "
+        rf"columns to read, the first at {source} line 1: \"<not valid JSON",
+    ):
+        run(
+            load_recipe(
+                "tiny_llama_sft",
+                [
+                    *FAST,
+                    "data=chat_jsonl",
+                    f"data.source={source}",
+                    "data.tokenizer=tiny",
+                    f"trainer.output_dir={tmp_path / 'run'}",
+                ],
+            )
+        )
 
 
 def test_eval_every_without_validation_data_says_no_evaluation_will_run(tmp_path, capsys):
     """Exit 0 without one evaluation, and not a word."""
-    run(load_recipe("tiny_llama_sft", [*FAST, "trainer.eval_every=1", "data.val_fraction=null",
-                                       f"trainer.output_dir={tmp_path}"]))
+    run(
+        load_recipe(
+            "tiny_llama_sft",
+            [*FAST, "trainer.eval_every=1", "data.val_fraction=null", f"trainer.output_dir={tmp_path}"],
+        )
+    )
     err = capsys.readouterr().err  # the run's console handler replaces pytest's log capture
-    assert "WARNING automodel: trainer.eval_every=1 but the data section has no validation set: no evaluation will " \
-           "run" in err, err
+    assert (
+        "WARNING automodel: trainer.eval_every=1 but the data section has no validation set: no evaluation will "
+        "run" in err
+    ), err
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2 and not any("val_loss" in r for r in records)
 
@@ -797,18 +1056,36 @@ def test_a_recipe_that_is_not_valid_yaml_is_named_with_its_line(tmp_path):
     """Was PyYAML's traceback."""
     recipe = tmp_path / "mine.yaml"
     recipe.write_text("defaults:\n  - /model: tiny_llama\n trainer:\n\tmax_steps: 3\n")
-    with pytest.raises(ConfigError, match=rf"^recipe mine.yaml: not valid YAML: .* in \"{recipe}\", line 3, column 2"):
+    with pytest.raises(
+        ConfigError, match=rf"^recipe mine.yaml: not valid YAML: .* in \"{recipe}\", line 3, column 2"
+    ):
         load_recipe(str(recipe))
 
 
 def test_a_checkpoint_directory_without_weights_is_named(tmp_path, data_work):
     """Was transformers' 'Error no file named model.safetensors...', naming no key."""
     directory = tmp_path / "checkpoint"
-    AutoConfig.for_model("llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1).save_pretrained(directory)
+    AutoConfig.for_model(
+        "llama",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    ).save_pretrained(directory)
     with pytest.raises(ConfigError, match=rf"^model.pretrained_path='{directory}' holds no weight files"):
-        run(load_recipe("tiny_llama_sft", [*FAST, f"trainer.output_dir={tmp_path / 'run'}", "model=hf_checkpoint",
-                                           f"model.pretrained_path={directory}"]))
+        run(
+            load_recipe(
+                "tiny_llama_sft",
+                [
+                    *FAST,
+                    f"trainer.output_dir={tmp_path / 'run'}",
+                    "model=hf_checkpoint",
+                    f"model.pretrained_path={directory}",
+                ],
+            )
+        )
     assert data_work == []
 
 

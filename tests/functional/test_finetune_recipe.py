@@ -52,8 +52,14 @@ def assert_close_per_step(a: list[dict], b: list[dict], key: str, tol: float) ->
 def hf_checkpoint_steps(checkpoint: Path) -> list[str]:
     """Overrides that start from a random 512-token Llama saved by transformers (rank 0 reads it and
     broadcasts; both ranks must start from exactly those weights)."""
-    return ["model=hf_checkpoint", f"model.pretrained_path={checkpoint}", "model.dtype=float32",
-            "trainer.max_steps=4", "packing.micro_batch_size=2", "trainer.export_hf=true"]
+    return [
+        "model=hf_checkpoint",
+        f"model.pretrained_path={checkpoint}",
+        "model.dtype=float32",
+        "trainer.max_steps=4",
+        "packing.micro_batch_size=2",
+        "trainer.export_hf=true",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -63,13 +69,24 @@ def two_ranks(tmp_path_factory) -> tuple[Path, dict[str, str]]:
 
     root = tmp_path_factory.mktemp("two_ranks")
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     LlamaForCausalLM(config).save_pretrained(root / "ckpt")
 
     def fast(name: str, *overrides: str, expect_error: str | None = None) -> dict:
-        return recipe_run("tiny_llama_sft", f"trainer.output_dir={root / name}", *with_fast(*overrides),
-                          expect_error=expect_error)
+        return recipe_run(
+            "tiny_llama_sft",
+            f"trainer.output_dir={root / name}",
+            *with_fast(*overrides),
+            expect_error=expect_error,
+        )
 
     runs = {
         "cp2": fast("cp2", *CP_STEPS, "parallel.cp_size=2"),
@@ -78,7 +95,9 @@ def two_ranks(tmp_path_factory) -> tuple[Path, dict[str, str]]:
         "stopped": fast("split", *RESUME_STEPS, "trainer.stop_at_step=3"),
         "resumed": fast("split", *RESUME_STEPS),
         "one_node": fast("one_node", *TWO_NODE_STEPS),
-        "cp4": fast("cp4", "parallel.cp_size=4", expect_error="parallel.cp_size=4 must divide the world size 2"),
+        "cp4": fast(
+            "cp4", "parallel.cp_size=4", expect_error="parallel.cp_size=4 must divide the world size 2"
+        ),
     }
     return root, run_recipes(runs, nproc=2, workdir=root)
 
@@ -87,8 +106,18 @@ def test_default_recipe_trains_and_writes_its_outputs(tmp_path):
     """The README's main job, cut to its first 40 steps: loss falls clearly; checkpoint, metrics, curve
     and an HF export that transformers loads and that gives our model's logits."""
     out = tmp_path / "run"
-    assert main(["finetune", "tiny_llama_sft", f"trainer.output_dir={out}", "trainer.progress_bar=false",
-                 "trainer.max_steps=40"]) == 0
+    assert (
+        main(
+            [
+                "finetune",
+                "tiny_llama_sft",
+                f"trainer.output_dir={out}",
+                "trainer.progress_bar=false",
+                "trainer.max_steps=40",
+            ]
+        )
+        == 0
+    )
     records = read_metrics(out)
     assert [r["step"] for r in records] == list(range(1, 41))
     loss = [r["loss"] for r in records]
@@ -111,10 +140,17 @@ def test_default_recipe_trains_and_writes_its_outputs(tmp_path):
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert (out / "hf" / "generation_config.json").is_file() and (out / "hf" / "tokenizer.json").is_file()
     spec = ModelSpec(pretrained_path=str(out / "hf"), attention_backend="portable")
-    ours = build_model(spec, setup_checks(spec, cp_size=1, vocab_needed=None, max_sample_tokens=None)[0],
-                       device=torch.device("cpu"), shard=lambda m: None, seed=0)
+    ours = build_model(
+        spec,
+        setup_checks(spec, cp_size=1, vocab_needed=None, max_sample_tokens=None)[0],
+        device=torch.device("cpu"),
+        shard=lambda m: None,
+        seed=0,
+    )
     ids = torch.tensor([1, 40, 41, 42, 43, 44, 45, 2])
-    meta = ThdAttentionMetadata(torch.tensor([0, 8], dtype=torch.int32), torch.tensor([0, 8], dtype=torch.int32), 8)
+    meta = ThdAttentionMetadata(
+        torch.tensor([0, 8], dtype=torch.int32), torch.tensor([0, 8], dtype=torch.int32), 8
+    )
     with torch.no_grad():
         expected = hf.eval()(ids[None]).logits[0]
         actual = ours.hf(ids[None], position_ids=torch.arange(8)[None], thd_layout=meta).logits[0]
@@ -165,7 +201,12 @@ def test_resume_gives_bitwise_the_same_losses(two_ranks):
     resumed, whole = read_metrics(root / "split"), read_metrics(root / "whole")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
     for a, b in zip(resumed, whole):
-        assert (a["step"], a["loss"], a["grad_norm"], a["lr"]) == (b["step"], b["loss"], b["grad_norm"], b["lr"])
+        assert (a["step"], a["loss"], a["grad_norm"], a["lr"]) == (
+            b["step"],
+            b["loss"],
+            b["grad_norm"],
+            b["lr"],
+        )
 
 
 def test_padded_batches_train_through_the_same_recipe(tmp_path):
@@ -178,9 +219,14 @@ def test_padded_batches_train_through_the_same_recipe(tmp_path):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["trainer.max_stepz=3"], "unknown key 'trainer.max_stepz' (no 'max_stepz' in trainer); did you mean 'max_steps'?"),
-        (["packing=rmpad", "packing.pad_packed_input=true", "packing.pad_packed_to_length=13"],
-         "packing.pad_packed_to_length=13"),
+        (
+            ["trainer.max_stepz=3"],
+            "unknown key 'trainer.max_stepz' (no 'max_stepz' in trainer); did you mean 'max_steps'?",
+        ),
+        (
+            ["packing=rmpad", "packing.pad_packed_input=true", "packing.pad_packed_to_length=13"],
+            "packing.pad_packed_to_length=13",
+        ),
     ],
 )
 def test_config_errors_fail_fast(tmp_path, capfd, overrides, message):
@@ -197,7 +243,10 @@ def test_unknown_key_in_a_recipe_file_names_the_key(tmp_path, capfd):
     )
     assert main(["finetune", str(recipe), f"trainer.output_dir={tmp_path / 'out'}"]) == 2
     stderr = capfd.readouterr().err
-    assert "unknown key 'trainer.max_step' for automodel.training.config.TrainerConfig; did you mean 'max_steps'?" in stderr
+    assert (
+        "unknown key 'trainer.max_step' for automodel.training.config.TrainerConfig; did you mean 'max_steps'?"
+        in stderr
+    )
 
 
 def test_cp_size_must_divide_the_world_size(two_ranks):
@@ -217,15 +266,36 @@ def test_two_nodes_simulated_on_one_machine_match_one_node(tmp_path, two_ranks):
     root, _ = two_ranks
     port = free_port()
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-        "--master-addr", "127.0.0.1", "--master-port", str(port),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
     ]
-    recipe = ["-m", "automodel", "finetune", "tiny_llama_sft", f"trainer.output_dir={tmp_path / 'two_nodes'}",
-              *with_fast(*TWO_NODE_STEPS)]
+    recipe = [
+        "-m",
+        "automodel",
+        "finetune",
+        "tiny_llama_sft",
+        f"trainer.output_dir={tmp_path / 'two_nodes'}",
+        *with_fast(*TWO_NODE_STEPS),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     nodes = [
-        subprocess.Popen([*command, "--node-rank", str(rank), *recipe], cwd=REPO_ROOT, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            [*command, "--node-rank", str(rank), *recipe],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for rank in (0, 1)
     ]
     outputs = [node.communicate(timeout=180)[0] for node in nodes]

@@ -19,7 +19,9 @@ SMALL = ["data.split='train[:120]'", "packing.packed_sequence_size=512", "traine
 
 
 def chat(role: str, reply: str) -> dict:
-    return {"messages": [{"role": role, "content": "What is 1 plus 2?"}, {"role": "assistant", "content": reply}]}
+    return {
+        "messages": [{"role": role, "content": "What is 1 plus 2?"}, {"role": "assistant", "content": reply}]
+    }
 
 
 def error_lines(stderr: str) -> list[str]:
@@ -42,7 +44,10 @@ def model_dir(tmp_path):
 @pytest.mark.parametrize("kind", ["config", "data", "model"])
 def test_an_input_error_is_one_line_with_exit_code_2(tmp_path, capfd, kind):
     if kind == "config":
-        overrides, expected = ["optim.lr=-1"], "config error: optim: optim.lr must be a finite positive number, got -1"
+        overrides, expected = (
+            ["optim.lr=-1"],
+            "config error: optim: optim.lr must be a finite positive number, got -1",
+        )
     elif kind == "data":  # raised in a worker process of datasets.map (num_proc=2)
         source = tmp_path / "chats.jsonl"
         rows = [chat("user", "3")] * 4 + [chat("bot", "3")] + [chat("user", "3")] * 3
@@ -51,7 +56,11 @@ def test_an_input_error_is_one_line_with_exit_code_2(tmp_path, capfd, kind):
         expected = (f"data error: {source} line 5: field 'messages' (column 'messages'): message 0: role 'bot' is not "
                     "one of ('system', 'user', 'assistant'); fix the row, or set data.on_bad_row=skip")  # fmt: skip
     else:
-        overrides = ["model=hf_checkpoint", f"model.pretrained_path={model_dir(tmp_path)}", "model.dtype=float32"]
+        overrides = [
+            "model=hf_checkpoint",
+            f"model.pretrained_path={model_dir(tmp_path)}",
+            "model.dtype=float32",
+        ]
         expected = "model error: "
     code = main(["finetune", "tiny_llama_sft", f"trainer.output_dir={tmp_path / 'run'}", *SMALL, *overrides])
     lines = error_lines(capfd.readouterr().err)

@@ -42,7 +42,12 @@ def test_packed_step_equals_each_sample_alone(checkpoints, family):
     spec = ModelSpec(pretrained_path=str(path), attention_backend="portable")
     config, verdict = setup_checks(spec, cp_size=1, vocab_needed=None, max_sample_tokens=None)
     model = build_model(
-        spec, config, device=torch.device("cpu"), shard=lambda m: None, seed=0, dense_mask=uses_dense_mask(verdict)
+        spec,
+        config,
+        device=torch.device("cpu"),
+        shard=lambda m: None,
+        seed=0,
+        dense_mask=uses_dense_mask(verdict),
     )
     batch = shard(collated(sample_list, 4), 1, 0)
     n_labels = int((batch["labels"] != -100).sum())
@@ -54,9 +59,15 @@ def test_packed_step_equals_each_sample_alone(checkpoints, family):
 @pytest.mark.distributed
 def test_dp2_and_cp2_equal_each_sample_alone_and_export_round_trips(checkpoints):
     result = run_torchrun(
-        ["tests/functional/workers/hf_families_worker.py", "--checkpoints", str(checkpoints),
-         "--families", *DISTRIBUTED_FAMILIES],
-        nproc=2, timeout=400,
+        [
+            "tests/functional/workers/hf_families_worker.py",
+            "--checkpoints",
+            str(checkpoints),
+            "--families",
+            *DISTRIBUTED_FAMILIES,
+        ],
+        nproc=2,
+        timeout=400,
     )
     assert result.returncode == 0, result.stdout[-4000:]
     assert f"checked {len(DISTRIBUTED_FAMILIES)} families; 0 failures" in result.stdout

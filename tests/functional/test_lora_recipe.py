@@ -29,8 +29,13 @@ pytestmark = pytest.mark.distributed
 
 VALIDATION = "data.validation={split:'train[800:840]'}"  # a set of its own: the training rows stay the same
 COMMON = [
-    "data.split='train[:800]'", "data.val_fraction=null", "packing=rmpad", "trainer.max_steps=4",
-    "trainer.checkpoint_every=2", "trainer.progress_bar=false", "optim.warmup_steps=0",
+    "data.split='train[:800]'",
+    "data.val_fraction=null",
+    "packing=rmpad",
+    "trainer.max_steps=4",
+    "trainer.checkpoint_every=2",
+    "trainer.progress_bar=false",
+    "optim.warmup_steps=0",
 ]
 # The tiny model's k/v projections have 128 NF4 blocks: scaler groups of 32 give whole groups on 2 shards.
 QLORA = ["peft.quantize_base=nf4", "peft.nf4_scaler_block_size=32"]
@@ -99,8 +104,13 @@ def test_lora_recipe_with_validation(tmp_path, monkeypatch):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    one = lora_run(tmp_path / "one", "trainer.grad_accum_steps=2", VALIDATION, "trainer.eval_every=1",
-                   "peft.export_merged=true")
+    one = lora_run(
+        tmp_path / "one",
+        "trainer.grad_accum_steps=2",
+        VALIDATION,
+        "trainer.eval_every=1",
+        "peft.export_merged=true",
+    )
     # -- LoRA trains, and only the adapters change
     assert [r["step"] for r in one] == [1, 2, 3, 4] and one[-1]["loss"] < one[0]["loss"], one
     base, lora = base_model_and_lora()
@@ -109,8 +119,11 @@ def test_lora_recipe_with_validation(tmp_path, monkeypatch):
     assert initial.keys() == {k for k in trained_state if ".lora_" not in k}
     for name, tensor in initial.items():
         assert torch.equal(trained_state[name], tensor), name  # bitwise: frozen base
-    assert any(not torch.equal(v, trained_state[k]) for k, v in lora.apply(base()).state_dict().items()
-               if ".lora_B." in k)  # the adapters did train (B starts at zero)
+    assert any(
+        not torch.equal(v, trained_state[k])
+        for k, v in lora.apply(base()).state_dict().items()
+        if ".lora_B." in k
+    )  # the adapters did train (B starts at zero)
 
     # -- the PEFT-format adapter on the base model gives the trained model's logits, as does the merged export
     trained = lora.apply(base())
@@ -122,7 +135,10 @@ def test_lora_recipe_with_validation(tmp_path, monkeypatch):
     adapter_config = json.loads((tmp_path / "one" / "adapter" / "adapter_config.json").read_text())
     assert adapter_config["base_model_name_or_path"] == str((tmp_path / "one" / "base").resolve())
     card = (tmp_path / "one" / "adapter" / "README.md").read_text()
-    assert "LoRA (rank 16, alpha 32," in card and "`tiny_sft` (split `train[:800]`, format `prompt_completion`)" in card
+    assert (
+        "LoRA (rank 16, alpha 32," in card
+        and "`tiny_sft` (split `train[:800]`, format `prompt_completion`)" in card
+    )
     assert "max_steps: 4" in card and "training loss:" in card
     (tmp_path / "cwd" / "runs").mkdir(parents=True)
     (tmp_path / "cwd" / "runs" / "tiny_llama_lora").symlink_to(tmp_path / "one")
@@ -160,6 +176,7 @@ def test_lora_recipe_with_validation(tmp_path, monkeypatch):
     qresumed = lora_run(tmp_path / "qsplit", *split, *QLORA)
     for key in ("loss", "grad_norm"):
         assert [r[key] for r in qresumed] == [r[key] for r in qlora], key
+
     def dequantized_base():
         return nf4_dequantized(base(), block_size=64, scaler_block_size=32)
 
@@ -174,7 +191,10 @@ def test_lora_recipe_with_validation(tmp_path, monkeypatch):
         "cp2": ["trainer.grad_accum_steps=2", "parallel.cp_size=2", VALIDATION, "trainer.eval_every=1"],
         "qdp2": ["trainer.grad_accum_steps=1", *QLORA],
         "qcp2": ["trainer.grad_accum_steps=2", "parallel.cp_size=2", *QLORA],
-        "bf16dp2": ["trainer.grad_accum_steps=1", "model.dtype=bfloat16"],  # bf16 base, fp32 adapters, one unit
+        "bf16dp2": [
+            "trainer.grad_accum_steps=1",
+            "model.dtype=bfloat16",
+        ],  # bf16 base, fp32 adapters, one unit
     }
     run_recipes(
         {name: recipe_run("tiny_llama_lora", f"trainer.output_dir={tmp_path / name}", *COMMON, *overrides)

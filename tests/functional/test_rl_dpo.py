@@ -20,7 +20,12 @@ from workers.rl_checks import LOGPROB_FAMILIES, check_log_probs
 def rl_launch(tmp_path_factory):
     """The one 4-rank launch of this module; returns its work directory."""
     workdir = tmp_path_factory.mktemp("rl")
-    overrides = ["trainer.max_steps=3", "parallel.cp_size=2", f"trainer.output_dir={workdir / 'dpo_dp2_cp2'}", *DPO_FAST]
+    overrides = [
+        "trainer.max_steps=3",
+        "parallel.cp_size=2",
+        f"trainer.output_dir={workdir / 'dpo_dp2_cp2'}",
+        *DPO_FAST,
+    ]
     result = run_torchrun(["tests/functional/workers/rl_worker.py", "--workdir", str(workdir), "--dpo", *overrides],
                           nproc=4, timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:]
@@ -80,21 +85,46 @@ def test_dpo_step_losses_equal_a_hand_computation_from_eager_log_probs(tmp_path)
     recipe = recipe_class(cfg)(cfg)
     try:
         recipe.setup()
-        start = AutoModelForCausalLM.from_config(recipe.hf_config, attn_implementation="eager", dtype=torch.float32)
+        start = AutoModelForCausalLM.from_config(
+            recipe.hf_config, attn_implementation="eager", dtype=torch.float32
+        )
         full = StateDictOptions(full_state_dict=True)
-        start.load_state_dict({k.removeprefix("hf."): v for k, v in get_model_state_dict(recipe.model, options=full).items()})
+        start.load_state_dict(
+            {k.removeprefix("hf."): v for k, v in get_model_state_dict(recipe.model, options=full).items()}
+        )
         plan, units, accum = recipe.stream.plan(0), recipe.stream.prepared.units, cfg.trainer.grad_accum_steps
         records = []
         for step in range(2):
-            pairs = [units[int(i)] for i in plan.sample_order[plan.pack_offsets[step * accum] : plan.pack_offsets[(step + 1) * accum]]]
-            policy = AutoModelForCausalLM.from_config(recipe.hf_config, attn_implementation="eager", dtype=torch.float32)
-            policy.load_state_dict({k.removeprefix("hf."): v for k, v in get_model_state_dict(recipe.model, options=full).items()})
+            pairs = [
+                units[int(i)]
+                for i in plan.sample_order[
+                    plan.pack_offsets[step * accum] : plan.pack_offsets[(step + 1) * accum]
+                ]
+            ]
+            policy = AutoModelForCausalLM.from_config(
+                recipe.hf_config, attn_implementation="eager", dtype=torch.float32
+            )
+            policy.load_state_dict(
+                {
+                    k.removeprefix("hf."): v
+                    for k, v in get_model_state_dict(recipe.model, options=full).items()
+                }
+            )
             with torch.no_grad():
-                margin = cfg.dpo.beta * ((eager_pair_log_probs(policy, pairs) - eager_pair_log_probs(start, pairs)) @ torch.tensor([1.0, -1.0]))
+                margin = cfg.dpo.beta * (
+                    (eager_pair_log_probs(policy, pairs) - eager_pair_log_probs(start, pairs))
+                    @ torch.tensor([1.0, -1.0])
+                )
             expected = float(-torch.nn.functional.logsigmoid(margin).mean())
             records.append(recipe.train_step())
-            assert abs(records[-1]["loss"] - expected) <= 1e-5 * expected, (step, records[-1]["loss"], expected)
-            assert abs(records[-1]["reward_margin"] - float(margin.mean())) <= 1e-5 * max(1.0, abs(float(margin.mean())))
+            assert abs(records[-1]["loss"] - expected) <= 1e-5 * expected, (
+                step,
+                records[-1]["loss"],
+                expected,
+            )
+            assert abs(records[-1]["reward_margin"] - float(margin.mean())) <= 1e-5 * max(
+                1.0, abs(float(margin.mean()))
+            )
         assert records[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and records[1]["loss"] < math.log(2)
     finally:
         recipe.cleanup()
@@ -115,7 +145,9 @@ def test_dpo_validation_equals_a_hand_computation_over_the_validation_pairs(tmp_
     recipe = recipe_class(cfg)(cfg)
 
     def eager_copy():
-        model = AutoModelForCausalLM.from_config(recipe.hf_config, attn_implementation="eager", dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(
+            recipe.hf_config, attn_implementation="eager", dtype=torch.float32
+        )
         state = get_model_state_dict(recipe.model, options=StateDictOptions(full_state_dict=True))
         model.load_state_dict({k.removeprefix("hf."): v for k, v in state.items()})
         return model
@@ -128,12 +160,15 @@ def test_dpo_validation_equals_a_hand_computation_over_the_validation_pairs(tmp_
         pairs = list(recipe.val_dataset)
         with torch.no_grad():
             margin = cfg.dpo.beta * (
-                (eager_pair_log_probs(eager_copy(), pairs) - eager_pair_log_probs(start, pairs)) @ torch.tensor([1.0, -1.0])
+                (eager_pair_log_probs(eager_copy(), pairs) - eager_pair_log_probs(start, pairs))
+                @ torch.tensor([1.0, -1.0])
             )
     finally:
         recipe.cleanup()
     assert len(pairs) >= 10
-    assert record["val_loss"] == pytest.approx(float(-torch.nn.functional.logsigmoid(margin).mean()), rel=1e-5)
+    assert record["val_loss"] == pytest.approx(
+        float(-torch.nn.functional.logsigmoid(margin).mean()), rel=1e-5
+    )
     # a margin is a difference of two log-prob sums: float32 rounding of each, not of the margin
     assert record["val_reward_margin"] == pytest.approx(float(margin.mean()), abs=1e-6)
     assert record["val_reward_accuracy"] == pytest.approx(float((margin > 0).float().mean()), abs=1e-9)
@@ -141,7 +176,9 @@ def test_dpo_validation_equals_a_hand_computation_over_the_validation_pairs(tmp_
 
 def test_dpo_resume_is_bitwise_and_lora_reference_is_the_base(tmp_path):
     whole = dpo_one_process(tmp_path / "whole", "trainer.max_steps=4", "trainer.checkpoint_every=2")
-    dpo_one_process(tmp_path / "split", "trainer.max_steps=4", "trainer.checkpoint_every=2", "trainer.stop_at_step=2")
+    dpo_one_process(
+        tmp_path / "split", "trainer.max_steps=4", "trainer.checkpoint_every=2", "trainer.stop_at_step=2"
+    )
     resumed = dpo_one_process(tmp_path / "split", "trainer.max_steps=4", "trainer.checkpoint_every=2")
     assert [r["step"] for r in resumed] == [r["step"] for r in whole] == [1, 2, 3, 4]
     for a, b in zip(whole, resumed):
@@ -154,7 +191,9 @@ def test_dpo_resume_is_bitwise_and_lora_reference_is_the_base(tmp_path):
 @pytest.mark.distributed
 def test_dpo_dp2_cp2_equals_one_process(tmp_path, rl_launch):
     one = dpo_one_process(tmp_path / "one", "trainer.max_steps=3", "trainer.grad_accum_steps=4")
-    four = [json.loads(line) for line in (rl_launch / "dpo_dp2_cp2" / "metrics.jsonl").read_text().splitlines()]
+    four = [
+        json.loads(line) for line in (rl_launch / "dpo_dp2_cp2" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["step"] for r in four] == [1, 2, 3]
     for a, b in zip(four, one):
         for key in DPO_COMPARED:

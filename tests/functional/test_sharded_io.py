@@ -40,7 +40,9 @@ def build(path, lora=None):
 
 
 @pytest.mark.parametrize("name", sorted(CHECKPOINTS))
-def test_one_process_loads_from_pretrained_bitwise_and_exports_the_source(checkpoints, name, tmp_path, caplog):
+def test_one_process_loads_from_pretrained_bitwise_and_exports_the_source(
+    checkpoints, name, tmp_path, caplog
+):
     path = checkpoints / name
     model = build(path)
     assert "broadcasts" not in caplog.text  # read slice by slice, no fallback
@@ -67,7 +69,9 @@ def test_one_process_lora_adapters_are_peft_seeded_init(checkpoints):
     assert shard_mismatches(model, reference_model(checkpoints / "untied_bf16", LORA)) == []
 
 
-def test_a_full_disk_during_the_export_names_the_path_and_bytes_and_keeps_the_old_export(checkpoints, tmp_path):
+def test_a_full_disk_during_the_export_names_the_path_and_bytes_and_keeps_the_old_export(
+    checkpoints, tmp_path
+):
     path = checkpoints / "untied_bf16"
     model = build(path)
     (tmp_path / "hf").mkdir()
@@ -90,13 +94,18 @@ def test_a_full_disk_during_the_export_names_the_path_and_bytes_and_keeps_the_ol
 
 @pytest.mark.distributed
 def test_worlds_4_and_2_load_bitwise_and_export_like_the_source_and_todays_path(checkpoints):
-    result = run_torchrun(["tests/functional/workers/sharded_io_worker.py", "--checkpoints", str(checkpoints)],
-                          nproc=4, timeout=400)
+    result = run_torchrun(
+        ["tests/functional/workers/sharded_io_worker.py", "--checkpoints", str(checkpoints)],
+        nproc=4,
+        timeout=400,
+    )
     assert result.returncode == 0, result.stdout[-4000:]
     assert f"checked {2 * len(CHECKPOINTS) + 1} cases; 0 failures" in result.stdout
 
 
-def test_checkpoint_tensors_the_model_has_no_place_for_fall_back_to_from_pretrained(checkpoints, tmp_path, caplog):
+def test_checkpoint_tensors_the_model_has_no_place_for_fall_back_to_from_pretrained(
+    checkpoints, tmp_path, caplog
+):
     import json
     import shutil
 

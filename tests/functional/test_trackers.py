@@ -29,7 +29,10 @@ from automodel.training.tracking import metric_name
 # 64 samples in packs of 256 tokens, 2 per step; 6 held out, evaluated at steps 2 and 3.
 FAST = ["data.split='train[:64]'", "data.val_fraction=0.1", "trainer.eval_every=2", "packing.packed_sequence_size=256",
         "trainer.progress_bar=false", "trainer.export_hf=false", "trainer.max_steps=3"]  # fmt: skip
-TRACKERS = ["trainer.tracking.wandb={project: my-sft}", "trainer.tracking.mlflow={experiment_name: my-sft}"]  # the README's
+TRACKERS = [
+    "trainer.tracking.wandb={project: my-sft}",
+    "trainer.tracking.mlflow={experiment_name: my-sft}",
+]  # the README's
 
 
 def recipe(output_dir: Path, *overrides: str):
@@ -67,21 +70,36 @@ def test_every_tracker_holds_the_jsonl_and_a_resumed_run_is_one_run(tmp_path, no
     jsonl = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in jsonl] == [1, 2, 3] and [r["step"] for r in jsonl if "val_loss" in r] == [2, 3]
     expected = {
-        metric_name(key): [(r["step"], r[key]) for r in jsonl if key in r] for key in {*jsonl[0], *jsonl[1]} - {"step"}
+        metric_name(key): [(r["step"], r[key]) for r in jsonl if key in r]
+        for key in {*jsonl[0], *jsonl[1]} - {"step"}
     }
-    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "val/loss", "val/perplexity"} <= set(expected)
+    assert {
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "train/tokens_per_s",
+        "val/loss",
+        "val/perplexity",
+    } <= set(expected)
     ids = json.loads((out / "tracking.json").read_text())
 
     events = EventAccumulator(str(out / "tensorboard"))  # TensorBoard's scalar loader
     events.Reload()
     assert set(events.Tags()["scalars"]) == set(expected)
     for tag, points in expected.items():
-        assert [(e.step, e.value) for e in events.Scalars(tag)] == [(s, float(np.float32(v))) for s, v in points], tag
+        assert [(e.step, e.value) for e in events.Scalars(tag)] == [
+            (s, float(np.float32(v))) for s, v in points
+        ], tag
 
     legs = wandb_records(out)  # one file per process; `wandb sync` uploads both into the one run
     assert len(legs) == 2
     assert {r["run"]["run_id"] for leg in legs for r in leg if r["type"] == "run"} == {ids["wandb"]}
-    history = {r["history"]["step"]["num"]: r["history"]["item"] for leg in legs for r in leg if r["type"] == "history"}
+    history = {
+        r["history"]["step"]["num"]: r["history"]["item"]
+        for leg in legs
+        for r in leg
+        if r["type"] == "history"
+    }
     assert sorted(history) == [1, 2, 3]
     for name, points in expected.items():
         assert [(s, history[s][name]) for s, _ in points] == points, name
@@ -97,7 +115,10 @@ def test_every_tracker_holds_the_jsonl_and_a_resumed_run_is_one_run(tmp_path, no
     for name, points in expected.items():
         history = client.get_metric_history(mlflow_run.info.run_id, name)
         assert sorted((m.step, m.value) for m in history) == points, name
-    params = {k: v if isinstance(v, str) else json.dumps(v) for k, v in flatten(OmegaConf.to_container(first)).items()}
+    params = {
+        k: v if isinstance(v, str) else json.dumps(v)
+        for k, v in flatten(OmegaConf.to_container(first)).items()
+    }
     assert mlflow_run.data.params == params and params["trainer.stop_at_step"] == "2"
     assert mlflow_run.data.tags["trainer.stop_at_step"] == "null"  # params are immutable; the resume's value
 
@@ -105,7 +126,10 @@ def test_every_tracker_holds_the_jsonl_and_a_resumed_run_is_one_run(tmp_path, no
 @pytest.mark.parametrize(
     "tracker, message",
     [
-        ("trainer.tracking.mlflow={tracking_uri: 'nosuchscheme://x'}", "trainer.tracking.mlflow could not start: "),
+        (
+            "trainer.tracking.mlflow={tracking_uri: 'nosuchscheme://x'}",
+            "trainer.tracking.mlflow could not start: ",
+        ),
         ("trainer.tracking.wandb={mode: online}", "trainer.tracking.wandb.mode=online needs W&B credentials"),
     ],
 )
@@ -114,7 +138,9 @@ def test_a_tracker_that_cannot_start_stops_the_run_before_data_work(
 ):
     tokenized = []
     build = SFTData.build
-    monkeypatch.setattr(SFTData, "build", lambda self, tokenizer: tokenized.append(1) or build(self, tokenizer))
+    monkeypatch.setattr(
+        SFTData, "build", lambda self, tokenizer: tokenized.append(1) or build(self, tokenizer)
+    )
     with pytest.raises(ConfigError) as error:
         run(recipe(tmp_path / "run", tracker))
     assert str(error.value).startswith(message) and "\n" not in str(error.value), str(error.value)

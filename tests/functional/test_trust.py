@@ -39,8 +39,14 @@ from automodel.training.finetune import run
 from automodel.training.metrics import read_metrics
 
 # 64 samples in packs of 256 tokens, 2 per step: ~7 steps an epoch, a second or two per run.
-FAST = ["data.split='train[:64]'", "packing.packed_sequence_size=256", "trainer.progress_bar=false",
-        "trainer.export_hf=false", "trainer.checkpoint_every=2", "trainer.max_steps=6"]
+FAST = [
+    "data.split='train[:64]'",
+    "packing.packed_sequence_size=256",
+    "trainer.progress_bar=false",
+    "trainer.export_hf=false",
+    "trainer.checkpoint_every=2",
+    "trainer.max_steps=6",
+]
 
 
 def recipe(output_dir: Path, *overrides: str):
@@ -132,8 +138,15 @@ def test_non_finite_loss_stops_before_the_step_with_nothing_saved_or_exported(tm
     monkeypatch.setattr(training_config, "MAX_LR", math.inf)  # the bound refuses the lr that makes step 2 NaN
     out = tmp_path / "run"
     with pytest.raises(NonFiniteError) as error:
-        run(recipe(out, "optim.lr=1e30", "optim.warmup_steps=0", "trainer.checkpoint_every=1",
-                   "trainer.export_hf=true"))
+        run(
+            recipe(
+                out,
+                "optim.lr=1e30",
+                "optim.warmup_steps=0",
+                "trainer.checkpoint_every=1",
+                "trainer.export_hf=true",
+            )
+        )
     step = int(str(error.value).split(":")[0].removeprefix("step "))
     assert 2 <= step <= 6, str(error.value)
     assert not (out / "hf").exists()
@@ -199,7 +212,9 @@ def _plant(checkpoint: Path, where: str, payload: Payload) -> Path:
 
 
 @pytest.mark.parametrize("where", [".metadata", "shard", "rng"])
-def test_a_pickle_planted_in_any_checkpoint_file_runs_nothing_and_is_named(used_dir, tmp_path, data_work, where):
+def test_a_pickle_planted_in_any_checkpoint_file_runs_nothing_and_is_named(
+    used_dir, tmp_path, data_work, where
+):
     marker = tmp_path / "executed"
     planted = _plant(used_dir / "checkpoints" / "step_00000004", where, Payload(marker))
     with pytest.raises(UnsafeCheckpointError) as error:
@@ -219,11 +234,15 @@ def test_the_load_itself_reads_no_unverified_pickle(used_dir, tmp_path, one_proc
     finished = run(recipe(tmp_path / "fresh", "trainer.max_steps=1"))
     checkpointer = Checkpointer(tmp_path, keep_last=1, rank=0, world_size=1, run_id="x")
     with pytest.raises(UnsafeCheckpointError, match=str(planted)):
-        checkpointer.load(read_info(checkpoint), finished.model, finished.optimizer, finished.scheduler, finished.stream)
+        checkpointer.load(
+            read_info(checkpoint), finished.model, finished.optimizer, finished.scheduler, finished.stream
+        )
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("position", ['{"epoch": 0, "consumed": 8}', '{"epoch": "x", "consumed": 8, "fingerprint": "f"}', "[]"])
+@pytest.mark.parametrize(
+    "position", ['{"epoch": 0, "consumed": 8}', '{"epoch": "x", "consumed": 8, "fingerprint": "f"}', "[]"]
+)
 def test_a_data_position_that_is_not_one_is_refused_naming_data_json(used_dir, data_work, position):
     checkpoint = used_dir / "checkpoints" / "step_00000004"
     (checkpoint / "data.json").write_text(position)
@@ -254,9 +273,13 @@ def test_a_rerun_after_a_death_before_the_first_checkpoint_keeps_the_old_metrics
 
 def test_a_recipe_cannot_name_a_loader(tmp_path):
     bad = tmp_path / "bad.yaml"  # a recipe value built by torch.load of a file
-    bad.write_text((REPO_ROOT / "recipes/llm/tiny_llama_sft.yaml").read_text().replace(
-        "optim:\n", f"optim:\n  _target_: torch.load\n  f: {tmp_path / 'x.pt'}\n  weights_only: false\n"
-    ))
+    bad.write_text(
+        (REPO_ROOT / "recipes/llm/tiny_llama_sft.yaml")
+        .read_text()
+        .replace(
+            "optim:\n", f"optim:\n  _target_: torch.load\n  f: {tmp_path / 'x.pt'}\n  weights_only: false\n"
+        )
+    )
     with pytest.raises(ConfigError, match=r"optim\._target_='torch.load' is not allowed"):
         load_recipe(str(bad), [f"trainer.output_dir={tmp_path / 'x'}"])
 
@@ -264,9 +287,16 @@ def test_a_recipe_cannot_name_a_loader(tmp_path):
 def test_a_second_run_into_a_locked_directory_fails_at_once_naming_the_holder(tmp_path, data_work):
     out = tmp_path / "run"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from automodel.training.run_dir import RunDirectory; "
-         f"d = RunDirectory({str(out)!r}, 0); d.acquire(); print('locked', flush=True); time.sleep(120)"],
-        cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from automodel.training.run_dir import RunDirectory; "
+            f"d = RunDirectory({str(out)!r}, 0); d.acquire(); print('locked', flush=True); time.sleep(120)",
+        ],
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert holder.stdout.readline().strip() == "locked"
@@ -298,7 +328,9 @@ def _small_training_state():
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     model(torch.randn(2, 256)).sum().backward()
     optimizer.step()
-    rows = datasets.Dataset.from_dict({"input_ids": [[i, i + 1] for i in range(8)], "labels": [[i + 1, i + 2] for i in range(8)]})
+    rows = datasets.Dataset.from_dict(
+        {"input_ids": [[i, i + 1] for i in range(8)], "labels": [[i + 1, i + 2] for i in range(8)]}
+    )
     stream = RmpadBatching(micro_batch_size=2, max_seq_len=8).build(rows, LoaderEnv())
     return model, optimizer, scheduler, stream
 
@@ -323,8 +355,9 @@ def test_a_full_disk_names_the_path_and_the_bytes_needed(tmp_path, one_process_g
 
 
 @pytest.mark.parametrize("damage", ["truncate", "delete"])
-def test_a_damaged_checkpoint_under_its_final_name_is_skipped_for_the_previous(tmp_path, one_process_group,
-                                                                                damage, caplog):
+def test_a_damaged_checkpoint_under_its_final_name_is_skipped_for_the_previous(
+    tmp_path, one_process_group, damage, caplog
+):
     model, optimizer, scheduler, stream = _small_training_state()
     checkpointer = Checkpointer(tmp_path, keep_last=3, rank=0, world_size=1, run_id="r")
     for step in (1, 2):
@@ -353,11 +386,15 @@ def world_size_changes(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("world_size")
     out = root / "run"
     finished = run(recipe(out, "trainer.max_steps=2"))
-    torch.save({k: v.to_local() if hasattr(v, "to_local") else v for k, v in finished.model.state_dict().items()},
-               root / "a_weights.pt")
+    torch.save(
+        {k: v.to_local() if hasattr(v, "to_local") else v for k, v in finished.model.state_dict().items()},
+        root / "a_weights.pt",
+    )
     shutil.copytree(out, root / "one_process_chain", ignore=shutil.ignore_patterns(".lock"))
     overrides = merged("trainer.max_steps=3", "trainer.grad_accum_steps=1", "trainer.export_hf=true")
-    result = run_torchrun(["tests/functional/workers/reshard_worker.py", str(out), *overrides], nproc=2, timeout=240)
+    result = run_torchrun(
+        ["tests/functional/workers/reshard_worker.py", str(out), *overrides], nproc=2, timeout=240
+    )
     assert result.returncode == 0, result.stdout[-3000:]
     assert "resuming a world-size-1 checkpoint on 2 ranks" in result.stdout
     shutil.copytree(out / "hf", root / "b_hf")
@@ -368,7 +405,10 @@ def world_size_changes(tmp_path_factory) -> dict[str, Path]:
 
 def test_world_size_changes_reshard_the_model_through_dcp(world_size_changes):
     root, out = world_size_changes["root"], world_size_changes["out"]
-    one, two = torch.load(root / "a_weights.pt", weights_only=True), torch.load(root / "b_loaded.pt", weights_only=True)
+    one, two = (
+        torch.load(root / "a_weights.pt", weights_only=True),
+        torch.load(root / "b_loaded.pt", weights_only=True),
+    )
     assert one.keys() <= two.keys()
     assert_same_tensors(one, {name: two[name] for name in one})  # 1 -> 2
     assert_same_tensors(_exported(root / "b_hf"), _exported(out / "hf"))  # 2 -> 1 (exports of both)
@@ -405,7 +445,10 @@ def _exported(hf_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def test_console_gets_a_summary_and_the_run_dir_the_full_config(tmp_path, capfd):
-    assert main(["finetune", "tiny_llama_sft", f"trainer.output_dir={tmp_path}", *merged("trainer.max_steps=1")]) == 0
+    assert (
+        main(["finetune", "tiny_llama_sft", f"trainer.output_dir={tmp_path}", *merged("trainer.max_steps=1")])
+        == 0
+    )
     console = capfd.readouterr().err
     assert "full config in" in console and "packed_sequence_size" not in console
     assert "packed_sequence_size: 256" in (tmp_path / "config.yaml").read_text()

@@ -91,7 +91,9 @@ def recipe_run(recipe: str, *overrides: str, expect_error: str | None = None) ->
     return {"recipe": recipe, "overrides": list(overrides), "expect_error": expect_error}
 
 
-def run_recipes(runs: Mapping[str, Mapping[str, Any]], nproc: int, workdir: Path, timeout: float = 600.0) -> dict[str, str]:
+def run_recipes(
+    runs: Mapping[str, Mapping[str, Any]], nproc: int, workdir: Path, timeout: float = 600.0
+) -> dict[str, str]:
     """Run ``runs`` (name -> ``recipe_run(...)``) in order, in ONE torchrun launch of ``nproc`` processes.
 
     Returns:
@@ -100,7 +102,9 @@ def run_recipes(runs: Mapping[str, Mapping[str, Any]], nproc: int, workdir: Path
     """
     spec = Path(workdir) / "recipe_runs.json"
     spec.write_text(json.dumps(runs))
-    result = run_torchrun(["tests/functional/workers/recipe_runs.py", str(spec)], nproc=nproc, timeout=timeout)
+    result = run_torchrun(
+        ["tests/functional/workers/recipe_runs.py", str(spec)], nproc=nproc, timeout=timeout
+    )
     assert result.returncode == 0, result.stdout[-6000:]
     logs: dict[str, str] = {}
     name = None

@@ -69,7 +69,10 @@ def llama3_like_tokenizer():
     words = Tokenizer(models.WordLevel({w: i for i, w in enumerate(LLAMA3_LIKE_VOCAB)}, unk_token="<unk>"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=words, bos_token="<s>", eos_token="</s>", additional_special_tokens=["<|eot|>", "<|hdr|>"]
+        tokenizer_object=words,
+        bos_token="<s>",
+        eos_token="</s>",
+        additional_special_tokens=["<|eot|>", "<|hdr|>"],
     )
     tokenizer.chat_template = (
         "{{ bos_token }}{% for m in messages %}<|hdr|> {{ m['role'] }} {{ m['content'] }} <|eot|>{% endfor %}"

@@ -12,8 +12,15 @@ from automodel.attention.hf import AttentionProbe, attach_thd_attention, thd_cor
 from automodel.models import ModelSpec, build_model, check_model_config, setup_checks
 from automodel.models.families import check_config_fields, check_vocabulary, supported_table, table_verdict
 
-TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8)
+TINY = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+)
 
 
 def layout(real: list[int], padded: list[int]) -> ThdAttentionMetadata:
@@ -25,20 +32,28 @@ def layout(real: list[int], padded: list[int]) -> ThdAttentionMetadata:
 
 def probe_inputs(t: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(t, 4, 8, generator=g), torch.randn(t, 2, 8, generator=g), torch.randn(t, 2, 8, generator=g)
+    return (
+        torch.randn(t, 4, 8, generator=g),
+        torch.randn(t, 2, 8, generator=g),
+        torch.randn(t, 2, 8, generator=g),
+    )
 
 
 def dense_reference(q, k, v, lens, window=None, softcap=None, sinks=None, chunk=None):
     """Each sequence alone, written out: scores, cap, causal+window+chunk mask, sink column, softmax."""
     outs, start, d_v = [], 0, v.shape[-1]
     for n in lens:
-        qs, ks, vs = (x[start:start + n].transpose(0, 1) for x in (q, k, v))
+        qs, ks, vs = (x[start : start + n].transpose(0, 1) for x in (q, k, v))
         ks, vs = ks.repeat_interleave(2, 0), vs.repeat_interleave(2, 0)
         s = qs @ ks.transpose(1, 2) * 8**-0.5
         if softcap is not None:
             s = torch.tanh(s / softcap) * softcap
         i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
-        allowed = (j <= i) & ((j > i - window) if window else True) & ((i // chunk == j // chunk) if chunk else True)
+        allowed = (
+            (j <= i)
+            & ((j > i - window) if window else True)
+            & ((i // chunk == j // chunk) if chunk else True)
+        )
         s = s.masked_fill(~allowed, float("-inf"))
         if sinks is not None:
             s = torch.cat([s, sinks[:, None, None].expand(4, n, 1)], -1)
@@ -48,8 +63,14 @@ def dense_reference(q, k, v, lens, window=None, softcap=None, sinks=None, chunk=
 
 
 @pytest.mark.parametrize(
-    "extras", [{}, {"sliding_window": 3}, {"softcap": 0.7}, {"s_aux": torch.tensor([0.5, -1.0, 2.0, 0.0])},
-               {"sliding_window": 2, "softcap": 1.5, "s_aux": torch.tensor([1.0, 1.0, -2.0, 0.3])}],
+    "extras",
+    [
+        {},
+        {"sliding_window": 3},
+        {"softcap": 0.7},
+        {"s_aux": torch.tensor([0.5, -1.0, 2.0, 0.0])},
+        {"sliding_window": 2, "softcap": 1.5, "s_aux": torch.tensor([1.0, 1.0, -2.0, 0.3])},
+    ],
 )
 def test_registered_function_matches_each_sequence_written_out(extras):
     lens = [5, 1, 7]
@@ -57,7 +78,9 @@ def test_registered_function_matches_each_sequence_written_out(extras):
     probe = AttentionProbe(4, 2, 8)
     attach_thd_attention(probe, "portable")
     got = probe(q, k, v, layout(lens, lens), **extras)
-    want = dense_reference(q, k, v, lens, extras.get("sliding_window"), extras.get("softcap"), extras.get("s_aux"))
+    want = dense_reference(
+        q, k, v, lens, extras.get("sliding_window"), extras.get("softcap"), extras.get("s_aux")
+    )
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
@@ -67,8 +90,12 @@ class ChunkedLayer(AttentionProbe):
     def __init__(self, chunk: int):
         super().__init__(4, 2, 8)
         self.layer_idx = 1
-        self.config = AutoConfig.for_model("llama4_text", layer_types=["full_attention", "chunked_attention"],
-                                           attention_chunk_size=chunk, num_hidden_layers=2)
+        self.config = AutoConfig.for_model(
+            "llama4_text",
+            layer_types=["full_attention", "chunked_attention"],
+            attention_chunk_size=chunk,
+            num_hidden_layers=2,
+        )
 
 
 def test_chunked_layer_and_mla_value_dim_match_each_sequence_written_out():
@@ -121,14 +148,28 @@ def config(model_type: str, **fields):
     "cfg, backend, kwargs, field",
     [
         (config("bloom", n_layer=2, n_head=4), "portable", {}, "model_type 'bloom'"),
-        (config("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}), "portable",
-         {}, "rope_type"),
+        (
+            config("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
+            "portable",
+            {},
+            "rope_type",
+        ),
         (config("llama"), "portable", {"vocab_needed": 65}, "data.tokenizer"),
         (config("gemma2", attn_logit_softcapping=50.0), "te", {}, "softcap"),
-        (config("gpt_oss", num_local_experts=2, num_experts_per_tok=1), "te", {"max_sample_tokens": 8}, "sinks"),
+        (
+            config("gpt_oss", num_local_experts=2, num_experts_per_tok=1),
+            "te",
+            {"max_sample_tokens": 8},
+            "sinks",
+        ),
         (config("mistral", sliding_window=16), "te", {"max_sample_tokens": 17}, "data.max_length"),
         (config("mistral", sliding_window=16), "te", {}, "data.max_length"),
-        (AutoConfig.for_model("gpt2", n_layer=2, attn_pdrop=0.1), "portable", {}, "attn_pdrop=0.1.*set attn_pdrop: 0.0"),
+        (
+            AutoConfig.for_model("gpt2", n_layer=2, attn_pdrop=0.1),
+            "portable",
+            {},
+            "attn_pdrop=0.1.*set attn_pdrop: 0.0",
+        ),
     ],
 )
 def test_setup_refuses_with_the_field_named(cfg, backend, kwargs, field):
@@ -139,7 +180,10 @@ def test_setup_refuses_with_the_field_named(cfg, backend, kwargs, field):
 
 
 def test_setup_accepts_a_window_the_samples_stay_within_and_ignores_an_unused_window():
-    mistral, qwen2 = config("mistral", sliding_window=16), config("qwen2", sliding_window=4, use_sliding_window=False)
+    mistral, qwen2 = (
+        config("mistral", sliding_window=16),
+        config("qwen2", sliding_window=4, use_sliding_window=False),
+    )
     check_model_config(mistral, "te", table_verdict(mistral), max_sample_tokens=16)
     check_model_config(qwen2, "te", table_verdict(qwen2))
 

@@ -346,6 +346,9 @@ def test_te_backend_is_checked_at_setup_where_transformer_engine_imports_or_not(
     import automodel.attention.te as te_module
 
     monkeypatch.setattr(te_module, "te_pytorch", lambda: None)
-    with pytest.raises(ValueError, match=r"^model.attention_backend='te': attention backend 'te' needs Transformer "
-                                         r"Engine, which cannot be imported here"):
+    with pytest.raises(
+        ValueError,
+        match=r"^model.attention_backend='te': attention backend 'te' needs Transformer "
+        r"Engine, which cannot be imported here",
+    ):
         check_backend_device("te")

@@ -50,7 +50,9 @@ MODES = {
     "rmpad": RmpadBatching(micro_batch_size=3, max_seq_len=32),
     "rmpad-static": RmpadBatching(micro_batch_size=3, max_seq_len=32, pad_packed_input=True),
     "dyn_bsz": DynBszBatching(max_tokens_per_micro_batch=64, buffer_size=8),
-    "dyn_bsz-labels": DynBszBatching(max_tokens_per_micro_batch=40, count="label_tokens", max_packed_length=64),
+    "dyn_bsz-labels": DynBszBatching(
+        max_tokens_per_micro_batch=40, count="label_tokens", max_packed_length=64
+    ),
     "balanced": BalancedBatching(packed_sequence_size=64, micro_batch_size=3, packs_per_rank=2),
 }
 
@@ -71,7 +73,9 @@ def test_contract(name, cp_size):
     seen = [sample_ids(b) for rank in epoch0 for b in rank]
     flat = [i for ids in seen for i in ids]
     assert len(flat) == len(set(flat))  # DP ranks disjoint, nothing twice in an epoch
-    plan = ranks[0].plan(0)  # every kept sample is in the plan once; the dealt ones are exactly what ranks got
+    plan = ranks[0].plan(
+        0
+    )  # every kept sample is in the plan once; the dealt ones are exactly what ranks got
     kept_samples = set()
     for batch_index in range(plan.num_packs):
         units = plan.sample_order[plan.pack_offsets[batch_index] : plan.pack_offsets[batch_index + 1]]
@@ -82,7 +86,9 @@ def test_contract(name, cp_size):
         assert sorted(flat) == sorted(plan.sample_order[:dealt].tolist())
     else:
         dealt_packs = plan.sample_order[: plan.pack_offsets[per_rank * 2]]
-        assert len(flat) == sum(int((np.asarray(ranks[0].prepared.units[int(p)]["seq_lens"]) > 0).sum()) for p in dealt_packs)
+        assert len(flat) == sum(
+            int((np.asarray(ranks[0].prepared.units[int(p)]["seq_lens"]) > 0).sum()) for p in dealt_packs
+        )
     # CP ranks of a group (same dp_rank) get the same micro-batches
     twin = mode.build(DATA, envs[0])
     for a, b in zip(epoch0[0][:2], take(twin, 2)):
@@ -94,7 +100,9 @@ def test_contract(name, cp_size):
     # rows go through the THD path; real tokens are the samples' lengths, CP-padded lengths divide by 2W
     for batch in epoch0[0][:2]:
         thd = make_cp_batch_for_te(None, batch, cp_size=cp_size, cp_rank=0)
-        assert int((~process_input_for_thd(batch)["padding_mask"]).sum()) == sum(LENGTHS[i] for i in sample_ids(batch))
+        assert int((~process_input_for_thd(batch)["padding_mask"]).sum()) == sum(
+            LENGTHS[i] for i in sample_ids(batch)
+        )
         assert thd["input_ids"].numel() * cp_size == batch["input_ids"].numel()
 
 
@@ -150,8 +158,10 @@ def test_build_eval_covers_every_sample_once_with_equal_counts(name):
         (PaddedBatching(max_length=16), "packing.max_length=16"),
         (RmpadBatching(max_seq_len=16), "packing.max_seq_len=16"),
         (DynBszBatching(max_tokens_per_micro_batch=16), "packing.max_tokens_per_micro_batch=16"),
-        (DynBszBatching(max_tokens_per_micro_batch=16, count="label_tokens", max_packed_length=16),
-         "packing.max_packed_length=16"),
+        (
+            DynBszBatching(max_tokens_per_micro_batch=16, count="label_tokens", max_packed_length=16),
+            "packing.max_packed_length=16",
+        ),
         (BalancedBatching(packed_sequence_size=16), "packing.packed_sequence_size=16"),
     ],
 )
@@ -161,7 +171,9 @@ def test_over_long_samples_are_reported_with_the_limit_they_exceed(mode, limit, 
 
 
 def test_streaming_contract():
-    mode = StreamingPackedBatching(packed_sequence_size=64, micro_batch_size=1, steps_per_epoch=6, buffer_size=10)
+    mode = StreamingPackedBatching(
+        packed_sequence_size=64, micro_batch_size=1, steps_per_epoch=6, buffer_size=10
+    )
     rows = DATA.to_iterable_dataset(num_shards=2)
     ranks = [mode.build(rows, LoaderEnv(dp_rank=r, dp_size=2, seed=4)) for r in range(2)]
     epoch0 = [[sample_ids(b) for b in take(stream, 6)] for stream in ranks]
@@ -185,7 +197,10 @@ def test_streaming_contract():
         (lambda: PackedBatching(micro_batch_size=0), "micro_batch_size"),
         (lambda: PaddedBatching(shuffle="yes"), "shuffle"),
         (lambda: RmpadBatching(pad_packed_to_length=64), "pad_packed_to_length"),
-        (lambda: RmpadBatching(max_seq_len=8, pad_packed_input=True, pad_packed_to_length=4), "pad_packed_to_length"),
+        (
+            lambda: RmpadBatching(max_seq_len=8, pad_packed_input=True, pad_packed_to_length=4),
+            "pad_packed_to_length",
+        ),
         (lambda: DynBszBatching(count="label_tokens"), "max_packed_length"),
         (lambda: DynBszBatching(count="words"), "count"),
         (lambda: BalancedBatching(cost_coefficients=(0, 0)), "cost_coefficients"),
@@ -239,14 +254,20 @@ def test_veomni_examples():
     )
     rmpad = RmpadBatching(micro_batch_size=2, max_seq_len=4, shuffle=False).build(data, LoaderEnv())
     first, second = take(rmpad, 2)
-    assert first["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6]] and first["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1]]
-    assert second["input_ids"].tolist() == [[7, 8, 9, 10]] and second["position_ids"].tolist() == [[0, 1, 2, 0]]
+    assert first["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6]] and first["position_ids"].tolist() == [
+        [0, 1, 2, 3, 0, 1]
+    ]
+    assert second["input_ids"].tolist() == [[7, 8, 9, 10]] and second["position_ids"].tolist() == [
+        [0, 1, 2, 0]
+    ]
     dyn = next(DynBszBatching(max_tokens_per_micro_batch=10, shuffle=False).build(data, LoaderEnv()))
     assert dyn["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 0, 1, 2, 0]]
 
 
 def test_padded_collater():
-    batch = padded_sequence_thd_collater([{"input_ids": [5, 6, 7], "labels": [5, 6, 7]}, {"input_ids": [8], "labels": [8]}], cp_size=1)
+    batch = padded_sequence_thd_collater(
+        [{"input_ids": [5, 6, 7], "labels": [5, 6, 7]}, {"input_ids": [8], "labels": [8]}], cp_size=1
+    )
     assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
     assert batch["seq_lens"].tolist() == [[3], [1]] and batch["seq_lens_padded"].tolist() == [[3], [3]]
 
@@ -255,7 +276,9 @@ def test_padded_collater():
 
 
 def test_token_budget_example():
-    plan = plan_token_budget(np.arange(4), np.array([4, 2, 3, 1]), np.array([4, 2, 3, 1]), 6, 6, buffer_size=4)
+    plan = plan_token_budget(
+        np.arange(4), np.array([4, 2, 3, 1]), np.array([4, 2, 3, 1]), 6, 6, buffer_size=4
+    )
     assert plan.sample_order.tolist() == [0, 1, 2, 3] and plan.pack_offsets.tolist() == [0, 2, 4]
 
 

@@ -40,7 +40,9 @@ def test_peer_row_trains_the_tiny_shape_on_cpu(tmp_path):
 
 
 def test_every_shape_gets_a_peer_row():
-    args = argparse.Namespace(shapes=["tiny", "llama3.2-1b"], pack_sizes=[256, 512], lora_shape="tiny", lora_pack_size=256)
+    args = argparse.Namespace(
+        shapes=["tiny", "llama3.2-1b"], pack_sizes=[256, 512], lora_shape="tiny", lora_pack_size=256
+    )
     peers = [c for c in gpu.cases_for(args, ["varlen", "portable"]) if c.batching == "peer"]
     assert [(c.shape, c.backend) for c in peers] == [("tiny", "sdpa"), ("llama3.2-1b", "sdpa")]
 

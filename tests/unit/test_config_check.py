@@ -37,7 +37,11 @@ def test_width_config_keeps_one_layer_of_each_kind_and_every_threshold():
     assert scout.no_rope_layers == [1, 1, 1, 0, 1]
     assert scout.layer_types == ["chunked_attention"] * 3 + ["full_attention", "chunked_attention"]
     assert scout.moe_layers == [0, 1, 2, 3, 4]
-    assert (scout.floor_scale, scout.attention_chunk_size, scout.attn_temperature_tuning) == (8192, 8192, True)
+    assert (scout.floor_scale, scout.attention_chunk_size, scout.attn_temperature_tuning) == (
+        8192,
+        8192,
+        True,
+    )
 
     qwen3 = width_config(real_config("qwen3-8b-sliding"))
     # layers 32..35 slide: layers 0, 1 and 32 are kept, in that order
@@ -133,7 +137,11 @@ def test_a_verified_config_is_cached_and_a_damaged_cache_file_is_checked_again(t
     # another sample length is another check; a refusal is not cached (the run stops, and may retry)
     verdict(config, tmp_path, sample_tokens=13)
     assert len(list(tmp_path.glob("qwen3-*.json"))) == 2
-    verdict(AutoConfig.for_model("lfm2", num_hidden_layers=2, layer_types=["conv", "full_attention"]), tmp_path, 12)
+    verdict(
+        AutoConfig.for_model("lfm2", num_hidden_layers=2, layer_types=["conv", "full_attention"]),
+        tmp_path,
+        12,
+    )
     assert not list(tmp_path.glob("lfm2-*.json"))
 
 
@@ -143,22 +151,35 @@ def test_a_type_the_table_lacks_is_checked_at_setup_and_refused_only_without_ver
     monkeypatch.setenv("AUTOMODEL_CACHE", str(tmp_path))
     without_llama = {k: v for k, v in supported_table().items() if k != "llama"}
     monkeypatch.setattr(automodel.models.families, "supported_table", lambda: without_llama)
-    fields = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 64}
+    fields = {
+        "model_type": "llama",
+        "num_hidden_layers": 2,
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 64,
+        "vocab_size": 64,
+    }
     config, entry = setup_checks(
-        ModelSpec(config=fields, attention_backend="portable"), cp_size=1, vocab_needed=None, max_sample_tokens=16
+        ModelSpec(config=fields, attention_backend="portable"),
+        cp_size=1,
+        vocab_needed=None,
+        max_sample_tokens=16,
     )
     assert entry["status"] == "verified" and config.model_type == "llama"
     with pytest.raises(ConfigError, match="not in the supported table.*model.verify=true"):
         setup_checks(
             ModelSpec(config=fields, attention_backend="portable", verify=False),
-            cp_size=1, vocab_needed=None, max_sample_tokens=16,
+            cp_size=1,
+            vocab_needed=None,
+            max_sample_tokens=16,
         )
 
 
 def test_verify_false_uses_the_tables_verdict_with_a_warning(caplog):
-    spec = ModelSpec(config={"model_type": "llama", "num_hidden_layers": 2}, attention_backend="portable",
-                     verify=False)
+    spec = ModelSpec(
+        config={"model_type": "llama", "num_hidden_layers": 2}, attention_backend="portable", verify=False
+    )
     with caplog.at_level(logging.WARNING):
         _, entry = setup_checks(spec, cp_size=1, vocab_needed=None, max_sample_tokens=16)
     assert entry == supported_table()["llama"]

@@ -59,7 +59,11 @@ def test_messages_with_an_extra_key(tiny, tmp_path):
 
 
 def test_sharegpt(tiny, tmp_path):
-    turns = [{"from": "system", "value": "hi"}, {"from": "human", "value": "hi"}, {"from": "gpt", "value": "red"}]
+    turns = [
+        {"from": "system", "value": "hi"},
+        {"from": "human", "value": "hi"},
+        {"from": "gpt", "value": "red"},
+    ]
     source = write(tmp_path / "share.json", [{"conversations": turns}])
     ids = [BOS, SYSTEM, *HI, EOS, USER, *HI, EOS, ASSISTANT, *RED, EOS]
     mask = [0] * 10 + [1, 1, 1, 1]
@@ -80,7 +84,9 @@ def test_alpaca_from_csv(tiny, tmp_path):
 
 def test_prompt_completion_with_mapped_columns_from_parquet(tiny, tmp_path):
     datasets.Dataset.from_list([{"q": "hi", "a": " 5"}]).to_parquet(str(tmp_path / "qa.parquet"))
-    out = tokenize(tiny, tmp_path / "qa.parquet", "prompt_completion", columns={"prompt": "q", "completion": "a"})
+    out = tokenize(
+        tiny, tmp_path / "qa.parquet", "prompt_completion", columns={"prompt": "q", "completion": "a"}
+    )
     assert out == [shifted([BOS, *HI, *FIVE, EOS], [0, 0, 0, 1, 1])]
 
 
@@ -171,7 +177,9 @@ def test_one_bad_row_among_120_costs_that_row_only(tiny, tmp_path, caplog, bad_f
     assert "skipped 1 of 120 rows" in caplog.text and "data.jsonl line 42: field 'messages'" in caplog.text
     assert reason in caplog.text
     expected = tokenize_sft_dataset(rows.select([i for i in range(120) if i != 41]), tiny, format="messages")
-    assert out.to_list() == expected.to_list()  # the 119 valid rows are tokenized exactly as without the bad one
+    assert (
+        out.to_list() == expected.to_list()
+    )  # the 119 valid rows are tokenized exactly as without the bad one
     with pytest.raises(ValueError, match=rf"data\.jsonl line 42: field 'messages'.*{re.escape(reason)}"):
         tokenize_sft_dataset(rows, tiny, format="messages", origin=origin)
 
@@ -179,7 +187,10 @@ def test_one_bad_row_among_120_costs_that_row_only(tiny, tmp_path, caplog, bad_f
 def test_a_float_among_token_ids_costs_its_row_only(tiny, tmp_path):
     rows, origin = load_sft_source(write(tmp_path / "ids.jsonl", [{"input_ids": [1, 2, 3]}, {"input_ids": [1, 2.5, 3]},
                                                                    {"input_ids": [4, 5, 6]}]))  # fmt: skip
-    assert rows.features["input_ids"].feature.dtype in ("int32", "int64")  # not float: the float row did not decide
+    assert rows.features["input_ids"].feature.dtype in (
+        "int32",
+        "int64",
+    )  # not float: the float row did not decide
     with pytest.raises(ValueError, match=r"ids\.jsonl line 2: field 'input_ids'.*list of ints"):
         tokenize_sft_dataset(rows, tiny, format="tokens", origin=origin)
     out = tokenize_sft_dataset(rows, tiny, format="tokens", origin=origin, on_bad_row="skip")
@@ -203,7 +214,9 @@ def test_mix_and_validation(tiny, tmp_path):
     train, validation = mix.build(tiny)
     assert (len(train), len(validation)) == (2 * 8 + 8, 2 + 4)  # 20% of each source held out, then weighted
     texts_of = lambda rows: {tuple(r["input_ids"]) for r in rows.to_list() if r["loss_mask"][0] == 1}  # noqa: E731
-    assert len(texts_of(validation)) == 4 and not texts_of(validation) & texts_of(train)  # the texts are distinct
+    assert len(texts_of(validation)) == 4 and not texts_of(validation) & texts_of(
+        train
+    )  # the texts are distinct
     assert mix.build(tiny)[1].to_list() == validation.to_list()  # fixed by the seed
 
     split = SFTData(source=texts, format="text", validation={"split": "train[:5]"})
@@ -217,7 +230,10 @@ def test_mix_and_validation(tiny, tmp_path):
         ({"source": "tiny_sft", "sources": [{"source": "tiny_sft"}]}, "data.source .* or data.sources"),
         ({"source": "tiny_sft", "format": "chat"}, "format='chat'"),
         ({"source": None, "sources": [{"source": "tiny_sft", "weight": 0}]}, "weight=0"),
-        ({"source": None, "sources": [{"source": "tiny_sft", "wieght": 1}]}, r"unknown key\(s\) \['wieght'\]"),
+        (
+            {"source": None, "sources": [{"source": "tiny_sft", "wieght": 1}]},
+            r"unknown key\(s\) \['wieght'\]",
+        ),
         ({"source": "tiny_sft", "val_fraction": 1.5}, "val_fraction"),
         ({"source": "tiny_sft", "on_bad_row": "ignore"}, "on_bad_row"),
         ({"source": "no/such/file.jsonl"}, "does not exist"),

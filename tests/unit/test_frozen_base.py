@@ -46,7 +46,9 @@ def adapter_gradients(model: nn.Module, steps: int = 3) -> list[dict[str, torch.
     grads = []
     for _ in range(steps):
         model(ids).backward()
-        grads.append({n: p.grad.full_tensor().clone() for n, p in model.named_parameters() if p.requires_grad})
+        grads.append(
+            {n: p.grad.full_tensor().clone() for n, p in model.named_parameters() if p.requires_grad}
+        )
         optimizer.step()
         optimizer.zero_grad()
     return grads
@@ -65,7 +67,9 @@ def test_bf16_base_matches_float32_master_adapter_gradients(one_process_group):
 
     frozen = [(n, p) for n, p in stored.named_parameters() if not p.requires_grad]
     assert {p.dtype for _, p in frozen} == {torch.bfloat16}
-    assert {p.dtype for p in stored.parameters() if p.requires_grad} == {torch.float32}  # adapters: fp32 masters
+    assert {p.dtype for p in stored.parameters() if p.requires_grad} == {
+        torch.float32
+    }  # adapters: fp32 masters
     numel = sum(p.numel() for _, p in frozen)
     assert sum(stored_bytes(p) for _, p in frozen) == 2 * numel
     assert sum(stored_bytes(p) for p in master.parameters() if not p.requires_grad) == 4 * numel
@@ -119,6 +123,10 @@ def test_bf16_nf4_dequantizes_in_float32():
     values = dequantized({"w": nf4})["w"]
     in_bf16 = nf4.get_original_weight()
     assert values.dtype == torch.float32 and in_bf16.dtype == torch.bfloat16
-    torch.testing.assert_close(values, in_bf16.float(), rtol=8e-3, atol=0)  # the same values, up to bf16 rounding
+    torch.testing.assert_close(
+        values, in_bf16.float(), rtol=8e-3, atol=0
+    )  # the same values, up to bf16 rounding
     assert not torch.equal(values, in_bf16.float())  # but not rounded to bf16
-    assert (values - weight).abs().max() <= 1.05 * (exact - weight).abs().max()  # as close as a float32 base's
+    assert (values - weight).abs().max() <= 1.05 * (
+        exact - weight
+    ).abs().max()  # as close as a float32 base's

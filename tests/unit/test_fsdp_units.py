@@ -63,7 +63,10 @@ def test_lora_model_units_are_found_through_peft():
     m = model(lora=True)
     base = "hf.base_model.model"
     layers = [(f"{base}.model.layers.{i}", True) for i in range(2)]
-    assert names(m, fsdp_units(m)) == layers + [(f"{base}.model.embed_tokens", True), (f"{base}.lm_head", False)]
+    assert names(m, fsdp_units(m)) == layers + [
+        (f"{base}.model.embed_tokens", True),
+        (f"{base}.lm_head", False),
+    ]
     # one rank ignores frozen parameters: a frozen embedding and head leave FSDP2 nothing to manage
     frozen = {p for p in m.parameters() if not p.requires_grad}
     assert names(m, fsdp_units(m, frozen)) == layers

@@ -94,7 +94,13 @@ def test_layout_copied_to_a_device_once_and_shared_by_copies():
 
 
 def test_flops_by_hand():
-    config = {"hidden_size": 4, "vocab_size": 10, "num_hidden_layers": 2, "num_attention_heads": 2, "head_dim": 2}
+    config = {
+        "hidden_size": 4,
+        "vocab_size": 10,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "head_dim": 2,
+    }
     # per layer 6 * 2 heads * 2 dims = 24; 2 layers: 48; samples 2 and 3: sum len^2 / sum len = 13 / 5
     attention = attention_flops_per_token(config, np.array([2, 3]))
     assert attention == pytest.approx(48 * 13 / 5)
@@ -124,12 +130,16 @@ def test_bench_gpu_runs_tiny_on_cpu(tmp_path, capsys):
     for name, case in cases.items():
         assert "error" not in case and len(case["records"]) == 2  # the profiled step is not a measured one
         slots = 8 * 128 if name.endswith("peer") else 256  # the peer: 8 rows of at most max_length
-        assert all(0 < r["real_tokens"] <= slots and r["label_tokens"] < r["real_tokens"] for r in case["records"])
+        assert all(
+            0 < r["real_tokens"] <= slots and r["label_tokens"] < r["real_tokens"] for r in case["records"]
+        )
         assert case["mfu"] is None and case["host_syncs"] is None  # neither is measured without CUDA
         if name.endswith("peer"):  # plain transformers' loop: not profiled
             continue
         profile = case["profile"]
-        assert 0 < profile["device_idle_share"] < 1 and profile["top_kernels"] == [] and profile["top_cpu_ops"]
+        assert (
+            0 < profile["device_idle_share"] < 1 and profile["top_kernels"] == [] and profile["top_cpu_ops"]
+        )
         assert profile["trace"] == str(traces / f"{case['name'].replace(' ', '_')}.trace.json")
         assert json.loads(Path(profile["trace"]).read_text())["traceEvents"]
     # the LoRA row: its adapters train, its TFLOP/s are 4 x parameters x real tokens / step time
@@ -139,7 +149,9 @@ def test_bench_gpu_runs_tiny_on_cpu(tmp_path, capsys):
     assert lora["tflops"] == pytest.approx(statistics.median(by_hand))
     # activation checkpointing recomputes, it does not change the numbers
     plain, checkpointed = cases["tiny 256 portable packed"], cases["tiny 256 portable packed +ac"]
-    assert [r["loss"] for r in plain["records"]] == pytest.approx([r["loss"] for r in checkpointed["records"]], abs=1e-6)
+    assert [r["loss"] for r in plain["records"]] == pytest.approx(
+        [r["loss"] for r in checkpointed["records"]], abs=1e-6
+    )
     assert [row["case"] for row in report["loss"]] == ["chunked", "naive"]
     table = capsys.readouterr().out
     assert "tiny 256 portable: packed" in table and "x padded real tokens/s" in table

@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from automodel.loss import chunked_cross_entropy_sum, chunked_token_log_probs
 
 
-@pytest.mark.parametrize("softcap, scale, with_bias, chunk", [(None, 1.0, False, 3), (2.0, 0.5, True, 4), (None, 1.0, True, 100)])
+@pytest.mark.parametrize(
+    "softcap, scale, with_bias, chunk", [(None, 1.0, False, 3), (2.0, 0.5, True, 4), (None, 1.0, True, 100)]
+)
 def test_token_log_probs_equal_log_softmax_of_full_logits(softcap, scale, with_bias, chunk):
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(9, 8, generator=g, requires_grad=True)
@@ -36,4 +38,3 @@ def test_token_log_probs_equal_log_softmax_of_full_logits(softcap, scale, with_b
     # the SFT loss is the negative sum of the same numbers
     total = chunked_cross_entropy_sum(hidden, weight, labels, **kwargs)
     torch.testing.assert_close(total, -actual.sum(), rtol=1e-6, atol=1e-6)
-

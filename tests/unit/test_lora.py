@@ -63,7 +63,10 @@ def test_only_adapters_train_and_exports_reload(tmp_path):
 
     model.eval()
     export_adapter(model, model.state_dict(), tmp_path / "adapter")
-    assert {p.name for p in (tmp_path / "adapter").iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+    assert {p.name for p in (tmp_path / "adapter").iterdir()} >= {
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    }
     reloaded = peft.PeftModel.from_pretrained(tiny_llama(), tmp_path / "adapter").eval()
     torch.testing.assert_close(logits(reloaded), logits(model), rtol=0, atol=1e-5)
 

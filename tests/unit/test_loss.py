@@ -219,7 +219,10 @@ def test_final_logit_transform_is_read_from_the_config_and_applied_by_hand_worke
     assert logit_transform(AutoConfig.for_model("cohere", logit_scale=0.25))["logit_scale"] == 0.25
     assert logit_transform(AutoConfig.for_model("granite", logits_scaling=4.0))["logit_scale"] == 0.25
     assert logit_transform(AutoConfig.for_model("llama")) == {"logit_scale": 1.0, "final_logit_softcap": None}
-    assert logit_transform(AutoConfig.for_model("gemma2", final_logit_softcapping=30.0))["final_logit_softcap"] == 30.0
+    assert (
+        logit_transform(AutoConfig.for_model("gemma2", final_logit_softcapping=30.0))["final_logit_softcap"]
+        == 30.0
+    )
     # softcap(0.5 * [2, -4]) with c = 3: 3 * tanh([1, -2] / 3)
     got = transform_logits(torch.tensor([2.0, -4.0]), logit_scale=0.5, final_logit_softcap=3.0)
     torch.testing.assert_close(got, torch.tensor([3 * math.tanh(1 / 3), 3 * math.tanh(-2 / 3)]))

@@ -215,7 +215,9 @@ def test_mrope_position_ids_keep_their_rotary_axis():
     ]
     with pytest.raises(ValueError, match=r"or \[R, B, S\] for mRoPE, got \(3, 2, 4\)"):
         process_input_for_thd(
-            packed_batch([[3], [3]], [[3], [3]], pack_size=3, position_ids=torch.zeros(3, 2, 4, dtype=torch.long))
+            packed_batch(
+                [[3], [3]], [[3], [3]], pack_size=3, position_ids=torch.zeros(3, 2, 4, dtype=torch.long)
+            )
         )
 
 

@@ -48,7 +48,13 @@ def nemo_next_fit_reference(samples, size, cp_size=1, padding_idx=0):
         ids += [padding_idx] * tail
         labels += [-100] * tail
         padded[-1] += tail
-        return {"input_ids": ids, "labels": labels, "position_ids": pos, "seq_lens": lens, "seq_lens_padded": padded}
+        return {
+            "input_ids": ids,
+            "labels": labels,
+            "position_ids": pos,
+            "seq_lens": lens,
+            "seq_lens_padded": padded,
+        }
 
     used = 0
     for s in samples:
@@ -152,7 +158,9 @@ def test_long_samples_are_dropped_counted_and_reported_once(caplog):
     assert packed["seq_lens"] == [[3, 2]]
     drops = [r for r in caplog.records if "dropped" in r.getMessage()]
     assert len(drops) == 1
-    assert "dropped 2 of 4 samples (50.000%) longer than packed_sequence_size=10 tokens" in drops[0].getMessage()
+    assert (
+        "dropped 2 of 4 samples (50.000%) longer than packed_sequence_size=10 tokens" in drops[0].getMessage()
+    )
 
 
 def test_report_is_logged(caplog):
@@ -214,10 +222,13 @@ def test_packing_invariants(case, algorithm, seed):
     multiple = 2 * cp_size if cp_size > 1 else 1
     if all(length > size for length in lengths):
         with pytest.raises(ValueError, match="no sample fits"):
-            pack_dataset(make_dataset(lengths, loss_mask=True), "train", size, cp_size=cp_size, algorithm=algorithm)
+            pack_dataset(
+                make_dataset(lengths, loss_mask=True), "train", size, cp_size=cp_size, algorithm=algorithm
+            )
         return
-    packed = pack_dataset(make_dataset(lengths, loss_mask=True), "train", size, cp_size=cp_size,
-                          algorithm=algorithm, seed=seed)
+    packed = pack_dataset(
+        make_dataset(lengths, loss_mask=True), "train", size, cp_size=cp_size, algorithm=algorithm, seed=seed
+    )
     seen = []
     for pack in packed:
         assert len(pack["input_ids"]) == len(pack["labels"]) == len(pack["position_ids"]) == size
@@ -303,7 +314,9 @@ def test_bad_arguments(kwargs, field):
 
 
 def test_too_long_error_names_cp_padded_length():
-    with pytest.raises(ValueError, match=r"sample 2 has 8 tokens after padding to a multiple of 2\*cp_size=4"):
+    with pytest.raises(
+        ValueError, match=r"sample 2 has 8 tokens after padding to a multiple of 2\*cp_size=4"
+    ):
         pack_dataset(make_dataset([3, 4, 5]), "train", 4, cp_size=2, drop_long_samples=False)
 
 

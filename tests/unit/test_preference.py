@@ -20,7 +20,12 @@ from automodel.training.finetune import recipe_class
 def test_messages_and_prompt_completion_pairs(tmp_path):
     path = tmp_path / "pairs.jsonl"
     user = {"role": "user", "content": "What is 1 plus 2?"}
-    rows = [{"good": [user, {"role": "assistant", "content": "3"}], "bad": [user, {"role": "assistant", "content": "4"}]}]
+    rows = [
+        {
+            "good": [user, {"role": "assistant", "content": "3"}],
+            "bad": [user, {"role": "assistant", "content": "4"}],
+        }
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows * 3))
     data = PreferenceData(source=str(path), format="messages", columns={"chosen": "good", "rejected": "bad"})
     tokenizer = data.load_tokenizer()
@@ -34,7 +39,9 @@ def test_messages_and_prompt_completion_pairs(tmp_path):
     shipped, _ = PreferenceData(source="tiny_preference", split="train[:8]").build(tokenizer)
     assert len(shipped) == 8 and shipped[0]["chosen_input_ids"] != shipped[0]["rejected_input_ids"]
     # one micro-batch: chosen_0, rejected_0, chosen_1, rejected_1 in one row, CP-padded
-    batch = next(PreferenceBatching(pairs_per_micro_batch=2, shuffle=False).build(shipped, LoaderEnv(cp_size=2)))
+    batch = next(
+        PreferenceBatching(pairs_per_micro_batch=2, shuffle=False).build(shipped, LoaderEnv(cp_size=2))
+    )
     lengths = [len(shipped[i][f"{side}_input_ids"]) for i in (0, 1) for side in ("chosen", "rejected")]
     assert batch["seq_lens"].tolist() == [lengths]
     assert all(n % 4 == 0 for n in batch["seq_lens_padded"][0].tolist())
@@ -51,7 +58,10 @@ def test_dpo_terms_by_hand():
     "overrides, message",
     [
         (["dpo.beta=-1"], "dpo.beta must be a positive number"),
-        (["data=tiny_sft", "~data.seed"], "data: a DPO recipe needs automodel.data.preference.PreferenceData"),
+        (
+            ["data=tiny_sft", "~data.seed"],
+            "data: a DPO recipe needs automodel.data.preference.PreferenceData",
+        ),
         (["data.format=sharegpt"], "a preference format must be one of"),
         (["data.columns={completion: x}"], "data.columns has ['completion']"),
     ],

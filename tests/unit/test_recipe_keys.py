@@ -29,7 +29,9 @@ def test_source_parameters_of_plain_classes_and_kwargs(tmp_path, monkeypatch):
 
     package = tmp_path / "automodel"
     package.mkdir()
-    (package / "fake_base.py").write_text("from dataclasses import dataclass\n@dataclass\nclass Far:\n    z: int = 0\n")
+    (package / "fake_base.py").write_text(
+        "from dataclasses import dataclass\n@dataclass\nclass Far:\n    z: int = 0\n"
+    )
     (package / "fake.py").write_text(
         "from dataclasses import dataclass, field\nfrom typing import ClassVar\nfrom automodel.fake_base import Far\n"
         "@dataclass\nclass Base:\n    a: int = 1\n    _hidden: ClassVar[int] = 0\n"
@@ -44,7 +46,10 @@ def test_source_parameters_of_plain_classes_and_kwargs(tmp_path, monkeypatch):
     assert source_parameters("automodel.fake", "Child") == ["a", "b", "c"]
     assert source_parameters("automodel.fake", "Plain") == ["x", "y"]
     assert source_parameters("automodel.fake", "Open") is None
-    assert source_parameters("automodel.fake", "FromAfar") == ["z", "w"]  # a base imported from another module
+    assert source_parameters("automodel.fake", "FromAfar") == [
+        "z",
+        "w",
+    ]  # a base imported from another module
     for name in ("Imported", "Missing"):  # the source does not say: the caller imports the module
         with pytest.raises(LookupError):
             source_parameters("automodel.fake", name)

@@ -34,7 +34,12 @@ def rollouts(draw):
 
 
 @settings(max_examples=60, deadline=None)
-@given(rollouts(), st.integers(1, 4), st.one_of(st.none(), st.integers(40, 120)), st.one_of(st.none(), st.integers(1, 4)))
+@given(
+    rollouts(),
+    st.integers(1, 4),
+    st.one_of(st.none(), st.integers(40, 120)),
+    st.one_of(st.none(), st.integers(1, 4)),
+)
 def test_unpack_of_padded_pack_returns_every_field(x, cp_size, cap, num_packs):
     if num_packs is not None:
         num_packs = min(num_packs, len(x["tokens"]))
@@ -44,7 +49,9 @@ def test_unpack_of_padded_pack_returns_every_field(x, cp_size, cap, num_packs):
         assert cap is None or len(pack["tokens"]) <= cap  # the cap holds
         padded = pad_packed_sequence_with_cp(pack, cp_size)
         assert int(padded["cu_seqlens"][-1]) == len(padded["tokens"])
-        assert all(int(d) % (2 * cp_size if cp_size > 1 else 1) == 0 for d in torch.diff(padded["cu_seqlens"]))
+        assert all(
+            int(d) % (2 * cp_size if cp_size > 1 else 1) == 0 for d in torch.diff(padded["cu_seqlens"])
+        )
         for i, sample in zip(pack["sample_indices"], unpack_sequences(padded)):
             seen.append(i)
             assert sample["tokens"].tolist() == x["tokens"][i]
@@ -52,7 +59,9 @@ def test_unpack_of_padded_pack_returns_every_field(x, cp_size, cap, num_packs):
             assert sample["loss_masks"].tolist() == x["loss_masks"][i]
             assert sample["advantages"].tolist() == x["advantages"][i]
             assert sample["returns"].tolist() == x["returns"][i]
-            assert sample["rollout_log_probs"].tolist() == (x["rollout_log_probs"] or [[]] * len(x["tokens"]))[i]
+            assert (
+                sample["rollout_log_probs"].tolist() == (x["rollout_log_probs"] or [[]] * len(x["tokens"]))[i]
+            )
             assert float(sample["rewards"]) == x["rewards"][i]
             assert sample["raw_reward"] == x["raw_rewards"][i]
             assert sample["response_lengths"] == x["response_lengths"][i]
@@ -65,7 +74,9 @@ def test_unpack_of_padded_pack_returns_every_field(x, cp_size, cap, num_packs):
 
 
 def test_example_layout_and_cp_padding():
-    packs = pack_sequences([[5, 6, 7], [8, 9]], [[1], [1]], [1.0, 0.0], ["a", "b"], [1, 1], [[0.5], [-0.5]], [[1.0], [0.0]])
+    packs = pack_sequences(
+        [[5, 6, 7], [8, 9]], [[1], [1]], [1.0, 0.0], ["a", "b"], [1, 1], [[0.5], [-0.5]], [[1.0], [0.0]]
+    )
     (pack,) = packs
     assert pack["tokens"].tolist() == [5, 6, 7, 8, 9]
     assert pack["labels"].tolist() == [-100, 7, -100, 9, -100]
@@ -91,7 +102,10 @@ def test_cap_is_kept_where_ceil_of_total_over_cap_is_too_few():
     "change, message",
     [
         (dict(response_lengths=[3, 1]), r"response_lengths\[0\]=3 must be an int in \[0, 3\)"),
-        (dict(advantages=[[0.5, 1.0], [0.0]]), r"advantages\[0\] has 2 entries; sample 0 has 1 response tokens"),
+        (
+            dict(advantages=[[0.5, 1.0], [0.0]]),
+            r"advantages\[0\] has 2 entries; sample 0 has 1 response tokens",
+        ),
         (dict(rewards=[1.0]), "rewards has 1 entries for 2 samples"),
     ],
 )

@@ -296,7 +296,11 @@ def prompt_completion(**columns) -> datasets.Dataset:
             r"field 'completion', but column 'answer' is not in the dataset.*prompt",
         ),
         (prompt_completion(completion=["ok", ""]), {}, r"row 2: field 'completion' .*is empty"),
-        (prompt_completion(prompt=["x", None]), {}, r"row 2: field 'prompt' .*has no value in this row \(a missing key, null, or an empty CSV cell\)"),
+        (
+            prompt_completion(prompt=["x", None]),
+            {},
+            r"row 2: field 'prompt' .*has no value in this row \(a missing key, null, or an empty CSV cell\)",
+        ),
         (prompt_completion(completion=[1, 2]), {}, r"row 1: field 'completion' .*must be text, got int 1"),
         (
             prompt_completion(),
@@ -305,7 +309,11 @@ def prompt_completion(**columns) -> datasets.Dataset:
         ),
         (prompt_completion(), {"max_length": 0}, r"max_length must be None or a positive int"),
         (prompt_completion(), {"num_proc": 0}, r"num_proc must be None or a positive int"),
-        (prompt_completion(), {"format": "messages"}, r"needs field 'messages', but column 'messages' is not in the dataset"),
+        (
+            prompt_completion(),
+            {"format": "messages"},
+            r"needs field 'messages', but column 'messages' is not in the dataset",
+        ),
         (datasets.Dataset.from_dict({"prompt": [], "completion": []}), {}, r"dataset is empty"),
     ],
 )

@@ -51,7 +51,8 @@ def test_file_formats_give_the_same_rows(tmp_path):
 def test_csv(tmp_path):
     (tmp_path / "rows.csv").write_text('prompt,completion\na," b"\n"c, and e"," d"\n')
     assert load(tmp_path / "rows.csv", cache_dir=tmp_path / "cache").to_list() == [
-        {"prompt": "a", "completion": " b"}, {"prompt": "c, and e", "completion": " d"}
+        {"prompt": "a", "completion": " b"},
+        {"prompt": "c, and e", "completion": " d"},
     ]
 
 
@@ -69,7 +70,12 @@ def test_row_origin_names_file_and_row(tmp_path):
     write_jsonl(tmp_path / "data" / "b.jsonl", ROWS)
     rows, origin = load_sft_source(tmp_path / "data", cache_dir=tmp_path / "cache")
     assert len(rows) == 5
-    assert [origin(i).rsplit("/", 1)[1] for i in (0, 1, 2, 4)] == ["a.jsonl line 1", "a.jsonl line 2", "b.jsonl line 1", "b.jsonl line 3"]
+    assert [origin(i).rsplit("/", 1)[1] for i in (0, 1, 2, 4)] == [
+        "a.jsonl line 1",
+        "a.jsonl line 2",
+        "b.jsonl line 1",
+        "b.jsonl line 3",
+    ]
     _, origin = load_sft_source(tmp_path / "data", split="train[3:]", cache_dir=tmp_path / "cache")
     assert origin(0).endswith("b.jsonl line 2")  # the slice offset is kept
 
@@ -77,7 +83,9 @@ def test_row_origin_names_file_and_row(tmp_path):
 def test_hub_id_not_in_cache_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-    with pytest.raises(ValueError, match=r"Hub dataset 'no-org/no-such-set' .* neither in the datasets cache"):
+    with pytest.raises(
+        ValueError, match=r"Hub dataset 'no-org/no-such-set' .* neither in the datasets cache"
+    ):
         load("no-org/no-such-set", cache_dir=tmp_path)
 
 
@@ -90,10 +98,7 @@ def test_directory_and_glob(tmp_path):
     # Files load in sorted path order: data/more/part-1 before data/part-0.
     assert load(tmp_path / "data", cache_dir=cache).to_list() == ROWS[2:] + ROWS[:2]
     assert load(str(tmp_path / "data" / "part-*.jsonl"), cache_dir=cache).to_list() == ROWS[:2]
-    assert (
-        load(str(tmp_path / "data" / "**" / "*.jsonl"), cache_dir=cache).to_list()
-        == ROWS[2:] + ROWS[:2]
-    )
+    assert load(str(tmp_path / "data" / "**" / "*.jsonl"), cache_dir=cache).to_list() == ROWS[2:] + ROWS[:2]
 
 
 def test_saved_datasets(tmp_path):
@@ -116,7 +121,9 @@ def test_bad_sources(tmp_path):
     with pytest.raises(ValueError, match=r"no file matches the pattern"):
         load(str(tmp_path / "*.jsonl"))
     (tmp_path / "rows.tsv").write_text("prompt\tcompletion\na\tb\n")
-    with pytest.raises(ValueError, match=r"unsupported file type '.tsv'.*\.json, \.jsonl, \.csv, \.parquet, \.txt"):
+    with pytest.raises(
+        ValueError, match=r"unsupported file type '.tsv'.*\.json, \.jsonl, \.csv, \.parquet, \.txt"
+    ):
         load(tmp_path / "rows.tsv")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="holds no data files"):

@@ -43,10 +43,20 @@ def te_kernel_reference(cu_seqlens_padded, total_tokens, world_size, rank):
 
 def test_collater_stacks_and_pads_seq_lens():
     packs = [
-        {"input_ids": [1, 2, 3, 9, 4, 5], "labels": [2, 3, -100, -100, 5, -100], "position_ids": [0, 1, 2, 3, 0, 1],
-         "seq_lens": [3, 2], "seq_lens_padded": [4, 2]},
-        {"input_ids": np.arange(6), "labels": torch.arange(6), "position_ids": list(range(6)),
-         "seq_lens": [6], "seq_lens_padded": [6]},
+        {
+            "input_ids": [1, 2, 3, 9, 4, 5],
+            "labels": [2, 3, -100, -100, 5, -100],
+            "position_ids": [0, 1, 2, 3, 0, 1],
+            "seq_lens": [3, 2],
+            "seq_lens_padded": [4, 2],
+        },
+        {
+            "input_ids": np.arange(6),
+            "labels": torch.arange(6),
+            "position_ids": list(range(6)),
+            "seq_lens": [6],
+            "seq_lens_padded": [6],
+        },
     ]
     batch = packed_sequence_thd_collater(packs)
     assert batch["qkv_format"] == "thd"
@@ -58,7 +68,13 @@ def test_collater_stacks_and_pads_seq_lens():
 
 def test_collater_empty_and_bad_batches():
     assert packed_sequence_thd_collater([]) == {}
-    pack = {"input_ids": [1, 2], "labels": [1, 2], "position_ids": [0, 1], "seq_lens": [2], "seq_lens_padded": [2]}
+    pack = {
+        "input_ids": [1, 2],
+        "labels": [1, 2],
+        "position_ids": [0, 1],
+        "seq_lens": [2],
+        "seq_lens_padded": [2],
+    }
     with pytest.raises(ValueError, match="input_ids"):
         packed_sequence_thd_collater([pack, dict(pack, input_ids=[1, 2, 3])])
     with pytest.raises(ValueError, match="seq_lens_padded"):
@@ -96,8 +112,10 @@ def test_process_input_for_thd_worked_example():
 def test_padding_mask_comes_from_layout_not_token_ids():
     # pad id 0 also appears as a real token (e.g. pad == eos): only the layout marks padding
     batch = {
-        "input_ids": torch.tensor([[0, 5, 0, 0]]), "labels": torch.tensor([[5, 0, -100, -100]]),
-        "position_ids": torch.tensor([[0, 1, 2, 3]]), "seq_lens": torch.tensor([[2]]),
+        "input_ids": torch.tensor([[0, 5, 0, 0]]),
+        "labels": torch.tensor([[5, 0, -100, -100]]),
+        "position_ids": torch.tensor([[0, 1, 2, 3]]),
+        "seq_lens": torch.tensor([[2]]),
         "seq_lens_padded": torch.tensor([[4]]),
     }
     out = process_input_for_thd(batch, padding_token_id=0)
@@ -115,11 +133,25 @@ def test_embeddings_input_keeps_hidden_dim():
 @pytest.mark.parametrize(
     "change, match",
     [
-        ({"seq_lens": torch.tensor([[3, -1000], [6, -1000]])}, "must use the sentinel -1000 in the same places"),
-        ({"seq_lens": torch.tensor([[-1000, 3], [6, -1000]]), "seq_lens_padded": torch.tensor([[-1000, 6], [6, -1000]])},
-         "sentinel -1000 may only right-pad seq_lens"),
-        ({"seq_lens": torch.tensor([[5, 2], [6, -1000]])}, r"sequence 0: need 0 <= seq_lens <= seq_lens_padded, got 5 and 4"),
-        ({"seq_lens_padded": torch.tensor([[4, 3], [6, -1000]])}, r"pack 0: seq_lens_padded \[4, 3\] sums to 7, more than the S=6 tokens"),
+        (
+            {"seq_lens": torch.tensor([[3, -1000], [6, -1000]])},
+            "must use the sentinel -1000 in the same places",
+        ),
+        (
+            {
+                "seq_lens": torch.tensor([[-1000, 3], [6, -1000]]),
+                "seq_lens_padded": torch.tensor([[-1000, 6], [6, -1000]]),
+            },
+            "sentinel -1000 may only right-pad seq_lens",
+        ),
+        (
+            {"seq_lens": torch.tensor([[5, 2], [6, -1000]])},
+            r"sequence 0: need 0 <= seq_lens <= seq_lens_padded, got 5 and 4",
+        ),
+        (
+            {"seq_lens_padded": torch.tensor([[4, 3], [6, -1000]])},
+            r"pack 0: seq_lens_padded \[4, 3\] sums to 7, more than the S=6 tokens",
+        ),
         ({"labels": torch.zeros(2, 5, dtype=torch.long)}, r"labels must have shape \[B, S\]=\(2, 6\)"),
         ({"seq_lens": torch.tensor([3, 2])}, r"seq_lens and seq_lens_padded must both be \[B, D\]"),
     ],
@@ -190,7 +222,10 @@ def test_partition_properties(layout):
         ((cu([[0, 8]]), 8, 2, 0), "must be 1-D with at least 2 entries"),
         ((cu([0]), 0, 2, 0), "must be 1-D with at least 2 entries"),
         ((cu([0, 8, 4]), 4, 2, 0), r"non-decreasing: entry 2 \(4\) < entry 1 \(8\)"),
-        ((cu([0, 8, 14]), 14, 2, 0), r"sequence 1 has padded length 6, which is not a multiple of 2\*cp_size=4"),
+        (
+            (cu([0, 8, 14]), 14, 2, 0),
+            r"sequence 1 has padded length 6, which is not a multiple of 2\*cp_size=4",
+        ),
         ((cu([0, 8]), 16, 2, 0), r"total_tokens=16 must equal cu_seqlens_padded\[-1\]=8"),
         ((cu([4, 8]), 8, 2, 0), "must start at 0, got 4"),
         ((cu([0, 8]), 8, 2, 2), r"rank must be an int in \[0, 2\), got 2"),
@@ -208,12 +243,17 @@ def test_partition_bad_inputs(args, match):
 
 def cp_example_batch():
     """One pack of 16 (cp 2): samples [1 2 3] and [4 .. 8], each padded to a multiple of 4."""
-    return packed_sequence_thd_collater([{
-        "input_ids": [1, 2, 3, 0, 4, 5, 6, 7, 8, 0, 0, 0, 0, 0, 0, 0],
-        "labels": [1, 2, 3, -100, 4, 5, 6, 7, 8] + [-100] * 7,
-        "position_ids": [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],
-        "seq_lens": [3, 5], "seq_lens_padded": [4, 12],
-    }])
+    return packed_sequence_thd_collater(
+        [
+            {
+                "input_ids": [1, 2, 3, 0, 4, 5, 6, 7, 8, 0, 0, 0, 0, 0, 0, 0],
+                "labels": [1, 2, 3, -100, 4, 5, 6, 7, 8] + [-100] * 7,
+                "position_ids": [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],
+                "seq_lens": [3, 5],
+                "seq_lens_padded": [4, 12],
+            }
+        ]
+    )
 
 
 def test_make_cp_batch_worked_example():
@@ -250,8 +290,11 @@ def test_sharded_positions_are_index_in_padded_sequence(layout, seed):
     padded = np.diff(offsets)
     real = [int(np.random.default_rng(seed + i).integers(1, p + 1)) for i, p in enumerate(padded)]
     pack = {
-        "input_ids": list(range(100, 100 + total)), "labels": list(range(total)),
-        "position_ids": [i for p in padded for i in range(p)], "seq_lens": real, "seq_lens_padded": padded.tolist(),
+        "input_ids": list(range(100, 100 + total)),
+        "labels": list(range(total)),
+        "position_ids": [i for p in padded for i in range(p)],
+        "seq_lens": real,
+        "seq_lens_padded": padded.tolist(),
     }
     batch = packed_sequence_thd_collater([pack])
     gathered = []
@@ -274,5 +317,7 @@ def test_make_cp_batch_bad_arguments():
         make_cp_batch_for_te(None, cp_example_batch(), cp_size=2, cp_rank=5)
     with pytest.raises(ValueError, match="num_chunks=3 must divide the batch's 1 rows"):
         make_cp_batch_for_te(None, cp_example_batch(), num_chunks=3)
-    with pytest.raises(ValueError, match=r"sequence 0 has padded length 4, which is not a multiple of 2\*cp_size=8"):
+    with pytest.raises(
+        ValueError, match=r"sequence 0 has padded length 4, which is not a multiple of 2\*cp_size=8"
+    ):
         make_cp_batch_for_te(None, cp_example_batch(), cp_size=4, cp_rank=0)

@@ -34,7 +34,9 @@ def batches() -> list[dict]:
         labels = torch.randint(0, 11, shape, generator=generator)
         labels[0, 0] = -100
         out.append({"input_ids": ids, "labels": labels})
-    out.append({"input_ids": torch.zeros(1, 4, dtype=torch.long), "labels": torch.full((1, 4), -100)})  # filler
+    out.append(
+        {"input_ids": torch.zeros(1, 4, dtype=torch.long), "labels": torch.full((1, 4), -100)}
+    )  # filler
     return out
 
 

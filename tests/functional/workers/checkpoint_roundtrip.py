@@ -57,7 +57,12 @@ def build(path: Path, shard=lambda model: None, is_main: bool = True):
     spec = ModelSpec(pretrained_path=str(path), attention_backend="portable", verify=False)
     config, verdict = setup_checks(spec, cp_size=1, vocab_needed=None, max_sample_tokens=None)
     return build_model(
-        spec, config, device=torch.device("cpu"), shard=shard, seed=0, is_main=is_main,
+        spec,
+        config,
+        device=torch.device("cpu"),
+        shard=shard,
+        seed=0,
+        is_main=is_main,
         dense_mask=uses_dense_mask(verdict),
     )
 

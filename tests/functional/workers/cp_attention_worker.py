@@ -91,7 +91,9 @@ def run_case(backend, cp_comm_type, heads, dtype, batch, seed, group) -> dict[st
     if backend == "te":
         attn(*local_leaves, meta)  # a second step with the same group must not set it again
         expected = dict(
-            cp_group=group, cp_global_ranks=dist.get_process_group_ranks(group), cp_stream=None,
+            cp_group=group,
+            cp_global_ranks=dist.get_process_group_ranks(group),
+            cp_stream=None,
             cp_comm_type=cp_comm_type,
         )
         if attn.core_attention.cp_calls != [expected]:
@@ -136,7 +138,10 @@ def check_cp_group(group, seed: int, pack_size: int) -> None:
     )
     if not all(r.passed for r in results):
         raise AssertionError(check_gpu.format_table(results))
-    print(f"CP-ATTENTION PASS check_gpu varlen cp vs varlen: {len(results)} rows cp={cp_size} rank={rank}", flush=True)
+    print(
+        f"CP-ATTENTION PASS check_gpu varlen cp vs varlen: {len(results)} rows cp={cp_size} rank={rank}",
+        flush=True,
+    )
     if te_pytorch() is not None:
         # check-gpu's CP rows, on the stand-in: the same comparison it makes on GPUs.
         results = check_gpu.cp_vs_one_process(

@@ -17,36 +17,82 @@ from automodel.distributed.cp_sharding import make_cp_batch_for_te
 from automodel.models.verify import perturb_constants, sample_pairs
 
 COMMON = dict(
-    vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=8, max_position_embeddings=128, attention_dropout=0.0,
-    bos_token_id=1, eos_token_id=2,  # inside the tiny vocabulary (setup refuses ids outside it)
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=128,
+    attention_dropout=0.0,
+    bos_token_id=1,
+    eos_token_id=2,  # inside the tiny vocabulary (setup refuses ids outside it)
 )
 WINDOW = 4  # shorter than most samples, so a wrong window shows
 FAMILIES = {
-    "llama": dict(tie_word_embeddings=True, rope_parameters=dict(
-        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-        original_max_position_embeddings=16)),
+    "llama": dict(
+        tie_word_embeddings=True,
+        rope_parameters=dict(
+            rope_type="llama3",
+            rope_theta=500000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=16,
+        ),
+    ),
     "qwen2": dict(),
     "qwen3": dict(),
     "mistral": dict(sliding_window=WINDOW),
-    "gemma2": dict(sliding_window=WINDOW, attn_logit_softcapping=0.5, final_logit_softcapping=3.0,
-                   query_pre_attn_scalar=8),
-    "gemma3_text": dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
-                        query_pre_attn_scalar=8),
+    "gemma2": dict(
+        sliding_window=WINDOW,
+        attn_logit_softcapping=0.5,
+        final_logit_softcapping=3.0,
+        query_pre_attn_scalar=8,
+    ),
+    "gemma3_text": dict(
+        sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=8
+    ),
     "phi3": dict(sliding_window=WINDOW, pad_token_id=0),
     "olmo2": dict(),
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1),
-    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
-                    layer_types=["sliding_attention", "full_attention"]),
-    "granite": dict(logits_scaling=2.0, attention_multiplier=0.2, embedding_multiplier=3.0, residual_multiplier=0.5),
+    "gpt_oss": dict(
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+    "granite": dict(
+        logits_scaling=2.0, attention_multiplier=0.2, embedding_multiplier=3.0, residual_multiplier=0.5
+    ),
     "smollm3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
     # MLA (value head dim 6 != query/key 12) with MoE and a router bias; chunked attention; a logit scale
-    "deepseek_v3": dict(num_key_value_heads=4, head_dim=4, kv_lora_rank=8, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8,
-                        v_head_dim=6, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
-                        moe_intermediate_size=16, first_k_dense_replace=1),
-    "llama4_text": dict(attention_chunk_size=WINDOW, layer_types=["chunked_attention", "full_attention"],
-                        num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=64),
-    "cohere2": dict(logit_scale=0.3, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+    "deepseek_v3": dict(
+        num_key_value_heads=4,
+        head_dim=4,
+        kv_lora_rank=8,
+        q_lora_rank=16,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=8,
+        v_head_dim=6,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        moe_intermediate_size=16,
+        first_k_dense_replace=1,
+    ),
+    "llama4_text": dict(
+        attention_chunk_size=WINDOW,
+        layer_types=["chunked_attention", "full_attention"],
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        intermediate_size_mlp=64,
+    ),
+    "cohere2": dict(
+        logit_scale=0.3, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]
+    ),
     # its own attention code (no AttentionInterface): run under a dense block-diagonal mask, one process per row
     # (head_dim is a read-only property of its config: None leaves it out)
     "falcon": dict(new_decoder_architecture=True, num_kv_heads=2, bias=True, head_dim=None),
@@ -78,9 +124,11 @@ def collated(sample_list, pad_multiple: int) -> dict:
         lens.append(len(x))
         padded.append(p)
     return {
-        "input_ids": torch.cat(ids)[None], "labels": torch.cat(labels)[None],
+        "input_ids": torch.cat(ids)[None],
+        "labels": torch.cat(labels)[None],
         "position_ids": torch.cat(positions)[None],
-        "seq_lens": torch.tensor([lens]), "seq_lens_padded": torch.tensor([padded]),
+        "seq_lens": torch.tensor([lens]),
+        "seq_lens_padded": torch.tensor([padded]),
     }
 
 
@@ -92,12 +140,17 @@ def shard(batch: dict, cp_size: int, cp_rank: int, cp_group=None) -> dict:
 
 def reference(path: Path, sample_list) -> tuple[float, dict[str, torch.Tensor], AutoModelForCausalLM]:
     """Token-mean loss and gradients with each sample run alone, eager attention, float32."""
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).train()
+    model = AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="eager", dtype=torch.float32
+    ).train()
     n_labels = sum(int((y != -100).sum()) for _, y in sample_list)
     total = 0.0
     for x, y in sample_list:
         logits = model(x[None]).logits[0]
-        loss = torch.nn.functional.cross_entropy(logits.float(), y, ignore_index=-100, reduction="sum") / n_labels
+        loss = (
+            torch.nn.functional.cross_entropy(logits.float(), y, ignore_index=-100, reduction="sum")
+            / n_labels
+        )
         loss.backward()
         total += float(loss.detach())
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
@@ -113,7 +166,9 @@ def full_grads(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def compare(family: str, loss: float, grads: dict, ref_loss: float, ref_grads: dict, rtol: float = 1e-5) -> list[str]:
+def compare(
+    family: str, loss: float, grads: dict, ref_loss: float, ref_grads: dict, rtol: float = 1e-5
+) -> list[str]:
     """Mismatches as readable lines (empty when equal): loss relative, each gradient relative to its norm."""
     errors = []
     if abs(loss - ref_loss) > rtol * abs(ref_loss):

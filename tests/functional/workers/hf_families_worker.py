@@ -27,12 +27,23 @@ from automodel.models.families import supported_table, uses_dense_mask
 
 
 def build(path: Path, mesh, dtype: str = "float32", checkpointing: bool = False):
-    spec = ModelSpec(pretrained_path=str(path), attention_backend="portable", dtype=dtype,
-                     activation_checkpointing=checkpointing)
+    spec = ModelSpec(
+        pretrained_path=str(path),
+        attention_backend="portable",
+        dtype=dtype,
+        activation_checkpointing=checkpointing,
+    )
     config, verdict = setup_checks(spec, cp_size=mesh["cp"].size(), vocab_needed=None, max_sample_tokens=None)
     shard_fn = functools.partial(apply_fsdp, mesh=mesh["dp", "cp"]._flatten(), compute_dtype=spec.torch_dtype)
-    return build_model(spec, config, device=torch.device("cpu"), shard=shard_fn, seed=0,
-                       is_main=dist.get_rank() == 0, dense_mask=uses_dense_mask(verdict))
+    return build_model(
+        spec,
+        config,
+        device=torch.device("cpu"),
+        shard=shard_fn,
+        seed=0,
+        is_main=dist.get_rank() == 0,
+        dense_mask=uses_dense_mask(verdict),
+    )
 
 
 def step_one(model, mode: str, sample_list, cp_group) -> float:
@@ -62,7 +73,11 @@ def check_export(model, path: Path, out: Path, ref_model) -> list[str]:
     reloaded, info = AutoModelForCausalLM.from_pretrained(
         out / "hf", attn_implementation="eager", dtype=torch.float32, output_loading_info=True
     )
-    errors = [f"{path.name}: export {k} {v}" for k, v in info.items() if k in ("missing_keys", "unexpected_keys") and v]
+    errors = [
+        f"{path.name}: export {k} {v}"
+        for k, v in info.items()
+        if k in ("missing_keys", "unexpected_keys") and v
+    ]
     ids = torch.arange(1, 12)[None]
     with torch.no_grad():
         a, b = ref_model.eval()(ids).logits, reloaded.eval()(ids).logits
@@ -82,15 +97,23 @@ def bf16_update(path: Path, mesh) -> list[str]:
     updates = {}
     for dtype in ("float32", "bfloat16"):
         model = build(path, mesh, dtype)
-        before = {k: v.clone() for k, v in get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)).items()}
+        before = {
+            k: v.clone()
+            for k, v in get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)).items()
+        }
         step_one(model, "dp2", samples(model.config.vocab_size), None)
         torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0).step()
         after = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         updates[dtype] = {k: after[k] - before[k] for k in before}
-    errors = [f"bf16: {k} did not change" for k, d in updates["bfloat16"].items() if not bool(d.abs().max() > 0)]
+    errors = [
+        f"bf16: {k} did not change" for k, d in updates["bfloat16"].items() if not bool(d.abs().max() > 0)
+    ]
     norm = {dtype: float(torch.cat([d.flatten() for d in u.values()]).norm()) for dtype, u in updates.items()}
     if dist.get_rank() == 0:
-        print(f"{path.name}: AdamW update norm bf16 {norm['bfloat16']:.6e}, float32 {norm['float32']:.6e}", flush=True)
+        print(
+            f"{path.name}: AdamW update norm bf16 {norm['bfloat16']:.6e}, float32 {norm['float32']:.6e}",
+            flush=True,
+        )
     if abs(norm["bfloat16"] - norm["float32"]) > 0.05 * norm["float32"]:
         errors.append(f"bf16 update norm {norm['bfloat16']:.3e} vs float32 {norm['float32']:.3e}")
     return errors
@@ -113,7 +136,9 @@ def main() -> int:
         sample_list = samples(AutoModelForCausalLM.from_pretrained(path).config.vocab_size)
         ref_loss, ref_grads, ref_model = reference(path, sample_list)
         for mode, mesh in meshes.items():
-            if mode == "cp2" and uses_dense_mask(supported_table()[ref_model.config.model_type]):  # one dense mask per row: refused at setup
+            if mode == "cp2" and uses_dense_mask(
+                supported_table()[ref_model.config.model_type]
+            ):  # one dense mask per row: refused at setup
                 try:
                     build(path, mesh)
                     errors.append(f"{family}: cp2 was not refused for a dense-mask model")

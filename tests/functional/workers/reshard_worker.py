@@ -19,7 +19,9 @@ if __name__ == "__main__":
     recipe = FinetuneRecipe(load_recipe("tiny_llama_sft", [*overrides, f"trainer.output_dir={out}"]))
     try:
         recipe.setup()
-        loaded = get_model_state_dict(recipe.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        loaded = get_model_state_dict(
+            recipe.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
         if dist.get_rank() == 0:
             torch.save(loaded, out.parent / "b_loaded.pt")
         recipe.train()

@@ -37,7 +37,9 @@ def build(path: Path, mesh=None):
     spec = ModelSpec(pretrained_path=str(path), attention_backend="portable")
     cp = 1 if mesh is None else mesh["cp"].size()
     config, _ = setup_checks(spec, cp_size=cp, vocab_needed=None, max_sample_tokens=None)
-    shard_fn = (lambda m: None) if mesh is None else functools.partial(apply_fsdp, mesh=mesh["dp", "cp"]._flatten())
+    shard_fn = (
+        (lambda m: None) if mesh is None else functools.partial(apply_fsdp, mesh=mesh["dp", "cp"]._flatten())
+    )
     return build_model(spec, config, device=torch.device("cpu"), shard=shard_fn, seed=0,
                        is_main=not dist.is_initialized() or dist.get_rank() == 0)  # fmt: skip
 
@@ -56,13 +58,20 @@ def check_log_probs(family: str, directory: Path, mesh=None) -> list[str]:
     dp_rank, cp_rank = (0, 0) if mesh is None else (mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank())
     mine = list(range(dp_rank, len(sample_list), dp))
     model = build(path, mesh)
-    batch = shard(collated([sample_list[i] for i in mine], 2 * cp), cp, cp_rank, None if cp == 1 else mesh["cp"].get_group())
+    batch = shard(
+        collated([sample_list[i] for i in mine], 2 * cp),
+        cp,
+        cp_rank,
+        None if cp == 1 else mesh["cp"].get_group(),
+    )
     result = packed_log_probs(model, batch)
     result.sums.sum().backward()
     errors = []
     for k, i in enumerate(mine):
         diff = float((result.token_log_probs[k].detach() - expected[i]).abs().max())
-        if diff > 1e-5 or abs(float(result.sums[k].detach()) - float(expected[i].sum())) > 1e-5 * abs(float(expected[i].sum())):
+        if diff > 1e-5 or abs(float(result.sums[k].detach()) - float(expected[i].sum())) > 1e-5 * abs(
+            float(expected[i].sum())
+        ):
             errors.append(f"{family} dp{dp} cp{cp}: sample {i} log-probs differ by {diff:.2e}")
     # the gradient of the sum over every sample on every rank: compare() checks it relative to its norm
     total = float(sum(e.sum() for e in expected))

@@ -23,7 +23,9 @@ from automodel.training.finetune import run  # noqa: E402
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--workdir", type=Path, required=True)
-    parser.add_argument("--dpo", nargs=argparse.REMAINDER, default=None, help="overrides of a tiny_llama_dpo run")
+    parser.add_argument(
+        "--dpo", nargs=argparse.REMAINDER, default=None, help="overrides of a tiny_llama_dpo run"
+    )
     args = parser.parse_args()
     dist.init_process_group("gloo")
     torch.manual_seed(0)

@@ -14,15 +14,24 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from automodel.models.lora import LoraConfig
 
 COMMON = dict(
-    vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=128,
 )
 # name -> model type, config fields, checkpoint dtype; every one saved in several files
 CHECKPOINTS = {
     "untied_bf16": dict(model_type="llama", fields=dict(tie_word_embeddings=False), dtype=torch.bfloat16),
     "tied_fp32": dict(model_type="llama", fields=dict(tie_word_embeddings=True), dtype=torch.float32),
-    "moe_bf16": dict(model_type="qwen3_moe", dtype=torch.bfloat16, fields=dict(
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1)),
+    "moe_bf16": dict(
+        model_type="qwen3_moe",
+        dtype=torch.bfloat16,
+        fields=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1),
+    ),
 }
 LORA = LoraConfig(target_modules=["q_proj", "v_proj", "down_proj"], rank=4, alpha=8.0, export_merged=True)
 
@@ -79,9 +88,14 @@ def compare_dirs(exported: Path, expected: Path, reload: bool = False) -> list[s
     transformers loads ``exported`` with no missing or unexpected keys."""
     a, b = read_dir(exported), read_dir(expected)
     errors = [f"tensor names differ: {sorted(set(a) ^ set(b))[:4]}"] if set(a) != set(b) else []
-    errors += [f"{name} differs" for name in set(a) & set(b) if a[name].dtype != b[name].dtype
-               or not torch.equal(a[name], b[name])]
+    errors += [
+        f"{name} differs"
+        for name in set(a) & set(b)
+        if a[name].dtype != b[name].dtype or not torch.equal(a[name], b[name])
+    ]
     if reload:
         _, info = AutoModelForCausalLM.from_pretrained(exported, output_loading_info=True)
-        errors += [f"reload {k}: {v}" for k, v in info.items() if k in ("missing_keys", "unexpected_keys") and v]
+        errors += [
+            f"reload {k}: {v}" for k, v in info.items() if k in ("missing_keys", "unexpected_keys") and v
+        ]
     return errors

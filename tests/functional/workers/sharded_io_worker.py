@@ -38,8 +38,15 @@ class _NoTokenizer:
 def build(path: Path, mesh, lora=None):
     spec = ModelSpec(pretrained_path=str(path), attention_backend="portable")
     config, _ = setup_checks(spec, cp_size=1, vocab_needed=None, max_sample_tokens=None)
-    return build_model(spec, config, device=torch.device("cpu"), shard=functools.partial(apply_fsdp, mesh=mesh),
-                       seed=0, is_main=dist.get_rank() == 0, lora=lora)
+    return build_model(
+        spec,
+        config,
+        device=torch.device("cpu"),
+        shard=functools.partial(apply_fsdp, mesh=mesh),
+        seed=0,
+        is_main=dist.get_rank() == 0,
+        lora=lora,
+    )
 
 
 def todays_export(model, out: Path, dtype: torch.dtype, lora=None) -> None:
@@ -64,14 +71,23 @@ def check(name: str, path: Path, dtype: torch.dtype, mesh, world: int, out: Path
     if lora is None:  # after 0 steps: the source checkpoint itself
         export_model(model, out / f"{tag}_step0", _NoTokenizer(), dtype=dtype, is_main=rank % world == 0)
         if rank % world == 0:
-            errors += [f"{label} step 0: {e}" for e in compare_dirs(out / f"{tag}_step0" / "hf", path, reload=True)]
-    with torch.no_grad():  # a stand-in for training: every weight (and LoRA's zero B) off the checkpoint's grid
+            errors += [
+                f"{label} step 0: {e}" for e in compare_dirs(out / f"{tag}_step0" / "hf", path, reload=True)
+            ]
+    with (
+        torch.no_grad()
+    ):  # a stand-in for training: every weight (and LoRA's zero B) off the checkpoint's grid
         for p in model.parameters():
             p.mul_(1.001).add_(1e-4)
-    export_model(model, out / f"{tag}_step1", _NoTokenizer(), dtype=dtype, is_main=rank % world == 0, lora=lora)
+    export_model(
+        model, out / f"{tag}_step1", _NoTokenizer(), dtype=dtype, is_main=rank % world == 0, lora=lora
+    )
     todays_export(model, out / f"{tag}_today", dtype, lora)
     if rank == 0:
-        errors += [f"{label} step 1 vs today: {e}" for e in compare_dirs(out / f"{tag}_step1" / "hf", out / f"{tag}_today")]
+        errors += [
+            f"{label} step 1 vs today: {e}"
+            for e in compare_dirs(out / f"{tag}_step1" / "hf", out / f"{tag}_today")
+        ]
     dist.barrier()
     return errors
 
@@ -87,10 +103,19 @@ def main() -> int:
     cases = 0
     for name, spec in CHECKPOINTS.items():
         for world, mesh in ((4, world4), (2, world2)):
-            errors += check(name, args.checkpoints / name, spec["dtype"], mesh, world, args.checkpoints / "out", None)
+            errors += check(
+                name, args.checkpoints / name, spec["dtype"], mesh, world, args.checkpoints / "out", None
+            )
             cases += 1
-    errors += check("untied_bf16", args.checkpoints / "untied_bf16", torch.bfloat16, world4, 4,
-                    args.checkpoints / "out", LORA)
+    errors += check(
+        "untied_bf16",
+        args.checkpoints / "untied_bf16",
+        torch.bfloat16,
+        world4,
+        4,
+        args.checkpoints / "out",
+        LORA,
+    )
     cases += 1
     for error in errors:
         print(f"FAIL rank {dist.get_rank()}: {error}", flush=True)
