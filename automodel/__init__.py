@@ -2,6 +2,6 @@
 
 __version__ = "0.1.0"
 
-from automodel.training.console import silence_known_log_lines
+from automodel.console import silence_known_log_lines
 
 silence_known_log_lines()  # before any library this package imports logs them

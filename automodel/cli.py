@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import errno
-import importlib
 import os
 import sys
-from pathlib import Path
 
-from automodel.errors import UserError
+from automodel.benchmarks import BENCHMARKS
+from automodel.errors import UserError, WriteError
 
 # Writes the filesystem refuses (the user's machine, not a bug): one line naming the file where the
 # error does, with the way out, instead of a traceback.
@@ -22,17 +21,6 @@ WRITE_FAILURES = {
     errno.EACCES: f"fix its permissions {_MOVE}",
     errno.EPERM: f"fix its permissions {_MOVE}",
 }
-
-BENCHMARKS = (
-    "packing",
-    "throughput",
-    "batching",
-    "balance",
-    "gpu",
-    "lora_memory",
-    "sharded_io",
-    "cli_latency",
-)
 
 USAGE = """automodel <command> [...]    (automodel --version; --debug: tracebacks of input errors)
 
@@ -68,6 +56,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"automodel {command}: {error.kind} error: {_one_line(error)}", file=sys.stderr)
         return 2
+    except WriteError as error:  # a checkpoint or the export, with the bytes needed and free
+        if debug:
+            raise
+        print(f"automodel {command}: {error}", file=sys.stderr)
+        return 1
     except OSError as error:
         if error.errno not in WRITE_FAILURES or debug:
             raise
@@ -91,10 +84,11 @@ def _dispatch(command: str, rest: list[str], argv: list[str]) -> int:
     if command == "recipes":
         return _recipes()
     if command == "bench" and rest and rest[0] in BENCHMARKS:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ lives beside the package
-        return importlib.import_module(f"benchmarks.{rest[0]}").main(rest[1:])
+        from automodel.benchmarks import run_benchmark
+
+        return run_benchmark(rest[0], rest[1:])
     if command == "families":
-        from automodel.models.verify import main as families
+        from automodel.models.support import main as families
 
         return families(rest)
     if command == "check-gpu":
@@ -156,12 +150,12 @@ def _finetune(argv: list[str]) -> int:
         print(OmegaConf.to_yaml(cfg), end="")
         return 0
 
-    from automodel.training.checkpoint import CheckpointWriteError, NonFiniteError
-    from automodel.training.finetune import run
+    from automodel.training.checkpoint import NonFiniteError
+    from automodel.training.run import run
 
     try:
         run(cfg)
-    except (NonFiniteError, CheckpointWriteError) as error:
+    except NonFiniteError as error:
         print(f"automodel finetune: {error}", file=sys.stderr)
         return 1
     return 0
@@ -179,7 +173,7 @@ def _data(argv: list[str]) -> int:
     from automodel.config import load_recipe
 
     cfg = load_recipe(args.recipe, args.overrides)
-    from automodel.data.preview import preview
+    from automodel.training.preview import preview
 
     preview(cfg, samples=args.samples)
     return 0

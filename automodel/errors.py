@@ -7,6 +7,9 @@ Anything else that escapes is a bug of the project and keeps its traceback. ``AU
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 
 class UserError(ValueError):
     """A mistake in what the user gave: the message names the file, row, field or key and the fix."""
@@ -31,3 +34,23 @@ class ModelError(ConfigError):
     a ConfigError too, as the model section of the recipe names it."""
 
     kind = "model"
+
+
+class WriteError(OSError):
+    """A file the run writes (a checkpoint, the export) could not be written: a full disk, a quota, a
+    file size limit. The machine's, not the input's: the CLI prints it as one line and exits with
+    code 1, and the same command resumes from the newest checkpoint."""
+
+
+def write_failure(
+    kind: type[WriteError], what: str, path: Path, cause: BaseException | None, nbytes: int
+) -> WriteError:
+    """``kind`` naming ``what`` failed to reach ``path``, why (``cause``; None: another rank
+    failed), the ``nbytes`` it needs and the bytes free there, and the way out."""
+    where = next((p for p in (path, *path.parents) if p.exists()), Path.cwd())
+    free = shutil.disk_usage(where).free
+    detail = f" ({type(cause).__name__}: {cause})" if cause is not None else " (failed on another rank)"
+    return kind(
+        f"could not write {what} to {path}{detail}: it needs about {nbytes:,} bytes and {free:,} are free "
+        "there; free space, or point trainer.output_dir at a larger disk, then run the same command again"
+    )

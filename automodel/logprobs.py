@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from automodel.attention import ThdAttentionMetadata
-from automodel.data.collate import CROSS_ENTROPY_IGNORE_INDEX
+from automodel.loss import CROSS_ENTROPY_IGNORE_INDEX
 
 
 @dataclass

@@ -10,7 +10,7 @@ of logits. It keeps only the positions that have a label, computes their logits 
 rows at a time in float32 (keeping each row's logsumexp), and in the backward recomputes the
 logits one vocabulary block of the same size at a time, so only one chunk's worth of logits
 exists at a time (at T=8192, V=152k the full float32 logits are 5 GB; 1024 rows of them are
-0.6 GB; ``python -m benchmarks.loss_memory`` measures the peak).
+0.6 GB; ``python -m automodel.benchmarks.loss_memory`` measures the peak).
 
 Shape legend: T = tokens, N = tokens with a label, C = rows of one chunk, B = columns of one
 vocabulary block, V = vocabulary size, D = hidden size.
@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from automodel.data.collate import CROSS_ENTROPY_IGNORE_INDEX
+# The label of a position that carries no loss (torch cross_entropy's default ignore_index).
+CROSS_ENTROPY_IGNORE_INDEX = -100
 
 
 def count_label_tokens(labels_T: torch.Tensor) -> int:

@@ -7,60 +7,11 @@ same function of q, k, v and :class:`ThdAttentionMetadata`. Hugging Face models 
 registered attention function in :mod:`automodel.attention.hf`.
 """
 
-import torch
-from torch import nn
-
-from automodel.attention.checks import CP_COMM_TYPES, check_cp_comm_type
+from automodel.attention.backends import ATTENTION_BACKENDS, build_attention, resolve_attention_backend
 from automodel.attention.metadata import ThdAttentionMetadata
 from automodel.attention.portable import PortableAttention
 from automodel.attention.te import TransformerEngineAttention
-from automodel.attention.varlen import varlen_missing
-from automodel.te_support import te_pytorch
-
-ATTENTION_BACKENDS = ("auto", "te", "portable", "varlen")
-
-
-def resolve_attention_backend(backend: str) -> str:
-    """``"te"``, ``"varlen"`` or ``"portable"``: the backend that ``backend`` means on this machine."""
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        if not torch.cuda.is_available():
-            return "portable"
-        if te_pytorch() is not None:
-            return "te"
-        return "varlen" if varlen_missing() is None else "portable"
-    return backend
-
-
-def build_attention(
-    backend: str,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    softmax_scale: float | None = None,
-    cp_comm_type: str = "p2p",
-) -> nn.Module:
-    """A module mapping q ``[t, h, d]``, k/v ``[t, h_kv, d]`` and a ThdAttentionMetadata to ``[t, h*d]``.
-
-    Args:
-        backend: ``auto``, ``te`` or ``portable`` (``varlen`` is a function, called by
-            :mod:`automodel.attention.hf`).
-        num_heads: h. num_kv_heads: h_kv, dividing h. head_dim: d.
-        softmax_scale: None means ``1 / sqrt(d)``.
-        cp_comm_type: TE's context-parallel exchange, one of ``CP_COMM_TYPES``; validated for every
-            backend so a config error shows on any machine (the portable backend always all-gathers).
-    """
-    check_cp_comm_type(cp_comm_type)
-    resolved = resolve_attention_backend(backend)
-    if resolved == "varlen":
-        raise ValueError(
-            "build_attention builds 'te' or 'portable' modules; 'varlen' is called as a function"
-        )
-    if resolved == "te":
-        return TransformerEngineAttention(num_heads, num_kv_heads, head_dim, softmax_scale, cp_comm_type)
-    return PortableAttention(num_heads, num_kv_heads, head_dim, softmax_scale)
-
+from automodel.distributed.parallel import CP_COMM_TYPES
 
 __all__ = [
     "ATTENTION_BACKENDS",

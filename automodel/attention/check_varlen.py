@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from automodel.attention.check_gpu import (
+from automodel.attention.check_kit import (
     HEAD_DIM,
     HEADS,
     LENGTH_MIXES,

@@ -16,8 +16,6 @@ import torch.distributed as dist
 
 from automodel.attention.metadata import ThdAttentionMetadata
 
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
-
 
 def check_head_config(num_heads: int, num_kv_heads: int, head_dim: int, softmax_scale: float | None) -> None:
     for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
@@ -34,11 +32,6 @@ def check_head_config(num_heads: int, num_kv_heads: int, head_dim: int, softmax_
         raise ValueError(
             f"softmax_scale must be a positive finite float or None (1/sqrt(head_dim)), got {softmax_scale!r}"
         )
-
-
-def check_cp_comm_type(cp_comm_type: str) -> None:
-    if cp_comm_type not in CP_COMM_TYPES:
-        raise ValueError(f"cp_comm_type must be one of {CP_COMM_TYPES}, got {cp_comm_type!r}")
 
 
 def check_qkv(

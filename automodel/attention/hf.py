@@ -25,7 +25,6 @@ Shape legend: t = this rank's tokens, h = query heads, h_kv = key/value heads, d
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import sys
 from collections.abc import Callable
@@ -35,8 +34,11 @@ import torch
 from torch import nn
 from transformers import AttentionInterface
 
+from automodel.attention.backends import build_attention
 from automodel.attention.metadata import ThdAttentionMetadata
-from automodel.attention.portable import PortableAttention
+from automodel.attention.portable import LayerExtras, PortableAttention
+from automodel.attention.varlen import varlen_attention, varlen_context_parallel
+from automodel.distributed.parallel import check_cp_comm_type
 
 THD_ATTENTION = "automodel_thd"
 _CORE = "_automodel_thd_core"
@@ -107,25 +109,14 @@ class _Core(nn.Module):
                 )
         if self.backend == "te":
             return self.inner(q.contiguous(), k.contiguous(), v.contiguous(), meta)
-        varlen = importlib.import_module("automodel.attention.varlen")
         if meta.cp_size > 1:
-            out = varlen.varlen_context_parallel(q, k, v, meta, scale=self.scale, window=extras.window)
+            out = varlen_context_parallel(q, k, v, meta, scale=self.scale, window=extras.window)
         else:
             cu_seqlens_padded = meta.on_device("cu_seqlens_padded", q.device)
-            out = varlen.varlen_attention(
+            out = varlen_attention(
                 q, k, v, cu_seqlens_padded, meta.max_seqlen, scale=self.scale, window=extras.window
             )
         return out.reshape(q.shape[0], -1)
-
-
-@dataclass(frozen=True)
-class LayerExtras:
-    """What one layer's attention adds to plain causal attention within a sequence."""
-
-    window: int | None = None
-    softcap: float | None = None
-    sinks: torch.Tensor | None = None
-    chunk: int | None = None
 
 
 def mask_restrictions(module: nn.Module, sliding_window: int | None) -> tuple[int | None, int | None]:
@@ -179,8 +170,6 @@ def attach_thd_attention(model: nn.Module, backend: str, cp_comm_type: str = "p2
     its core for ``backend`` (``portable``, ``te`` or ``varlen``, already resolved) at its first call:
     which modules call it is learned from the calls, not from module attributes (GPT-NeoX, GPT-2
     and OPT name theirs differently)."""
-    from automodel.attention.checks import check_cp_comm_type
-
     check_cp_comm_type(cp_comm_type)
     for module in model.modules():
         module.__dict__[_BACKEND] = (backend, cp_comm_type)
@@ -192,8 +181,6 @@ def thd_cores(model: nn.Module) -> list[_Core]:
 
 
 def _core_for(module: nn.Module, query, key, value, scaling: float | None) -> _Core:
-    from automodel.attention import build_attention
-
     core = module.__dict__.get(_CORE)
     if core is not None:
         return core

@@ -98,7 +98,7 @@ class PortableAttention(nn.Module):
         sequence (Llama 4's chunked attention) or None.
         """
         check_qkv(q, k, v, meta, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim_v)
-        extras = _Extras(window, softcap, sinks, chunk)
+        extras = LayerExtras(window, softcap, sinks, chunk)
         if meta.cp_size == 1:
             out = self._segments(q, k, v, meta, extras)
         else:
@@ -110,7 +110,12 @@ class PortableAttention(nn.Module):
         return out.reshape(q.shape[0], self.num_heads * self.head_dim_v)
 
     def _segments(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: ThdAttentionMetadata, extras: _Extras
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: ThdAttentionMetadata,
+        extras: LayerExtras,
     ) -> torch.Tensor:
         pieces = []
         for start, end in causal_segments(meta):
@@ -122,14 +127,16 @@ class PortableAttention(nn.Module):
         return torch.cat(pieces)
 
 
-class _Extras(NamedTuple):
+class LayerExtras(NamedTuple):
+    """What one layer's attention adds to plain causal attention within a sequence."""
+
     window: int | None = None
     softcap: float | None = None
     sinks: torch.Tensor | None = None
     chunk: int | None = None
 
 
-_NO_EXTRAS = _Extras()
+_NO_EXTRAS = LayerExtras()
 
 
 def _causal_window_mask(
@@ -151,7 +158,7 @@ def local_query_attention(
     meta: ThdAttentionMetadata,
     cp_size: int,
     softmax_scale: float | None = None,
-    extras: _Extras = _NO_EXTRAS,
+    extras: LayerExtras = _NO_EXTRAS,
 ) -> torch.Tensor:
     """Attention of a CP rank's queries against the keys and values of the whole batch.
 
@@ -200,7 +207,7 @@ def _attend(
     v: torch.Tensor,
     mask: torch.Tensor | None,
     scale: float | None,
-    extras: _Extras,
+    extras: LayerExtras,
 ) -> torch.Tensor:
     """q ``[n, h, d]``, k/v ``[m, h_kv, d]``, mask ``[n, m]`` bool (True = attend) or None for
     top-left causal -> ``[n, h, d]``. SDPA unless softcap or sinks change the softmax."""

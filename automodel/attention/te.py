@@ -25,8 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from automodel.attention.checks import check_cp_comm_type, check_head_config, check_qkv
+from automodel.attention.checks import check_head_config, check_qkv
 from automodel.attention.metadata import ThdAttentionMetadata
+from automodel.distributed.parallel import check_cp_comm_type
 from automodel.distributed.thd import padding_mask_from_layout
 from automodel.te_support import te_pytorch
 

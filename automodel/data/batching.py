@@ -34,7 +34,6 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from automodel.data.collate import (
-    CROSS_ENTROPY_IGNORE_INDEX,
     build_row,
     cp_multiple,
     cp_padded,
@@ -51,6 +50,7 @@ from automodel.data.planning import (
     plan_balanced_packs,
     plan_token_budget,
 )
+from automodel.loss import CROSS_ENTROPY_IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
 

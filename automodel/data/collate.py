@@ -24,8 +24,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from automodel.distributed.thd import SEQ_LENS_PADDING_VALUE, BatchKeyError
 from automodel.distributed.thd_checks import check_integers
-
-CROSS_ENTROPY_IGNORE_INDEX = -100
+from automodel.loss import CROSS_ENTROPY_IGNORE_INDEX
 
 _TOKEN_KEYS = ("input_ids", "labels", "position_ids")
 _LAYOUT_KEYS = ("seq_lens", "seq_lens_padded")

@@ -22,7 +22,7 @@ from datasets.fingerprint import Hasher
 from datasets.table import InMemoryTable
 from tqdm.auto import tqdm
 
-from automodel.data.collate import CROSS_ENTROPY_IGNORE_INDEX, cp_multiple, cp_padded
+from automodel.data.collate import cp_multiple, cp_padded
 from automodel.data.planning import (
     PACKING_ALGORITHMS,
     PackPlan,
@@ -30,6 +30,7 @@ from automodel.data.planning import (
     lower_bound_packs,
     plan_packs,
 )
+from automodel.loss import CROSS_ENTROPY_IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
 

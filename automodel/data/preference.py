@@ -30,8 +30,8 @@ from transformers import PreTrainedTokenizerBase
 
 from automodel.data.batching import LoaderEnv, Prepared, _groups, _Mode
 from automodel.data.collate import build_row, packed_sequence_thd_collater
+from automodel.data.section import check_mapping, check_shared_fields, hold_out
 from automodel.data.sft import load_tokenizer, tokenize_sft_dataset
-from automodel.data.sft_data import check_shared_fields, hold_out
 from automodel.data.sources import check_source, load_sft_source
 
 logger = logging.getLogger(__name__)
@@ -85,12 +85,8 @@ class PreferenceData:
                 f"{PREFERENCE_FORMATS[self.format]}"
             )
         check_source(self.source, "data.source")
-        if self.validation is not None and (
-            not isinstance(self.validation, dict) or set(self.validation) - {"source", "split"}
-        ):
-            raise ValueError(
-                f"data.validation must be a mapping with source and/or split, got {self.validation!r}"
-            )
+        if self.validation is not None:
+            check_mapping(self.validation, ("source", "split"), "data.validation")
         check_shared_fields(self)
 
     def load_tokenizer(self, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:

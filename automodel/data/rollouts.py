@@ -29,8 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from automodel.data.collate import CROSS_ENTROPY_IGNORE_INDEX, build_row, packed_sequence_thd_collater
+from automodel.data.collate import build_row, packed_sequence_thd_collater
 from automodel.data.planning import check_positive_int, plan_balanced_packs
+from automodel.loss import CROSS_ENTROPY_IGNORE_INDEX
 
 # Fields with one entry per response token, sliced by response_lengths (the log-prob keys are the
 # per-response-token outputs a trainer may attach, e.g. torch.cat(result.token_log_probs)).

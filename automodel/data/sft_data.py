@@ -4,21 +4,16 @@ with weights, and an optional validation set."""
 from __future__ import annotations
 
 import logging
-import math
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import datasets
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from automodel.data.planning import check_positive_int
-from automodel.data.sft import BAD_ROW_MODES, FORMATS, load_tokenizer, tokenize_sft_dataset
+from automodel.data.section import check_mapping, check_shared_fields, hold_out
+from automodel.data.sft import FORMATS, load_tokenizer, tokenize_sft_dataset
 from automodel.data.sources import TXT_SAMPLES, check_source, is_txt_source, load_sft_source
-
-if TYPE_CHECKING:
-    from automodel.data.preference import PreferenceData
 
 logger = logging.getLogger(__name__)
 
@@ -156,39 +151,6 @@ def auto_num_proc(cap: int = 8) -> int:
     return max(1, min(cores, cap))
 
 
-def check_shared_fields(data: SFTData | PreferenceData) -> None:
-    """The fields SFT and preference data share, each a ValueError naming it: read before any data
-    work (``data.max_length`` bounds the setup checks)."""
-    if data.max_length is not None:
-        check_positive_int("data.max_length", data.max_length)
-    fraction = data.val_fraction
-    if fraction is not None and (
-        isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1
-    ):
-        raise ValueError(f"data.val_fraction must be a number in (0, 1) or null, got {fraction!r}")
-    if data.validation is not None and fraction is not None:
-        raise ValueError("give data.validation or data.val_fraction, not both")
-    if isinstance(data.seed, bool) or not isinstance(data.seed, int) or data.seed < 0:
-        raise ValueError(f"data.seed must be an int >= 0, got {data.seed!r}")
-    if data.on_bad_row not in BAD_ROW_MODES:
-        raise ValueError(f"data.on_bad_row must be one of {BAD_ROW_MODES}, got {data.on_bad_row!r}")
-
-
-def hold_out(
-    rows: datasets.Dataset, fraction: float, seed: int, source: str
-) -> tuple[datasets.Dataset, datasets.Dataset]:
-    """``(train, validation)``: a seeded ``ceil(fraction * len(rows))`` of ``rows`` held out
-    (``data.val_fraction``); ValueError naming it when no row would be left to train on."""
-    held = math.ceil(fraction * len(rows))
-    if held >= len(rows):
-        raise ValueError(
-            f"data.val_fraction={fraction} holds out {held} of the {len(rows)} samples of {source!r}, which leaves "
-            "none to train on; lower data.val_fraction, or use more data"
-        )
-    split = rows.train_test_split(test_size=held, shuffle=True, seed=seed)
-    return split["train"], split["test"]
-
-
 def weight_rows(rows: datasets.Dataset, weight: float, rng: np.random.Generator) -> datasets.Dataset:
     """``round(weight * len(rows))`` rows: whole copies, then a seeded sample without replacement.
 
@@ -206,13 +168,6 @@ def weight_rows(rows: datasets.Dataset, weight: float, rng: np.random.Generator)
 def _source(value: DataSource | dict, defaults: dict) -> DataSource:
     if isinstance(value, DataSource):
         return value
-    if not isinstance(value, dict):
-        raise ValueError(
-            f"a data source must be a mapping of {list(DataSource.__dataclass_fields__)}, got {value!r}"
-        )
-    unknown = set(value) - set(DataSource.__dataclass_fields__)
-    if unknown:
-        raise ValueError(
-            f"unknown key(s) {sorted(unknown)} in a data source; valid: {list(DataSource.__dataclass_fields__)}"
-        )
-    return DataSource(**{**defaults, **value})
+    return DataSource(
+        **{**defaults, **check_mapping(value, DataSource.__dataclass_fields__, "a data source")}
+    )

@@ -1,8 +1,9 @@
 """transformers causal LMs on THD batches: the supported table, setup checks, build/load/export."""
 
-from automodel.models.build import CausalLMForTraining, build_model, export_model, setup_checks
-from automodel.models.families import check_model_config, verified_types
+from automodel.models.build import CausalLMForTraining, build_model, export_model
+from automodel.models.setup import check_model_config, setup_checks
 from automodel.models.spec import ModelSpec
+from automodel.models.support import verified_types
 
 __all__ = [
     "CausalLMForTraining",

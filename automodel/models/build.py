@@ -41,23 +41,10 @@ from automodel.attention.hf import (
 )
 from automodel.data.sft import end_of_turn_token_id
 from automodel.loss import chunked_cross_entropy_sum, chunked_token_log_probs
-from automodel.models.families import (
-    check_config_fields,
-    check_model_config,
-    check_vocabulary,
-    config_verdict,
-    table_verdict,
-)
 from automodel.models.frozen_base import quantize_frozen_base, store_frozen_base
-from automodel.models.hf_io import UnshardableCheckpoint, export_hf, load_sharded, publish
+from automodel.models.hf_io import UnshardableCheckpoint, check_finite, export_hf, load_sharded, publish
 from automodel.models.lora import LoraConfig, export_adapter
-from automodel.models.spec import (
-    ModelSpec,
-    check_backend_device,
-    check_checkpoint_tensors,
-    check_finite,
-    check_model_sanity,
-)
+from automodel.models.spec import ModelSpec
 
 _PREFIX = "hf."
 
@@ -66,7 +53,7 @@ logger = logging.getLogger(__name__)
 
 class CausalLMForTraining(nn.Module):
     """A transformers causal LM plus the loss, as one module. Under FSDP2
-    (:func:`automodel.distributed.parallel.apply_fsdp`) each decoder layer, the input embeddings and
+    (:func:`automodel.models.parallelize.apply_fsdp`) each decoder layer, the input embeddings and
     the output head (untied) are units of their own and the root keeps the rest (final norm; tied
     embeddings): the output head is unsharded around :func:`head_output` (its forward method), the
     embeddings around their forward.
@@ -204,81 +191,6 @@ def logit_transform(config: PretrainedConfig) -> dict[str, Any]:
         "logit_scale": scale / divisor if divisor else scale,
         "final_logit_softcap": getattr(config, "final_logit_softcapping", None),
     }
-
-
-def setup_checks(
-    spec: ModelSpec,
-    *,
-    cp_size: int,
-    vocab_needed: int | None,
-    max_sample_tokens: int | None,
-    row_tokens: int | None = None,
-    lora: LoraConfig | None = None,
-) -> tuple[PretrainedConfig, dict]:
-    """Every check of the model that needs no weights: :func:`config_checks`, then
-    :func:`checkpoint_checks`. Returns what :func:`config_checks` returns."""
-    config, entry = config_checks(
-        spec, cp_size=cp_size, max_sample_tokens=max_sample_tokens, row_tokens=row_tokens
-    )
-    checkpoint_checks(spec, config, vocab_needed=vocab_needed, lora=lora)
-    return config, entry
-
-
-def config_checks(
-    spec: ModelSpec, *, cp_size: int, max_sample_tokens: int | None, row_tokens: int | None = None
-) -> tuple[PretrainedConfig, dict]:
-    """The checks that need only the recipe, in the first seconds of a run, before the run directory
-    is written: config readable (and no model class of its own: :meth:`ModelSpec.hf_config`), its fields, the differential check on this
-    config (``model.verify``; else the table's verdict on the type's default config), features vs
-    backend, cp_size, windows vs sample length, the backend on this machine.
-
-    Returns:
-        The config and the verdict (a table entry: status, features, backends), whose
-        ``dense_mask`` (:func:`~automodel.models.families.uses_dense_mask`) :func:`build_model` takes."""
-    config = spec.hf_config()
-    check_model_sanity(
-        config, max_sample_tokens=max_sample_tokens, exceed_max_positions=spec.exceed_max_positions
-    )
-    backend = resolve_attention_backend(spec.attention_backend)
-    check_config_fields(config)
-    entry = model_verdict(spec, config, max_sample_tokens=max_sample_tokens, row_tokens=row_tokens)
-    check_model_config(config, backend, entry, cp_size=cp_size, max_sample_tokens=max_sample_tokens)
-    check_backend_device(
-        backend
-    )  # after the features: a feature no backend computes is the first thing to fix
-    return config, entry
-
-
-def checkpoint_checks(
-    spec: ModelSpec, config: PretrainedConfig, *, vocab_needed: int | None, lora: LoraConfig | None = None
-) -> None:
-    """The tokenizer against the vocabulary (``vocab_needed``: ``len(tokenizer)``, None skips it),
-    the checkpoint's tensor names, shapes and dtypes from its safetensors headers, and ``lora``'s
-    targets against the model's modules."""
-    check_vocabulary(config, vocab_needed)
-    if spec.pretrained_path is None and lora is None:
-        return
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(config, trust_remote_code=spec.trust_remote_code)
-    if spec.pretrained_path is not None:
-        check_checkpoint_tensors(spec.pretrained_path, meta)
-    if lora is not None:
-        lora.check_model(meta)
-
-
-def model_verdict(
-    spec: ModelSpec, config: PretrainedConfig, *, max_sample_tokens: int | None, row_tokens: int | None
-) -> dict:
-    """The differential check's verdict on this config (``model.verify``, cached), else the supported
-    table's on the type's default config, with a warning."""
-    if spec.verify:
-        return config_verdict(config, sample_tokens=max_sample_tokens, row_tokens=row_tokens)
-    logger.warning(
-        "model.verify=false: this config's packed step is not checked against each sample alone; the "
-        "supported table's verdict on the %s default config is used",
-        config.model_type,
-    )
-    return table_verdict(config)
 
 
 def build_model(
@@ -441,9 +353,8 @@ def load_from_rank0(
             torch.manual_seed(seed)  # peft's adapter init (lora_A random, lora_B zero)
             source = lora.apply(source)
         state = {_PREFIX + k: v for k, v in source.state_dict().items()}
-        check_finite(
-            state, f"model.pretrained_path={spec.pretrained_path!r}" if spec.pretrained_path else "init"
-        )
+        where = f"model.pretrained_path={spec.pretrained_path!r}" if spec.pretrained_path else "init"
+        check_finite(state, where, collective=False)  # rank 0 alone holds the source model
         buffers = [{k: v for k, v in source.named_buffers() if k not in persistent}]
         del source
     # weights reach the other ranks' shards by broadcast; an unsharded model (the exactness check's,

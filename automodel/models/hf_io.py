@@ -47,6 +47,7 @@ from transformers import PreTrainedModel
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import PrefixChange, revert_weight_conversion
 
+from automodel.errors import WriteError, write_failure
 from automodel.models.frozen_base import dequantize_float32, is_quantized
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class UnshardableCheckpoint(ValueError):
     builds by arithmetic rather than by reordering); the message says why."""
 
 
-class ExportWriteError(OSError):
+class ExportWriteError(WriteError):
     """The HF export could not be written (full disk, quota, file size limit)."""
 
 
@@ -294,9 +295,7 @@ def load_sharded(hf: PreTrainedModel, path: str | Path, where: str) -> None:
                 group_tensors = {name: tensors[name] for name in group.tensors}
                 _scatter_group(group_tensors, _element_sources(hf, group_tensors), stored)
         dcp.load({**match.direct, **renamed}, storage_reader=HuggingFaceStorageReader(str(path)))
-    check_finite_shards(
-        {**match.direct, **{n: tensors[n] for g in match.converted for n in g.tensors}}, where
-    )
+    check_finite({**match.direct, **{n: tensors[n] for g in match.converted for n in g.tensors}}, where)
 
 
 def _element_sources(hf: PreTrainedModel, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -370,13 +369,14 @@ def _with_owner(module: nn.Module, owner: PreTrainedModel) -> Iterator[tuple[nn.
         yield from _with_owner(child, owner)
 
 
-def check_finite_shards(tensors: dict[str, torch.Tensor], where: str) -> None:
-    """ValueError on every rank naming the tensors with NaN or inf in any rank's part."""
+def check_finite(tensors: dict[str, torch.Tensor], where: str, *, collective: bool = True) -> None:
+    """ValueError naming the tensors with NaN or inf: with ``collective`` on every rank, for any
+    rank's part of a sharded tensor; otherwise for the tensors this rank holds (rank 0's full model)."""
     names = list(tensors)
     bad = torch.tensor(
         [not bool(torch.isfinite(_local(t)[0]).all()) for t in tensors.values()], dtype=torch.float32
     )
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if collective and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(bad)
     listed = [name for name, flag in zip(names, bad.tolist()) if flag]
     if listed:
@@ -569,19 +569,15 @@ def publish(
     staging: Path, directory: Path, failure: BaseException | None, nbytes: int, is_main: bool
 ) -> None:
     """Rename rank 0's finished ``staging`` to ``directory``, or, when rank 0 failed to write it,
-    remove it and raise ExportWriteError on every rank (collective when a process group exists)."""
+    remove it and raise ExportWriteError on every rank (collective when a process group exists;
+    a failure elsewhere than rank 0 is named as such)."""
     failed = torch.tensor([float(failure is not None)])
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast(failed, src=0)
     if failed.item():
         if is_main:
             shutil.rmtree(staging, ignore_errors=True)
-        free = shutil.disk_usage(staging.parent if staging.parent.exists() else Path.cwd()).free
-        cause = f" ({type(failure).__name__}: {failure})" if failure is not None else " (on rank 0)"
-        raise ExportWriteError(
-            f"could not write the export to {staging}{cause}: its weights need {nbytes:,} bytes and {free:,} "
-            f"are free there; free space, or point trainer.output_dir at a larger disk"
-        )
+        raise write_failure(ExportWriteError, "the export", staging, failure, nbytes)
     if is_main:
         shutil.rmtree(directory, ignore_errors=True)
         staging.rename(directory)

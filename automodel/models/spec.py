@@ -4,19 +4,16 @@ from scratch. Either way the model is a transformers class."""
 from __future__ import annotations
 
 import json
-import math
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
-from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, PretrainedConfig
 
 from automodel.attention import ATTENTION_BACKENDS
-from automodel.attention.varlen import varlen_missing
 from automodel.config import refuse_remote_code
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -100,7 +97,7 @@ class ModelSpec:
         """The transformers config; a checkpoint's unreadable config.json is a ValueError naming it."""
         if self.config is not None:
             fields = dict(self.config)
-            _check_sizes(fields, "model.config")
+            check_sizes(fields, "model.config")
             try:
                 return AutoConfig.for_model(fields.pop("model_type"), **fields)
             except StrictDataclassError as error:  # transformers' typed fields: an int where a float goes...
@@ -149,7 +146,7 @@ _SIZES = (
 )
 
 
-def _check_sizes(fields: dict[str, Any], where: str) -> None:
+def check_sizes(fields: dict[str, Any], where: str) -> None:
     for name in _SIZES:
         value = fields.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value < 1:
@@ -160,124 +157,3 @@ def _check_sizes(fields: dict[str, Any], where: str) -> None:
             f"num_attention_heads={heads} in {where} is not a multiple of num_key_value_heads={kv_heads}: "
             "grouped-query attention shares each key/value head among whole groups of query heads"
         )
-
-
-def check_model_sanity(
-    config: PretrainedConfig, *, max_sample_tokens: int | None, exceed_max_positions: bool = False
-) -> None:
-    """ValueError naming the field for a config no run should train: no layer, a NaN or inf in any
-    float (``rms_norm_eps``, ``rope_parameters.rope_theta``...), or samples longer than
-    ``max_position_embeddings`` unless ``model.exceed_max_positions``. Runs at setup, before any data."""
-    layers = getattr(config, "num_hidden_layers", None)
-    if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
-        raise ValueError(
-            f"num_hidden_layers={layers!r} in the model config (model.config, or config.json of "
-            "model.pretrained_path): a model needs at least 1 layer"
-        )
-    where = "fix it in model.config (or config.json of model.pretrained_path)"
-    fields = config.to_dict()
-    _check_sizes(fields, "the model config (model.config, or config.json of model.pretrained_path)")
-    for name, value in _numbers(fields):
-        if not math.isfinite(value):
-            raise ValueError(f"{name}={value} in the model config: must be a finite number; {where}")
-        if _POSITIVE.search(name) and not value > 0:  # a division by it, or a power of it: NaN at step 1
-            raise ValueError(f"{name}={value} in the model config: must be positive; {where}")
-    if fields.get("quantization_config"):
-        method = fields["quantization_config"].get("quant_method", "?")
-        raise ValueError(
-            f"the model config has a quantization_config (quant_method {method!r}): training reads and exports "
-            "unquantized weights, and the export would keep a quantization_config that does not match them; give the "
-            "unquantized checkpoint (peft.quantize_base=nf4 quantizes the frozen base itself)"
-        )
-    vocab = fields.get("vocab_size")
-    for name in ("bos_token_id", "eos_token_id"):
-        ids = fields.get(name)
-        for token in ids if isinstance(ids, list) else [ids]:
-            if token is not None and (not isinstance(token, int) or token < 0 or (vocab and token >= vocab)):
-                raise ValueError(
-                    f"{name}={ids!r} in the model config: token ids are in [0, vocab_size={vocab}); {where}"
-                )
-    if max_sample_tokens is not None:
-        check_max_positions(
-            config, max_sample_tokens, "data.max_length, else the pack size", exceed_max_positions
-        )
-
-
-def check_max_positions(
-    config: PretrainedConfig, sample_tokens: int, source: str, exceed_max_positions: bool
-) -> None:
-    """ValueError when samples of ``sample_tokens`` tokens (``source`` says where that number comes
-    from) are longer than the config's ``max_position_embeddings``, unless ``model.exceed_max_positions``."""
-    limit = getattr(config, "max_position_embeddings", None)
-    if limit is not None and sample_tokens > limit and not exceed_max_positions:
-        raise ValueError(
-            f"samples may have {sample_tokens} tokens ({source}) but the model's max_position_embeddings is "
-            f"{limit}; set data.max_length <= {limit}, or model.exceed_max_positions=true to train past it anyway"
-        )
-
-
-def check_backend_device(backend: str) -> None:
-    """ValueError at setup for ``te`` where Transformer Engine cannot be imported, and ``varlen``
-    (torch's CUDA-only ``varlen_attn``) on a torch without it or a machine without CUDA: either
-    would otherwise fail at the first forward, after all the data work."""
-    if backend == "te":
-        from automodel.attention.te import require_te
-
-        try:
-            require_te()
-        except ImportError as error:
-            raise ValueError(f"model.attention_backend='te': {error}") from None
-    if backend != "varlen":
-        return
-    missing = varlen_missing()
-    if missing is not None:
-        raise ValueError(f"model.attention_backend='varlen': {missing}")
-    if not torch.cuda.is_available():
-        raise ValueError(
-            "model.attention_backend='varlen' runs torch's varlen_attn, which needs a CUDA GPU, and this machine "
-            "has none; use model.attention_backend=auto or portable"
-        )
-
-
-# Config numbers a model divides by or raises to a power: zero or negative makes step 1 NaN.
-_POSITIVE = re.compile(r"(^|\.)(rope_theta|factor|partial_rotary_factor|\w*_eps|\w*epsilon)$")
-
-
-def _numbers(node: Any, prefix: str = ""):
-    """``(dotted name, value)`` for every number in a config dict, nested dicts included."""
-    if isinstance(node, (int, float)) and not isinstance(node, bool):
-        yield prefix, node
-    elif isinstance(node, dict):
-        for key, value in node.items():
-            yield from _numbers(value, f"{prefix}.{key}" if prefix else str(key))
-
-
-def check_checkpoint_tensors(path: str, meta: PreTrainedModel) -> None:
-    """Compare the safetensors headers of a local checkpoint with the tensors of ``meta`` (the model
-    on the meta device), reading no tensor data: each model tensor must be stored under its own name
-    or in the published layout transformers converts at load (Mixtral's per-expert ``w1``/``w2``/``w3``
-    under ``block_sparse_moe``), with the shapes the model needs (:func:`hf_io.match_checkpoint`)."""
-    from automodel.models.hf_io import UnshardableCheckpoint, match_checkpoint, stored_tensors
-
-    try:
-        stored = stored_tensors(path)
-    except UnshardableCheckpoint:
-        weights = ("*.safetensors", "*.bin", "*.pt", "*.pth")
-        if Path(path).is_dir() and not any(next(Path(path).glob(pattern), None) for pattern in weights):
-            raise ValueError(
-                f"model.pretrained_path={path!r} holds no weight files (*.safetensors, pytorch_model*.bin); copy "
-                "them beside its config.json, or give the config as model.config to train from a random init"
-            ) from None
-        return  # a hub id or another format: from_pretrained checks it at load
-    missing = match_checkpoint(meta, stored, f"model.pretrained_path={path!r}").missing
-    if missing:
-        raise ValueError(
-            f"model.pretrained_path={path!r}: its safetensors files lack {len(missing)} tensors the model "
-            f"needs, first {missing[:3]}; the checkpoint is incomplete or for another architecture"
-        )
-
-
-def check_finite(state_dict: dict[str, torch.Tensor], source: str) -> None:
-    for name, tensor in state_dict.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise ValueError(f"{source}: tensor {name!r} holds NaN or inf values; the checkpoint is corrupt")

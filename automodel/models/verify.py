@@ -11,9 +11,9 @@ head in float32; relative error <= ``RTOL``). Where the registered attention is 
 not exact, the type's own attention under a block-diagonal dense mask is checked the same way
 (feature ``dense_mask``); recurrent or convolutional token mixers are refused without it.
 
-``python -m automodel families --verify`` runs it over every type of transformers' causal-LM
-table and writes ``automodel/models/supported.json``, which setup reads
-(:func:`automodel.models.families.check_model_config`): a type is trained only when it is listed
+``automodel families --verify`` (:mod:`automodel.models.support`) runs it over every type of
+transformers' causal-LM table and writes ``automodel/models/supported.json``, which setup reads
+(:func:`automodel.models.setup.check_model_config`): a type is trained only when it is listed
 as verified there. Each other type is listed with why: refused (a named reason) or not buildable
 tiny (the error of building it).
 
@@ -24,24 +24,17 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
-import signal
-import sys
-import traceback
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import (
-    AutoConfig,
     AutoModelForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
 )
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from automodel.attention.hf import (
     FEATURES,
@@ -50,82 +43,21 @@ from automodel.attention.hf import (
     register_thd_attention,
     thd_attention_forward,
 )
-from automodel.attention.metadata import ThdAttentionMetadata
-from automodel.loss import transform_logits
+from automodel.data import collate
+from automodel.loss import CROSS_ENTROPY_IGNORE_INDEX, transform_logits
+from automodel.models.build import (
+    CausalLMForTraining,
+    build_model,
+    logit_transform,
+    own_attention_implementation,
+)
+from automodel.models.inputs import model_inputs
+from automodel.models.spec import ModelSpec
 
-SUPPORTED_TABLE = Path(__file__).with_name("supported.json")
 RTOL = 1e-5
 GRAD_FLOOR = 1e-9  # of the largest gradient's norm: the scale below which a gradient is zero
 REAL_LENS = (7, 12, 5, 9)  # packed sample lengths; windows and chunks below are shorter than most
-WINDOW = 4
 PAD_MULTIPLE = 4
-
-# Fields shrunk in every (sub-)config: name -> tiny value. Windows and chunks stay below the
-# samples' lengths; vocabulary large enough for every special token we keep.
-_TINY = {
-    "hidden_size": 32,
-    "n_embd": 32,
-    "d_model": 32,
-    "dim": 32,
-    "embed_dim": 32,
-    "word_embed_proj_dim": 32,
-    "intermediate_size": 64,
-    "ffn_dim": 64,
-    "n_inner": 64,
-    "ffn_hidden_size": 64,
-    "decoder_ffn_dim": 64,
-    "moe_intermediate_size": 16,
-    "shared_expert_intermediate_size": 16,
-    "expert_intermediate_size": 16,
-    "num_hidden_layers": 2,
-    "n_layer": 2,
-    "num_layers": 2,
-    "n_layers": 2,
-    "decoder_layers": 2,
-    "num_attention_heads": 4,
-    "n_head": 4,
-    "n_heads": 4,
-    "decoder_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "num_kv_heads": 2,
-    "head_dim": 8,
-    "kv_lora_rank": 8,
-    "q_lora_rank": 16,
-    "qk_rope_head_dim": 4,
-    "qk_nope_head_dim": 8,
-    "v_head_dim": 6,
-    "num_experts": 4,
-    "num_local_experts": 4,
-    "n_routed_experts": 4,
-    "moe_num_experts": 4,
-    "num_experts_per_tok": 2,
-    "moe_topk": 2,
-    "n_group": 1,
-    "topk_group": 1,
-    "n_shared_experts": 1,
-    "first_k_dense_replace": 1,
-    "vocab_size": 128,
-    "max_position_embeddings": 128,
-    "n_positions": 128,
-    "sliding_window": WINDOW,
-    "window_size": WINDOW,  # GPT-Neo's local attention layers
-    "attention_chunk_size": WINDOW,
-    "rotary_dim": 4,
-}
-_ZERO = (
-    "attention_dropout",
-    "hidden_dropout",
-    "dropout",
-    "attn_pdrop",
-    "resid_pdrop",
-    "embd_pdrop",
-    "attention_probs_dropout_prob",
-    "hidden_dropout_prob",
-    "activation_dropout",
-    "layerdrop",
-    "router_jitter_noise",
-    "input_jitter_noise",
-)
 
 
 class NotBuildable(Exception):
@@ -146,157 +78,6 @@ class Verdict:
 
 # ---------------------------------------------------------------------------------------------
 # tiny configs and models
-
-
-def tiny_config(model_type: str) -> PretrainedConfig:
-    """transformers' default config of ``model_type``, every size field shrunk (sub-configs too),
-    dropout off, special token ids inside the vocabulary, ``layer_types`` cut to the layer count
-    keeping one layer of each kind, other per-layer lists cut to the layer count (so that
-    ``save_pretrained`` accepts the config); ``is_decoder`` on, as a causal LM of an encoder family
-    (BertGeneration, RoBERTa) is configured to be used."""
-    config = AutoConfig.for_model(model_type, is_decoder=True)
-    _shrink(config)
-    for name in getattr(config, "sub_configs", {}) or {}:
-        sub = getattr(config, name, None)
-        if isinstance(sub, PretrainedConfig):
-            _shrink(sub)
-    return config
-
-
-def width_config(config: PretrainedConfig) -> PretrainedConfig:
-    """A run's own ``config`` shrunk in width only (hidden sizes, heads, experts, vocabulary, as in
-    :func:`tiny_config`), dropout off, and cut in depth to one layer of each kind
-    (:func:`_cut_depth`): every layer kind, flag, pattern, window, chunk, block size and position
-    threshold stays as the run will train it."""
-    config = copy.deepcopy(config)
-    _shrink(config, widths_only=True)
-    for name in getattr(config, "sub_configs", {}) or {}:
-        sub = getattr(config, name, None)
-        if isinstance(sub, PretrainedConfig):
-            _shrink(sub, widths_only=True)
-    _cut_depth(config)
-    return config
-
-
-# what width_config keeps: depth (cut by _cut_depth instead) and every length a run can cross
-_LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")
-_DEPTH_AND_LENGTHS = {
-    *_LAYER_COUNTS,
-    "max_position_embeddings",
-    "n_positions",
-    "sliding_window",
-    "window_size",
-    "attention_chunk_size",
-}
-# integer fields that set a per-layer pattern at build time (every k-th layer, the first k dense)
-_LAYER_PATTERN_INTS = ("interval", "_step", "_freq", "first_k_dense")
-
-
-def _cut_depth(config: PretrainedConfig) -> None:
-    """Keep one layer of each kind: the first layer of each value of every per-layer list
-    (``layer_types``, ``no_rope_layers``, ``mlp_layer_types``...), the first layer in and the first
-    out of each index list (``moe_layers``, ``full_attn_idxs``), and the first layers up to one
-    period of each pattern integer (every k-th layer, the first k dense), which the class reads by
-    layer index. Per-layer lists keep the chosen layers' entries, index lists their new indices."""
-    layers = getattr(config, "num_hidden_layers", None)
-    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 2:
-        return
-    fields = {k: v for k, v in config.to_dict().items() if not k.endswith("token_id") and isinstance(v, list)}
-    index_lists = {
-        k: v for k, v in fields.items()
-        if v and ("layer" in k or "idx" in k) and v == sorted(set(v))
-        and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in v)
-    }  # fmt: skip
-    per_layer = {k: v for k, v in fields.items() if len(v) == layers and k not in index_lists}
-    keep = {0, 1}
-    for values in per_layer.values():
-        kinds = [repr(v) for v in values]
-        keep |= {kinds.index(kind) for kind in set(kinds)}
-    for values in index_lists.values():
-        keep |= {values[0], next((i for i in range(layers) if i not in values), 0)}
-    for name, value in config.to_dict().items():
-        if (
-            isinstance(value, int)
-            and not isinstance(value, bool)
-            and any(p in name for p in _LAYER_PATTERN_INTS)
-        ):
-            keep |= set(range(min(value + 1, layers)))
-    chosen = sorted(i for i in keep if i < layers)
-    config.num_hidden_layers = len(chosen)
-    for name, values in per_layer.items():
-        setattr(config, name, [values[i] for i in chosen])
-    for name, values in index_lists.items():
-        setattr(config, name, [chosen.index(i) for i in values if i in chosen])
-
-
-def _shrink(config: PretrainedConfig, widths_only: bool = False) -> None:
-    counts = {
-        name: getattr(config, name) for name in _LAYER_COUNTS if isinstance(getattr(config, name, None), int)
-    }
-    sizes = {k: v for k, v in _TINY.items() if not (widths_only and k in _DEPTH_AND_LENGTHS)}
-    for name, current in config.to_dict().items():  # family-specific names: *vocab*, hidden_size_*
-        if isinstance(current, int) and ("vocab" in name or name.startswith("hidden_size")):
-            sizes.setdefault(name, _TINY["vocab_size"] if "vocab" in name else _TINY["hidden_size"])
-    for name, value in sizes.items():
-        current = getattr(config, name, None)
-        if isinstance(current, int) and not isinstance(current, bool) and current > value:
-            setattr(config, name, value)
-    if (
-        hasattr(config, "head_dim")
-        and config.head_dim is None
-        and isinstance(config.num_attention_heads, int)
-    ):
-        config.head_dim = config.hidden_size // config.num_attention_heads
-    if getattr(config, "num_key_value_heads", None) is None and hasattr(config, "num_key_value_heads"):
-        config.num_key_value_heads = _TINY["num_key_value_heads"]
-    for name in (
-        "num_local_experts",
-        "n_routed_experts",
-        "num_experts_per_tok",
-        "n_group",
-        "topk_group",
-        "n_shared_experts",
-    ):
-        # unset expert counts and routing sizes of a tiny MoE
-        if hasattr(config, name) and getattr(config, name) is None:
-            setattr(config, name, _TINY[name])
-    if isinstance(getattr(config, "kv_lora_rank", None), int) and hasattr(config, "num_key_value_heads"):
-        config.num_key_value_heads = config.num_attention_heads  # MLA: one key/value head per query head
-    if isinstance(getattr(config, "qk_rope_head_dim", None), int):  # MLA: RoPE is sized by head_dim
-        if hasattr(config, "qk_head_dim"):
-            config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
-        if hasattr(config, "head_dim"):
-            config.head_dim = config.qk_rope_head_dim
-    for name, value in config.to_dict().items():  # dropout and router noise off: both runs deterministic
-        if isinstance(value, float) and (name in _ZERO or "dropout" in name or "pdrop" in name):
-            setattr(config, name, 0.0)
-    vocab = getattr(config, "vocab_size", None)
-    for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id"):
-        value = getattr(config, name, None)
-        if isinstance(vocab, int) and isinstance(value, int) and value >= vocab:
-            setattr(config, name, vocab - 1 - ("bos" in name))
-        elif isinstance(vocab, int) and isinstance(value, list):
-            setattr(config, name, [v for v in value if v < vocab] or [vocab - 1])
-    if widths_only:
-        return
-    layers = getattr(config, "num_hidden_layers", None)
-    layer_types = getattr(config, "layer_types", None)
-    if isinstance(layers, int) and isinstance(layer_types, list) and len(layer_types) != layers:
-        kinds = list(dict.fromkeys(layer_types))  # first-appearance order
-        config.num_hidden_layers = max(layers, len(kinds))
-        config.layer_types = (kinds * config.num_hidden_layers)[: config.num_hidden_layers]
-    for (
-        count,
-        before,
-    ) in counts.items():  # per-layer lists (GPT-Neo's attention_layers): one entry per layer kept
-        after = getattr(config, count)
-        for name, value in config.to_dict().items():
-            if name != "layer_types" and isinstance(value, list) and len(value) == before > after:
-                setattr(config, name, value[:after])
-    for name in ("mlp_layer_types", "mlp_only_layers"):
-        value = getattr(config, name, None)
-        if isinstance(value, list) and isinstance(layers, int) and len(value) > config.num_hidden_layers:
-            setattr(config, name, value[: config.num_hidden_layers])
 
 
 @torch.no_grad()
@@ -326,7 +107,7 @@ def sample_pairs(
     for n in lengths:
         ids = torch.randint(1, vocab, (n,), generator=g)
         labels = torch.randint(1, vocab, (n,), generator=g)
-        labels[:2] = -100
+        labels[:2] = CROSS_ENTROPY_IGNORE_INDEX
         out.append((ids, labels))
     return out
 
@@ -349,18 +130,15 @@ def _padded(n: int) -> int:
     return -(-n // PAD_MULTIPLE) * PAD_MULTIPLE
 
 
-def packed_row(samples) -> tuple[dict, ThdAttentionMetadata]:
-    """The samples as the run lays them out: :func:`build_row` (each padded to ``PAD_MULTIPLE``, as
-    for two CP ranks) -> :func:`packed_sequence_thd_collater` -> :func:`make_cp_batch_for_te` (one
-    rank), and the layout the trainer gives the model."""
-    from automodel.data.collate import build_row, packed_sequence_thd_collater
-    from automodel.distributed.cp_sharding import make_cp_batch_for_te
-
-    row = build_row(
+def packed_row(samples, vocab_size: int) -> dict:
+    """The samples as the run lays them out: ``build_row`` (each padded to ``PAD_MULTIPLE``, as for
+    two CP ranks) -> ``packed_sequence_thd_collater`` -> :func:`model_inputs` (one rank), the
+    recipe's own road to the model. Looked up in :mod:`automodel.data.collate` at each call, so the
+    check runs whatever the data path is."""
+    row = collate.build_row(
         [{"input_ids": x.numpy(), "labels": y.numpy()} for x, y in samples], cp_size=PAD_MULTIPLE // 2
     )
-    thd = make_cp_batch_for_te(None, packed_sequence_thd_collater([row]))
-    return thd, ThdAttentionMetadata.from_batch(thd)
+    return model_inputs(collate.packed_sequence_thd_collater([row]), vocab_size=vocab_size)
 
 
 @dataclass
@@ -401,7 +179,6 @@ def _reference(config: PretrainedConfig, state: dict, samples) -> tuple[float, t
     """Token-mean loss, logits ``[T_real, V]`` and gradients, each sample run alone through the
     class's own ``forward`` (its own attention, head and logit transform) and a float64
     cross-entropy of those logits: nothing of the project's model wrapper, data path or loss."""
-    from automodel.models.build import own_attention_implementation
 
     # a copy: from_config sets the config's attention implementation, which the packed model shares.
     # SDPA where the class has it: transformers' eager attention takes the softmax in float32, whose
@@ -411,14 +188,17 @@ def _reference(config: PretrainedConfig, state: dict, samples) -> tuple[float, t
         config, attn_implementation=own_attention_implementation(config), dtype=torch.float64
     ).train()
     model.load_state_dict(state, strict=False)
-    n_labels = sum(int((y != -100).sum()) for _, y in samples)
+    n_labels = sum(int((y != CROSS_ENTROPY_IGNORE_INDEX).sum()) for _, y in samples)
     total, logits = 0.0, []
     for x, y in samples:
         try:
             logits_LV = model(input_ids=x[None], use_cache=False).logits[0]
         except Exception as error:  # transformers' own model cannot run this config
-            raise NotBuildable(_one_line(error)) from error
-        loss = F.cross_entropy(logits_LV.double(), y, ignore_index=-100, reduction="sum") / n_labels
+            raise NotBuildable(one_line(error)) from error
+        loss = (
+            F.cross_entropy(logits_LV.double(), y, ignore_index=CROSS_ENTROPY_IGNORE_INDEX, reduction="sum")
+            / n_labels
+        )
         loss.backward()
         total += float(loss.detach())
         logits.append(logits_LV.detach())
@@ -444,8 +224,6 @@ def packed_step_errors(
     ``model.compile`` does) against each sample alone (:func:`_reference`). ``errors`` lists each
     mismatch (empty when exact): the loss, the logits of the worst token (each token against its
     own norm) and each gradient against its own norm."""
-    from automodel.models.build import build_model, logit_transform
-    from automodel.models.spec import ModelSpec
 
     config = copy.deepcopy(config)
     # float64 on both sides, so a difference is the layout's, not rounding's; torch's grouped GEMM has
@@ -468,10 +246,11 @@ def packed_step_errors(
     samples = sample_pairs(min(vocab, getattr(config, "vocab_size", vocab) or vocab), seed, lengths)
     ref_loss, ref_logits, ref_grads = _reference(config, state, samples)
 
-    thd, meta = packed_row(samples)
-    n_labels = int((thd["labels"] != -100).sum())
+    thd = packed_row(samples, vocab)
+    meta = thd["attn_meta"]
     with _recording() as calls:
-        loss = model(thd["input_ids"], thd["position_ids"], thd["labels"], meta) / n_labels
+        loss = model(thd["input_ids"], thd["position_ids"], thd["labels"], meta, thd["label_positions"])
+        loss = loss / thd["label_tokens"]
         loss.backward()
         with torch.no_grad():
             hidden = model.hidden_states(thd["input_ids"], thd["position_ids"], meta)
@@ -563,7 +342,6 @@ def token_mixers(model: nn.Module) -> list[str]:
 def _head_is_more_than_lm_head(config: PretrainedConfig, seed: int = 0) -> bool:
     """Whether the class's logits differ from its output embeddings applied to the decoder's final
     hidden states (with the family's logit transform): a projection or norm sits between them."""
-    from automodel.models.build import CausalLMForTraining, logit_transform
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(
@@ -595,26 +373,6 @@ def _ignores_position_ids(config: PretrainedConfig, seed: int = 0) -> bool:
     return bool(torch.equal(a, b))
 
 
-def verify(model_type: str) -> Verdict:
-    """The differential for one type's default config (:func:`tiny_config`), with the reason when it
-    fails. A window left off by default (``sliding_window: null``) is verified switched on too."""
-    try:
-        config = tiny_config(model_type)
-    except Exception as error:  # any failure to build is recorded as the reason, not raised
-        return Verdict("not_buildable", _one_line(error))
-    verdict = verify_config(config)
-    if verdict.status == "verified" and getattr(config, "sliding_window", 0) is None:
-        windowed = copy.deepcopy(config)
-        windowed.sliding_window = WINDOW
-        with contextlib.suppress(Exception):
-            windowed_errors, windowed_calls, windowed_worst = packed_step_errors(windowed)
-            if not windowed_errors:
-                verdict.features = sorted(set(verdict.features) | set(_features(windowed, windowed_calls)))
-                verdict.backends = _backends(verdict.features)
-                verdict.max_error = max(verdict.max_error, float(f"{windowed_worst:.1e}"))
-    return verdict
-
-
 def verify_config(
     config: PretrainedConfig, lengths: tuple[int, ...] = REAL_LENS, dense_mask_fallback: bool = True
 ) -> Verdict:
@@ -629,7 +387,7 @@ def verify_config(
         with torch.device("meta"):
             probe = AutoModelForCausalLM.from_config(copy.deepcopy(config))
     except Exception as error:  # any failure to build is recorded as the reason, not raised
-        return Verdict("not_buildable", _one_line(error))
+        return Verdict("not_buildable", one_line(error))
     # where the THD path is not exact, recurrent state crossing samples is the reason whatever the attention does
     mixers = token_mixers(probe)
     recurrent = Verdict("refused", REASONS["recurrent"].format(", ".join(mixers)))
@@ -640,7 +398,7 @@ def verify_config(
     except Exception as error:  # classified below; the message is kept
         if mixers:
             return recurrent
-        message = _one_line(error)
+        message = one_line(error)
         refusal = None  # transformers' attention table has no entry for the name: its own attention code
         for marker, reason in (
             ("without thd_layout", REASONS["drops_layout"]),
@@ -658,7 +416,7 @@ def verify_config(
             verify_dense_mask(config, refusal, lengths) if dense_mask_fallback or refusal is None else refusal
         )
     if not errors:
-        features = _features(config, calls)
+        features = features_of(config, calls)
         # a window field that no layer applies (verified exact with it set): setup need not restrict it
         ignores = (
             ["sliding_window"] if getattr(config, "sliding_window", None) and "window" not in features else []
@@ -666,7 +424,7 @@ def verify_config(
         return Verdict(
             "verified",
             features=features,
-            backends=_backends(features),
+            backends=backends_for(features),
             ignores=ignores,
             max_error=float(f"{worst:.1e}"),
         )
@@ -696,12 +454,15 @@ def verify_dense_mask(
     try:
         errors, calls, worst = packed_step_errors(config, lengths=lengths, dense_mask=True)
     except Exception as error:  # the reason is recorded, not raised
-        why, max_error = _one_line(error), None
+        why, max_error = one_line(error), None
     else:
         if not errors:
-            features = sorted(set(_features(config, calls)) | {"dense_mask"})
+            features = sorted(set(features_of(config, calls)) | {"dense_mask"})
             return Verdict(
-                "verified", features=features, backends=_backends(features), max_error=float(f"{worst:.1e}")
+                "verified",
+                features=features,
+                backends=backends_for(features),
+                max_error=float(f"{worst:.1e}"),
             )
         why, max_error = "; ".join(errors[:2]), float(f"{worst:.1e}")
     if refusal is not None:
@@ -709,13 +470,12 @@ def verify_dense_mask(
     return Verdict("refused", REASONS["no_attention_interface"].format(why), max_error=max_error)
 
 
-def _one_line(error: BaseException) -> str:
+def one_line(error: BaseException) -> str:
     text = f"{type(error).__name__}: {error}".splitlines()[0]
     return text[:200]
 
 
-def _features(config: PretrainedConfig, calls: _Calls) -> list[str]:
-    from automodel.models.build import logit_transform
+def features_of(config: PretrainedConfig, calls: _Calls) -> list[str]:
 
     features = set(calls.features)
     transform = logit_transform(config)
@@ -738,133 +498,9 @@ BACKEND_LACKS = {
 }
 
 
-def _backends(features: list[str]) -> list[str]:
+def backends_for(features: list[str]) -> list[str]:
     return [b for b, lacks in BACKEND_LACKS.items() if not lacks & set(features)]
 
 
 # ---------------------------------------------------------------------------------------------
 # the table
-
-
-def causal_lm_types() -> list[str]:
-    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-
-
-class _TooSlow(BaseException):  # not caught by the checks' own `except Exception`
-    pass
-
-
-def _too_slow(signum, frame):
-    raise _TooSlow
-
-
-def sweep(types: list[str], log=print, seconds_per_type: int = 120) -> dict[str, dict]:
-    """Each type's verdict; a type whose tiny model takes longer than ``seconds_per_type`` is listed
-    as not buildable tiny."""
-    table = {}
-    previous = signal.signal(signal.SIGALRM, _too_slow)
-    for model_type in types:
-        signal.alarm(seconds_per_type)
-        try:
-            verdict = verify(model_type)
-        except _TooSlow:
-            verdict = Verdict("not_buildable", f"its tiny config takes over {seconds_per_type} s to check")
-        except Exception as error:  # a bug in a check must not stop the sweep; it is recorded
-            verdict = Verdict("refused", REASONS["differs"].format(_one_line(error)))
-            log(traceback.format_exc())
-        finally:
-            signal.alarm(0)
-        table[model_type] = {k: v for k, v in asdict(verdict).items() if v not in ("", [], None)}
-        log(f"{model_type:28} {verdict.status:13} {verdict.reason or ', '.join(verdict.features)}")
-    signal.signal(signal.SIGALRM, previous)
-    return table
-
-
-def write_table(table: dict[str, dict], path: Path = SUPPORTED_TABLE) -> None:
-    import transformers
-
-    document = {
-        "generated_by": "python -m automodel families --verify",
-        "transformers": transformers.__version__,
-        "torch": torch.__version__.split("+")[0],
-        "rtol": RTOL,
-        "types": dict(sorted(table.items())),
-    }
-    path.write_text(json.dumps(document, indent=1) + "\n")
-
-
-def read_table(path: Path = SUPPORTED_TABLE) -> dict:
-    return json.loads(path.read_text())
-
-
-def markdown_table(document: dict) -> str:
-    """The README's supported-families table, printed from the table file."""
-    types = document["types"]
-    rows = ["| `model_type` | features | backends |", "|---|---|---|"]
-    for name, entry in types.items():
-        if entry["status"] == "verified":
-            rows.append(
-                f"| `{name}` | {', '.join(entry.get('features', [])) or 'plain'} | "
-                f"{', '.join(entry['backends'])} |"
-            )
-    refused = ["| `model_type` | why refused |", "|---|---|"]
-    for name, entry in types.items():
-        if entry["status"] != "verified":
-            kind = "not buildable tiny: " if entry["status"] == "not_buildable" else ""
-            refused.append(f"| `{name}` | {kind}{entry['reason'].replace('|', '/')} |")
-    counts = {
-        s: sum(e["status"] == s for e in types.values()) for s in ("verified", "refused", "not_buildable")
-    }
-    head = (
-        f"transformers {document['transformers']}: {counts['verified']} verified, {counts['refused']} refused, "
-        f"{counts['not_buildable']} not buildable tiny, of {len(types)} causal-LM types."
-    )
-    return "\n".join([head, "", *rows, "", *refused]) + "\n"
-
-
-def main(argv: list[str]) -> int:
-    """``automodel families [--verify [TYPE ...]] [--markdown]``."""
-    import argparse
-    import logging
-    import warnings
-
-    parser = argparse.ArgumentParser(
-        prog="automodel families",
-        description="The supported model types (automodel/models/supported.json), or re-verify them.",
-    )
-    parser.add_argument(
-        "--verify",
-        nargs="*",
-        metavar="TYPE",
-        help="run the differential check on these types (all causal-LM types when none given) "
-        "and update the table",
-    )
-    parser.add_argument("--markdown", action="store_true", help="print the README table")
-    args = parser.parse_args(argv)
-    if args.verify is None:
-        document = read_table()
-        if args.markdown:
-            print(markdown_table(document), end="")
-        else:
-            for name, entry in document["types"].items():
-                print(
-                    f"{name:28} {entry['status']:13} {entry.get('reason') or ', '.join(entry.get('features', []))}"
-                )
-        return 0
-    unknown = sorted(set(args.verify) - set(causal_lm_types()))
-    if unknown:
-        print(f"automodel families: not in transformers' causal-LM table: {unknown}", file=sys.stderr)
-        return 2
-    warnings.filterwarnings("ignore")
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    table = sweep(args.verify or causal_lm_types())
-    document = read_table() if args.verify and SUPPORTED_TABLE.exists() else {"types": {}}
-    write_table({**document["types"], **table})
-    counts = {
-        s: sum(e["status"] == s for e in table.values()) for s in ("verified", "refused", "not_buildable")
-    }
-    print(
-        f"{len(table)} types: {counts['verified']} verified, {counts['refused']} refused, "
-        f"{counts['not_buildable']} not buildable tiny; written to {SUPPORTED_TABLE}"
-    )
-    return 0

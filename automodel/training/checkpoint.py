@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from automodel.config import ConfigError
+from automodel.errors import WriteError, write_failure
 from automodel.models.frozen_base import is_quantized
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ META = "meta.json"
 DATA = "data.json"
 
 
-class CheckpointWriteError(OSError):
+class CheckpointWriteError(WriteError):
     """A checkpoint could not be written (full disk, quota, file size limit)."""
 
 
@@ -360,13 +361,8 @@ class Checkpointer:
             needed = self._bytes_needed(model_state, optim_state)
             if self.rank == 0:
                 shutil.rmtree(staging, ignore_errors=True)
-            free = shutil.disk_usage(self.root).free
-            detail = (
-                f" ({type(cause).__name__}: {cause})" if cause is not None else " (failed on another rank)"
-            )
-            raise CheckpointWriteError(
-                f"could not write the checkpoint of step {step} to {staging}{detail}: it needs about {needed:,} "
-                f"bytes and {free:,} are free there; free space, or point trainer.output_dir at a larger disk"
+            raise write_failure(
+                CheckpointWriteError, f"the checkpoint of step {step}", staging, cause, needed
             )
         if self.rank == 0:
             dp_size, cp_size = mesh_sizes

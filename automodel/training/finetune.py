@@ -20,21 +20,18 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
-from tqdm.contrib.logging import logging_redirect_tqdm
 
-from automodel.attention import ThdAttentionMetadata
 from automodel.config import build_section
+from automodel.console import configure_console, on_terminal
 from automodel.data.batching import LoaderEnv
-from automodel.distributed import make_cp_batch_for_te
-from automodel.distributed.parallel import apply_fsdp, init_distributed
+from automodel.distributed.parallel import init_distributed
 from automodel.errors import ConfigError, DataError, ModelError, UserError
-from automodel.loss import label_positions
 from automodel.models import CausalLMForTraining, build_model, export_model
-from automodel.models.build import checkpoint_checks, config_checks
-from automodel.models.families import uses_dense_mask
-from automodel.models.spec import check_max_positions
+from automodel.models.inputs import model_inputs
+from automodel.models.parallelize import apply_fsdp
+from automodel.models.setup import check_max_positions, checkpoint_checks, config_checks
+from automodel.models.support import uses_dense_mask
 from automodel.training.checkpoint import Checkpointer, NonFiniteError
-from automodel.training.console import configure_console, on_terminal
 from automodel.training.host_syncs import record_host_syncs
 from automodel.training.metrics import open_metrics_log, plot_loss_curve, read_metrics
 from automodel.training.model_card import write_adapter_card
@@ -42,8 +39,6 @@ from automodel.training.run_dir import RECIPE, RunDirectory, check_ranks_agree
 from automodel.training.validation import evaluate
 
 logger = logging.getLogger("automodel")
-
-_DEVICE_KEYS = ("input_ids", "labels", "position_ids", "label_positions")
 
 
 class FinetuneRecipe:
@@ -389,19 +384,11 @@ class FinetuneRecipe:
         return result.as_record()
 
     def _shard(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """This CP rank's share of a collated micro-batch. Its layout, label positions and token
-        counts are read from the host tensors; only what the model computes on is queued to the device."""
-        thd = make_cp_batch_for_te(self.dims.cp_mesh if self.dims.cp_size > 1 else None, batch)
-        thd["attn_meta"] = ThdAttentionMetadata.from_batch(thd, cp_group=self.dims.cp_group).prefetch(
-            self.dims.device
+        """This CP rank's share of a collated micro-batch, as the model takes it (:func:`model_inputs`)."""
+        cp_mesh = self.dims.cp_mesh if self.dims.cp_size > 1 else None
+        return model_inputs(
+            batch, vocab_size=self.hf_config.vocab_size, cp_mesh=cp_mesh, device=self.dims.device
         )
-        thd["label_positions"] = label_positions(thd["labels"], self.hf_config.vocab_size)
-        thd["label_tokens"] = thd["label_positions"].numel()
-        thd["real_tokens"] = int((~thd["padding_mask"]).sum())
-        thd["slots"] = thd["padding_mask"].numel()
-        for key in _DEVICE_KEYS:
-            thd[key] = thd[key].to(self.dims.device, non_blocking=True)
-        return thd
 
     def _grad_norm_after_clipping(self) -> torch.Tensor:
         """The total gradient norm before clipping, a 0-dim tensor on the device (not read here)."""
@@ -494,35 +481,3 @@ def _as_user_error(kind: type[UserError], errors: tuple[type[Exception], ...] = 
         raise
     except errors as error:
         raise kind(str(error)) from error
-
-
-def recipe_class(cfg: DictConfig) -> type[FinetuneRecipe]:
-    """:class:`FinetuneRecipe`, or with a ``dpo`` section the DPO objective on the same trainer.
-    Preference data or batching without one would train SFT on the rejected answers: refused."""
-    preference = [
-        f"{name}._target_={cfg[name]._target_}" for name in ("data", "packing")
-        if str((cfg.get(name) or {}).get("_target_", "")).startswith("automodel.data.preference.")
-    ]  # fmt: skip
-    if preference and cfg.get("dpo") is None:
-        raise ConfigError(
-            f"{', '.join(preference)} holds preference pairs, which need a dpo section (dpo=sigmoid)"
-        )
-    if cfg.get("dpo") is not None:
-        from automodel.training.dpo import DPORecipe  # imports this module
-
-        return DPORecipe
-    return FinetuneRecipe
-
-
-def run(cfg: DictConfig) -> FinetuneRecipe:
-    recipe = recipe_class(cfg)(cfg)
-    failed = True
-    try:
-        recipe.setup()
-        with logging_redirect_tqdm(loggers=[logging.getLogger()]):  # log lines print above the progress bar
-            recipe.train()
-        dist.barrier()  # rank 0 may still be exporting; gloo aborts ranks whose peers tear down first
-        failed = False
-    finally:
-        recipe.cleanup(failed)
-    return recipe

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import resource
 import shutil
 import signal
@@ -43,7 +44,7 @@ from automodel.distributed.thd import BatchKeyError
 from automodel.errors import DataError
 from automodel.te_support import te_pytorch
 from automodel.training.checkpoint import read_dcp_metadata
-from automodel.training.finetune import recipe_class, run
+from automodel.training.run import recipe_class, run
 from automodel.training.run_dir import RunDirectory
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -838,7 +839,7 @@ def test_paths_the_filesystem_refuses_are_named_in_one_line(tmp_path, monkeypatc
 
 def test_a_val_fraction_that_leaves_nothing_to_train_on_is_named_as_such():
     """datasets' own message spoke of test_size and train_size, which no recipe has."""
-    from automodel.data.sft_data import hold_out
+    from automodel.data.section import hold_out
 
     rows = _rows(3, 4, 5, 2)
     with pytest.raises(ValueError) as error:
@@ -890,6 +891,31 @@ def test_dyn_bsz_with_no_sample_within_both_limits_names_both_limits():
         r"packing.max_tokens_per_micro_batch=3 \(label tokens\)",
     ):
         mode.build(rows, LoaderEnv())
+
+
+def test_a_full_disk_during_the_export_is_one_line_with_the_bytes_and_the_way_out(tmp_path, capsys):
+    """The export's write failure takes the checkpoint's path: one line, exit 1 (was a traceback). The
+    finished run's rerun with trainer.export_hf=true only exports, under a file size limit its weights
+    (float32, about 3.4 MB) pass."""
+    from automodel.cli import main
+
+    run = [*FAST, f"trainer.output_dir={tmp_path / 'run'}"]
+    assert main(["finetune", "tiny_llama_sft", *run]) == 0
+    capsys.readouterr()
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1_000_000, limits[1]))
+    try:
+        code = main(["finetune", "tiny_llama_sft", *run, "trainer.export_hf=true"])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, previous)
+    err = capsys.readouterr().err
+    assert code == 1
+    assert f"automodel finetune: could not write the export to {tmp_path / 'run' / 'hf.tmp'}" in err, err
+    assert re.search(r"it needs about [\d,]+ bytes and [\d,]+ are free there", err), err
+    assert "run the same command again" in err and "Traceback" not in err
+    assert not (tmp_path / "run" / "hf").exists() and not (tmp_path / "run" / "hf.tmp").exists()
 
 
 def test_a_write_the_filesystem_refuses_mid_run_is_one_line_with_the_way_out(tmp_path, capsys):

@@ -16,7 +16,7 @@ from torchrun import REPO_ROOT, recipe_run, run_recipes
 
 from automodel.cli import main
 from automodel.config import load_recipe
-from automodel.training.finetune import run
+from automodel.training.run import run
 
 pytestmark = pytest.mark.distributed
 

@@ -20,7 +20,7 @@ from workers.hf_families import (
 )
 
 from automodel.models import ModelSpec, build_model, setup_checks
-from automodel.models.families import uses_dense_mask
+from automodel.models.support import uses_dense_mask
 
 # every verified family; llama first: the bf16 check runs on the first
 DISTRIBUTED_FAMILIES = ["llama", *sorted(set(FAMILIES) - {"llama"})]

@@ -23,7 +23,7 @@ import torch
 from torchrun import REPO_ROOT, recipe_run, run_recipes
 
 from automodel.config import load_recipe
-from automodel.training.finetune import run
+from automodel.training.run import run
 
 pytestmark = pytest.mark.distributed
 

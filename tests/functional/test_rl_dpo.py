@@ -52,7 +52,7 @@ DPO_COMPARED = ("loss", "grad_norm", "reward_chosen", "reward_rejected", "reward
 
 def dpo_one_process(output_dir, *overrides):
     from automodel.config import load_recipe
-    from automodel.training.finetune import run
+    from automodel.training.run import run
 
     run(load_recipe("tiny_llama_dpo", [f"trainer.output_dir={output_dir}", *DPO_FAST, *overrides]))
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
@@ -79,7 +79,7 @@ def test_dpo_step_losses_equal_a_hand_computation_from_eager_log_probs(tmp_path)
     from transformers import AutoModelForCausalLM
 
     from automodel.config import load_recipe
-    from automodel.training.finetune import recipe_class
+    from automodel.training.run import recipe_class
 
     cfg = load_recipe("tiny_llama_dpo", [f"trainer.output_dir={tmp_path}", *DPO_FAST, "trainer.max_steps=2"])
     recipe = recipe_class(cfg)(cfg)
@@ -137,7 +137,7 @@ def test_dpo_validation_equals_a_hand_computation_over_the_validation_pairs(tmp_
     from transformers import AutoModelForCausalLM
 
     from automodel.config import load_recipe
-    from automodel.training.finetune import recipe_class
+    from automodel.training.run import recipe_class
 
     overrides = [o for o in DPO_FAST if not o.startswith("data.val_fraction")]
     cfg = load_recipe("tiny_llama_dpo", [f"trainer.output_dir={tmp_path}", *overrides, "trainer.max_steps=1",

@@ -21,8 +21,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from automodel.config import ConfigError, load_recipe
 from automodel.data.sft_data import SFTData
-from automodel.training.finetune import run
 from automodel.training.metrics import read_metrics
+from automodel.training.run import run
 from automodel.training.run_dir import flatten
 from automodel.training.tracking import metric_name
 

@@ -35,8 +35,8 @@ from automodel.training.checkpoint import (
     NonFiniteError,
     UnsafeCheckpointError,
 )
-from automodel.training.finetune import run
 from automodel.training.metrics import read_metrics
+from automodel.training.run import run
 
 # 64 samples in packs of 256 tokens, 2 per step: ~7 steps an epoch, a second or two per run.
 FAST = [

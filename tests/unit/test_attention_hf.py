@@ -10,7 +10,8 @@ from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 from automodel.attention import ThdAttentionMetadata
 from automodel.attention.hf import AttentionProbe, attach_thd_attention, thd_cores
 from automodel.models import ModelSpec, build_model, check_model_config, setup_checks
-from automodel.models.families import check_config_fields, check_vocabulary, supported_table, table_verdict
+from automodel.models.setup import check_config_fields, check_vocabulary
+from automodel.models.support import supported_table, table_verdict
 
 TINY = dict(
     vocab_size=64,
@@ -273,7 +274,7 @@ def test_block_causal_mask_refuses_a_cp_sharded_batch():
 
 def test_dense_mask_types_are_refused_where_a_dense_mask_cannot_be_exact():
     from automodel.config import ConfigError
-    from automodel.models.verify import tiny_config
+    from automodel.models.tiny import tiny_config
 
     config = tiny_config("falcon")
     entry = supported_table()["falcon"]

@@ -12,7 +12,7 @@ from transformers.masking_utils import causal_mask_function, sliding_window_caus
 
 from automodel.attention import PortableAttention, ThdAttentionMetadata
 from automodel.attention.check_varlen import reference_varlen_attention, varlen_reason, window_causal_mask
-from automodel.attention.portable import _Extras, local_query_attention
+from automodel.attention.portable import LayerExtras, local_query_attention
 from automodel.attention.varlen import (
     VarlenKernel,
     installed_varlen_kernel,
@@ -24,7 +24,7 @@ from automodel.attention.varlen import (
     varlen_window_size,
 )
 from automodel.distributed.cp_sharding import thd_get_partitioned_indices
-from automodel.models.spec import check_backend_device
+from automodel.models.setup import check_backend_device
 
 
 def transformers_mask(length: int, window: int | None) -> torch.Tensor:
@@ -276,11 +276,11 @@ def test_torch_without_varlen_reports_the_backend_unavailable(varlen_kernel, mon
     assert varlen_unsupported(**args) == reason
     with pytest.raises(ValueError, match=r"model.attention_backend='varlen'.*torch >= 2.10.*torch 2.9.0"):
         check_backend_device("varlen")
-    import automodel.attention as attention
+    import automodel.attention.backends as backends
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(attention, "te_pytorch", lambda: None)
-    assert attention.resolve_attention_backend("auto") == "portable"
+    monkeypatch.setattr(backends, "te_pytorch", lambda: None)
+    assert backends.resolve_attention_backend("auto") == "portable"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,7 +326,7 @@ def test_varlen_cp_equals_the_portable_cp_path_and_one_process(varlen_kernel, ve
         got = varlen_local_queries(lq[positions], lk, lv, layout, scale=scale, window=window)
         pq, pk, pv = leaves["portable"]
         want = local_query_attention(
-            pq[positions], pk, pv, positions, meta, cp_size, scale, _Extras(window=window)
+            pq[positions], pk, pv, positions, meta, cp_size, scale, LayerExtras(window=window)
         )
         torch.testing.assert_close(got[real_rows], want[real_rows], rtol=1e-12, atol=1e-12)
         (got * dout[positions]).sum().backward()

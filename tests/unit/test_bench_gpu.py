@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks import gpu
+from automodel.benchmarks import gpu
 
 
 def test_peer_batch_pads_to_the_longest_and_learns_only_the_loss_mask():

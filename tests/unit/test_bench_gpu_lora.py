@@ -8,8 +8,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from automodel.benchmarks.gpu import (
+    LLAMA3_1_8B,
+    Case,
+    case_recipe,
+    length_mix,
+    lora_flops_per_step,
+    write_samples,
+)
 from automodel.training.finetune import FinetuneRecipe
-from benchmarks.gpu import LLAMA3_1_8B, Case, case_recipe, length_mix, lora_flops_per_step, write_samples
 
 
 def args(**extra) -> argparse.Namespace:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from automodel.attention import check_gpu
+from automodel.attention import check_gpu, check_kit
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -29,33 +29,33 @@ def test_checks_pass_against_the_standin_on_cpu(te_standin):
     cpu = torch.device("cpu")
     results = check_gpu.te_vs_portable(cpu, seed=0, length_mixes=mixes) + check_gpu.cp_indices(cpu, mixes)
     assert len(results) == 2 * 2 * 2 + 2 * 3  # (mixes x padding x heads) + (mixes x cp sizes)
-    assert all(r.passed for r in results), check_gpu.format_table(results)
+    assert all(r.passed for r in results), check_kit.format_table(results)
     assert {r.check for r in results} == {"te vs portable", "cp indices"}
     assert any("padded" in r.case and "heads 8/2" in r.case for r in results)
 
 
 def test_compare_fails_outside_tolerance_and_on_nan():
     want = {"out": torch.ones(4, 2)}
-    assert check_gpu.compare("c", "case", {"out": torch.ones(4, 2) * 1.02}, want, 2.5e-2).passed
-    assert not check_gpu.compare("c", "case", {"out": torch.ones(4, 2) * 1.06}, want, 2.5e-2).passed
+    assert check_kit.compare("c", "case", {"out": torch.ones(4, 2) * 1.02}, want, 2.5e-2).passed
+    assert not check_kit.compare("c", "case", {"out": torch.ones(4, 2) * 1.06}, want, 2.5e-2).passed
     nan = torch.ones(4, 2)
     nan[1, 1] = float("nan")
-    assert not check_gpu.compare("c", "case", {"out": nan}, want, 2.5e-2).passed
+    assert not check_kit.compare("c", "case", {"out": nan}, want, 2.5e-2).passed
 
 
 def test_table_marks_failures():
     results = [
-        check_gpu.CheckResult("te vs portable", "a", True, "ok"),
-        check_gpu.CheckResult("cp indices", "b", False, "mismatched ranks [1]"),
+        check_kit.CheckResult("te vs portable", "a", True, "ok"),
+        check_kit.CheckResult("cp indices", "b", False, "mismatched ranks [1]"),
     ]
-    table = check_gpu.format_table(results)
+    table = check_kit.format_table(results)
     assert "PASS  te vs portable" in table and "FAIL  cp indices" in table
     assert table.endswith("1 passed, 1 failed")
 
 
 def test_tolerances_are_tes():
-    assert check_gpu.bf16_tolerance(8, 8) == 2.5e-2
-    assert check_gpu.bf16_tolerance(8, 2) == 3.5e-2
+    assert check_kit.bf16_tolerance(8, 8) == 2.5e-2
+    assert check_kit.bf16_tolerance(8, 2) == 3.5e-2
 
 
 def test_varlen_cp_row_passes_against_the_standin_on_cpu(varlen_kernel):
@@ -66,7 +66,7 @@ def test_varlen_cp_row_passes_against_the_standin_on_cpu(varlen_kernel):
     calls = varlen_kernel("2.13")
     results = varlen_cp_vs_varlen(torch.device("cpu"), seed=0, length_mixes=[("length mix", [7, 30, 1, 19])])
     assert len(results) == 2 * 2 * 2  # padding x heads x windows
-    assert all(r.passed for r in results), check_gpu.format_table(results)
+    assert all(r.passed for r in results), check_kit.format_table(results)
     assert {r.check for r in results} == {"varlen cp vs varlen"}
     # per simulated rank a call with 2 query chunks per sequence against longer key prefixes
     cp_calls = [c for c in calls if c["max_k"] > c["max_q"]]

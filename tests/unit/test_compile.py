@@ -15,7 +15,8 @@ from automodel.attention import ThdAttentionMetadata
 from automodel.config import load_recipe
 from automodel.models import build
 from automodel.models.spec import ModelSpec
-from automodel.models.verify import packed_step_errors, tiny_config
+from automodel.models.tiny import tiny_config
+from automodel.models.verify import packed_step_errors
 from automodel.training.finetune import FinetuneRecipe
 
 

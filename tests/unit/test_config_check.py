@@ -1,4 +1,4 @@
-"""The differential check on a run's own config at setup (automodel.models.families.config_verdict):
+"""The differential check on a run's own config at setup (automodel.models.support.config_verdict):
 real checkpoints' layer layouts and thresholds, planted bugs in the data path and the loss head,
 the cache, and ``model.verify``."""
 
@@ -14,12 +14,13 @@ from transformers import AutoConfig
 
 import automodel.data.collate
 import automodel.models.build
-import automodel.models.families
+import automodel.models.support
+from automodel.benchmarks.config_check import real_config
 from automodel.config import ConfigError
 from automodel.models import ModelSpec, setup_checks
-from automodel.models.families import config_verdict, supported_table
-from automodel.models.verify import PAD_MULTIPLE, check_lengths, width_config
-from benchmarks.config_check import real_config
+from automodel.models.support import config_verdict, supported_table
+from automodel.models.tiny import width_config
+from automodel.models.verify import PAD_MULTIPLE, check_lengths
 
 
 def verdict(config, tmp_path, sample_tokens, row_tokens=None):
@@ -124,7 +125,7 @@ def test_a_planted_position_bug_in_build_row_fails_the_check(tmp_path, monkeypat
 
 def test_a_verified_config_is_cached_and_a_damaged_cache_file_is_checked_again(tmp_path, caplog):
     config = AutoConfig.for_model("qwen3", num_hidden_layers=2)
-    with caplog.at_level(logging.INFO, logger="automodel.models.families"):
+    with caplog.at_level(logging.INFO, logger="automodel.models.support"):
         first = verdict(config, tmp_path, sample_tokens=12)
         (cached,) = tmp_path.glob("qwen3-*.json")
         assert verdict(config, tmp_path, sample_tokens=12) == first
@@ -150,7 +151,7 @@ def test_a_type_the_table_lacks_is_checked_at_setup_and_refused_only_without_ver
 ):
     monkeypatch.setenv("AUTOMODEL_CACHE", str(tmp_path))
     without_llama = {k: v for k, v in supported_table().items() if k != "llama"}
-    monkeypatch.setattr(automodel.models.families, "supported_table", lambda: without_llama)
+    monkeypatch.setattr(automodel.models.support, "supported_table", lambda: without_llama)
     fields = {
         "model_type": "llama",
         "num_hidden_layers": 2,

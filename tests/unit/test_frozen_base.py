@@ -10,7 +10,6 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from automodel.distributed.parallel import apply_fsdp
 from automodel.models.frozen_base import (
     dequantized,
     nf4_quantizable,
@@ -18,6 +17,7 @@ from automodel.models.frozen_base import (
     store_frozen_base,
     stored_bytes,
 )
+from automodel.models.parallelize import apply_fsdp
 
 CONFIG = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=64)  # fmt: skip

@@ -13,8 +13,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from automodel.attention import ThdAttentionMetadata
 from automodel.attention.hf import THD_ATTENTION, attach_thd_attention, register_thd_attention
-from automodel.distributed.parallel import apply_fsdp, fsdp_units
 from automodel.models.build import HEAD_OUTPUT_METHOD, CausalLMForTraining
+from automodel.models.parallelize import apply_fsdp, fsdp_units
 
 TOKENS = 12
 
@@ -99,8 +99,8 @@ def test_head_unit_loss_and_gradients_equal_the_unsharded_model(one_process_grou
 
 
 def test_benchmark_step_builds_the_recipe_optimizer(monkeypatch):
+    from automodel.benchmarks.sharded_io import train_steps
     from automodel.training.config import OptimConfig
-    from benchmarks.sharded_io import train_steps
 
     built = []
     build = OptimConfig.build

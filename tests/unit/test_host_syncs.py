@@ -18,11 +18,11 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from automodel.attention import ThdAttentionMetadata
 from automodel.attention.hf import THD_ATTENTION, attach_thd_attention, register_thd_attention
+from automodel.benchmarks.gpu import attention_flops_per_token, flops_per_step, length_mix
 from automodel.cli import main as cli_main
 from automodel.logprobs import packed_log_probs
 from automodel.loss import label_positions
 from automodel.models.build import CausalLMForTraining
-from benchmarks.gpu import attention_flops_per_token, flops_per_step, length_mix
 
 META = torch.device("meta")
 SHAPE = dict(

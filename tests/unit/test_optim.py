@@ -10,7 +10,7 @@ from omegaconf import open_dict
 from torch import nn
 
 from automodel.config import load_recipe
-from automodel.distributed.parallel import apply_fsdp
+from automodel.models.parallelize import apply_fsdp
 from automodel.training import config as optim_module
 from automodel.training.config import OptimConfig
 from automodel.training.run_dir import recipe_changes

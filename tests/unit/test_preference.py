@@ -14,7 +14,7 @@ from automodel.config import ConfigError, load_recipe
 from automodel.data.batching import LoaderEnv
 from automodel.data.preference import PreferenceBatching, PreferenceData
 from automodel.training.dpo import DPOConfig, dpo_terms
-from automodel.training.finetune import recipe_class
+from automodel.training.run import recipe_class
 
 
 def test_messages_and_prompt_completion_pairs(tmp_path):

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from benchmarks.step_profile import STEP, profile_step, summarize_trace, union_length
+from automodel.benchmarks.step_profile import STEP, profile_step, summarize_trace, union_length
 from tests.unit.test_fsdp_units import batch, model
 
 

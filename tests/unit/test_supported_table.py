@@ -11,8 +11,9 @@ import transformers
 
 from automodel.config import ConfigError
 from automodel.models import check_model_config
-from automodel.models.families import supported_table
-from automodel.models.verify import REASONS, _backends, causal_lm_types, read_table, tiny_config, verify
+from automodel.models.support import causal_lm_types, read_table, supported_table, verify
+from automodel.models.tiny import tiny_config
+from automodel.models.verify import REASONS, backends_for
 
 TABLE = read_table()
 REASON_PREFIXES = tuple(template.split("{")[0] for template in REASONS.values())
@@ -26,7 +27,7 @@ def test_every_causal_lm_type_is_in_the_table_with_a_status_and_why():
     for name, entry in TABLE["types"].items():
         assert entry["status"] in ("verified", "refused", "not_buildable"), name
         if entry["status"] == "verified":
-            assert entry["backends"] == _backends(entry.get("features", [])), name
+            assert entry["backends"] == backends_for(entry.get("features", [])), name
             assert entry["max_error"] <= TABLE["rtol"], name
         elif entry["status"] == "refused":
             assert entry["reason"].startswith(REASON_PREFIXES), (name, entry["reason"])

@@ -17,8 +17,9 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from workers.sharded_io import compare_dirs, shard_mismatches
 
 from automodel.models import ModelSpec, build_model, export_model, setup_checks
-from automodel.models.families import uses_dense_mask
-from automodel.models.verify import perturb_constants, read_table, tiny_config
+from automodel.models.support import read_table, uses_dense_mask
+from automodel.models.tiny import tiny_config
+from automodel.models.verify import perturb_constants
 
 VERIFIED = sorted(name for name, entry in read_table()["types"].items() if entry["status"] == "verified")
 LAYOUTS = ("one_file", "sharded")  # sharded: split over about four files, with an index

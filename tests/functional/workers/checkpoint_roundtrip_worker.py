@@ -21,7 +21,7 @@ sys.path.insert(
 )  # tests/functional: the helpers import `workers.`
 from workers.checkpoint_roundtrip import LAYOUTS, from_pretrained, round_trip_errors  # noqa: E402
 
-from automodel.distributed.parallel import apply_fsdp  # noqa: E402
+from automodel.models.parallelize import apply_fsdp  # noqa: E402
 
 
 def main() -> int:

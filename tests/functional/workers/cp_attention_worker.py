@@ -21,7 +21,7 @@ import random
 import torch
 import torch.distributed as dist
 
-from automodel.attention import ThdAttentionMetadata, build_attention, check_gpu
+from automodel.attention import ThdAttentionMetadata, build_attention, check_kit
 from automodel.distributed import make_cp_batch_for_te, process_input_for_thd
 from automodel.te_support import te_pytorch
 
@@ -133,22 +133,22 @@ def check_cp_group(group, seed: int, pack_size: int) -> None:
         )
     # the varlen backend's CP (all-gather over gloo, per-chunk queries against prefix keys) through
     # check-gpu's comparison, with torch's varlen_attn replaced by the CPU stand-in of its 2.13 signature
-    results = check_gpu.cp_vs_one_process(
+    results = check_kit.cp_vs_one_process(
         torch.device("cpu"), seed, group, "varlen", [("length mix", [7, 30, 1, 19])]
     )
     if not all(r.passed for r in results):
-        raise AssertionError(check_gpu.format_table(results))
+        raise AssertionError(check_kit.format_table(results))
     print(
         f"CP-ATTENTION PASS check_gpu varlen cp vs varlen: {len(results)} rows cp={cp_size} rank={rank}",
         flush=True,
     )
     if te_pytorch() is not None:
         # check-gpu's CP rows, on the stand-in: the same comparison it makes on GPUs.
-        results = check_gpu.cp_vs_one_process(
+        results = check_kit.cp_vs_one_process(
             torch.device("cpu"), seed, group, "te", [("length mix", [7, 30, 1, 19])]
         )
         if not all(r.passed for r in results):
-            raise AssertionError(check_gpu.format_table(results))
+            raise AssertionError(check_kit.format_table(results))
         print(
             f"CP-ATTENTION PASS check_gpu te cp vs te: {len(results)} rows cp={cp_size} rank={rank}",
             flush=True,

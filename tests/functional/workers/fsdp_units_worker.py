@@ -20,8 +20,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from automodel.attention import ThdAttentionMetadata
 from automodel.attention.hf import THD_ATTENTION, attach_thd_attention, register_thd_attention
-from automodel.distributed.parallel import apply_fsdp
 from automodel.models.build import CausalLMForTraining
+from automodel.models.parallelize import apply_fsdp
 
 TOKENS = 64
 

@@ -21,9 +21,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM
 
 from automodel.config import ConfigError
-from automodel.distributed.parallel import apply_fsdp
 from automodel.models import ModelSpec, build_model, export_model, setup_checks
-from automodel.models.families import supported_table, uses_dense_mask
+from automodel.models.parallelize import apply_fsdp
+from automodel.models.support import supported_table, uses_dense_mask
 
 
 def build(path: Path, mesh, dtype: str = "float32", checkpointing: bool = False):

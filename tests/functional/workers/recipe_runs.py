@@ -15,7 +15,7 @@ import sys
 import torch.distributed as dist
 
 from automodel.config import ConfigError, load_recipe
-from automodel.training.finetune import run
+from automodel.training.run import run
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")

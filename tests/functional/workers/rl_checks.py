@@ -13,9 +13,9 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 from workers.hf_families import collated, compare, full_grads, make_checkpoint, samples, shard
 
-from automodel.distributed.parallel import apply_fsdp
 from automodel.logprobs import packed_log_probs
 from automodel.models import ModelSpec, build_model, setup_checks
+from automodel.models.parallelize import apply_fsdp
 
 # a sliding window with a final-logit softcap (gemma2), an MoE (qwen3_moe), tied embeddings and llama3 RoPE
 LOGPROB_FAMILIES = ("gemma2", "llama", "qwen3_moe")

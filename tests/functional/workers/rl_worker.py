@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/functional
 from workers.rl_checks import LOGPROB_FAMILIES, check_log_probs  # noqa: E402
 
 from automodel.config import load_recipe  # noqa: E402
-from automodel.training.finetune import run  # noqa: E402
+from automodel.training.run import run  # noqa: E402
 
 
 def main() -> int:

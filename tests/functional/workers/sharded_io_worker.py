@@ -25,9 +25,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM
 
-from automodel.distributed.parallel import apply_fsdp
 from automodel.models import ModelSpec, build_model, export_model, setup_checks
 from automodel.models.lora import merged_state_dict
+from automodel.models.parallelize import apply_fsdp
 
 
 class _NoTokenizer:

@@ -22,10 +22,11 @@ import torch
 import torch.distributed as dist
 
 from automodel.attention import ThdAttentionMetadata
-from automodel.distributed.parallel import ParallelConfig, apply_fsdp, init_distributed
+from automodel.distributed.parallel import ParallelConfig, init_distributed
 from automodel.models.build import build_model
 from automodel.models.frozen_base import is_quantized, stored_bytes
 from automodel.models.lora import LoraConfig
+from automodel.models.parallelize import apply_fsdp
 from automodel.models.spec import ModelSpec
 
 MB = 1e6

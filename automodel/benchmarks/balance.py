@@ -1,6 +1,6 @@
-"""Balance benchmark for ``packing: balanced``: ``python -m benchmarks.balance``.
+"""Balance benchmark for ``packing: balanced``: ``python -m automodel.benchmarks.balance``.
 
-For each length distribution of :func:`benchmarks.packing.sample_lengths`, one epoch is planned
+For each length distribution of :func:`automodel.benchmarks.packing.sample_lengths`, one epoch is planned
 with :func:`plan_balanced_epoch` and every micro-step's load is compared across the DP ranks:
 
 - ``max/mean``: per micro-step, the heaviest rank's load over the mean rank load (1.0 = perfect;
@@ -22,10 +22,10 @@ import time
 
 import numpy as np
 
+from automodel.benchmarks.packing import DISTRIBUTIONS, sample_lengths
 from automodel.data.batching import plan_balanced_epoch
 from automodel.data.collate import cp_padded
 from automodel.data.planning import sample_costs
-from benchmarks.packing import DISTRIBUTIONS, sample_lengths
 
 
 def _ratios(loads_RS: np.ndarray) -> np.ndarray:

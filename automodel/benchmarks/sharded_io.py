@@ -21,9 +21,9 @@ state at world W (float32 shard, gradient shard, AdamW's two moments: 4/W of the
 from the first optimizer step on), the activations (0.6x of this model at 256 tokens) and FSDP2's
 unsharded units are part of the ``step`` and ``run`` figures whichever path loads.
 
-    python -m benchmarks.sharded_io                      # 97.5M parameters (390 MB in float32)
-    python -m benchmarks.sharded_io --layers 2 --worlds 2   # a quick look
-    python -m benchmarks.sharded_io --worlds 4 --modes sharded --steps 2   # AdamW's moments during a step
+    python -m automodel.benchmarks.sharded_io                      # 97.5M parameters (390 MB in float32)
+    python -m automodel.benchmarks.sharded_io --layers 2 --worlds 2   # a quick look
+    python -m automodel.benchmarks.sharded_io --worlds 4 --modes sharded --steps 2   # AdamW's moments during a step
 """
 
 from __future__ import annotations
@@ -99,8 +99,8 @@ def worker(args: argparse.Namespace) -> None:
 
     import automodel.models.build as build
     from automodel.attention import ThdAttentionMetadata
-    from automodel.distributed.parallel import apply_fsdp
     from automodel.models import ModelSpec, build_model, export_model
+    from automodel.models.parallelize import apply_fsdp
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]  # the directory holding the automodel package
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = Path(tmp) / "checkpoint"
         params = make_checkpoint(checkpoint, args.vocab, args.hidden, args.intermediate, args.layers)
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                     "--rdzv-endpoint",
                     "127.0.0.1:0",
                     "-m",
-                    "benchmarks.sharded_io",
+                    "automodel.benchmarks.sharded_io",
                     "--worker",
                     "--mode",
                     mode,

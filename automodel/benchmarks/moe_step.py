@@ -1,4 +1,4 @@
-"""One MoE training step against the dense model of equal active parameters: ``python -m benchmarks.moe_step``.
+"""One MoE training step against the dense model of equal active parameters: ``python -m automodel.benchmarks.moe_step``.
 
 Both models are transformers' own classes built by the project's builder (registered THD attention,
 portable backend, chunked loss) with the same attention and sizes; the MoE model (Qwen3-MoE) routes
@@ -48,7 +48,7 @@ def step_seconds(model, tokens: int, vocab: int, repeats: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.moe_step", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m automodel.benchmarks.moe_step", description=__doc__)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--experts", type=int, default=32)

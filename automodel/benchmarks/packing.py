@@ -107,7 +107,7 @@ def _planning_case(distribution: str, algorithm: str, num_samples: int, size: in
 
 def _run_isolated(args: list[str]) -> dict:
     out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.packing", "--worker", *args],
+        [sys.executable, "-m", "automodel.benchmarks.packing", "--worker", *args],
         check=True,
         capture_output=True,
         text=True,

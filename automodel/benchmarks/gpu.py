@@ -19,7 +19,7 @@ chat SFT data, and prints one table row per case:
   counts LoRA: 4 x parameters x tokens (forward and the input-gradient half of the backward over
   every parameter; the adapters' own weight gradients are negligible);
 - the loss alone: the chunked cross-entropy against full ``[T, V]`` logits (peak memory above
-  the inputs, :mod:`benchmarks.loss_memory`).
+  the inputs, :mod:`automodel.benchmarks.loss_memory`).
 
 Columns: real tokens/s (padding excluded; median over the measured steps), MFU (model FLOPs over
 the device's peak dense bf16 FLOP/s; model FLOPs = 6 x matmul parameters per real token, the
@@ -33,7 +33,7 @@ On a machine without CUDA the same command runs tiny shapes with the portable ba
 (CI keeps it working; MFU and syncs are then not measured). ``--json PATH`` writes every figure.
 ``--profile`` runs one more step of each case under ``torch.profiler`` and adds its breakdown to
 the JSON (top kernels and CPU operators by time, the device's idle share:
-:mod:`benchmarks.step_profile`); ``--trace DIR`` keeps each case's Chrome trace there.
+:mod:`automodel.benchmarks.step_profile`); ``--trace DIR`` keeps each case's Chrome trace there.
 
     automodel bench gpu                      # the full table (under 8 minutes on one H100)
     automodel bench gpu --tiny --steps 2     # the CPU smoke run
@@ -60,11 +60,11 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from automodel.attention.te import te_import_failure
 from automodel.attention.varlen import varlen_unsupported
+from automodel.benchmarks import loss_memory
+from automodel.benchmarks.step_profile import profile_step
 from automodel.config import load_recipe
 from automodel.te_support import te_pytorch
 from automodel.training.finetune import FinetuneRecipe
-from benchmarks import loss_memory
-from benchmarks.step_profile import profile_step
 
 LLAMA3_2_1B = {
     "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,

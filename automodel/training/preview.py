@@ -13,10 +13,10 @@ from typing import Any
 from omegaconf import DictConfig
 
 from automodel.config import build_section
+from automodel.console import configure_console
 from automodel.data.batching import LoaderEnv
-from automodel.distributed import make_cp_batch_for_te
 from automodel.errors import ConfigError, DataError
-from automodel.training.console import configure_console
+from automodel.models.inputs import model_inputs
 
 LEARNED = ("[[", "]]")
 FILL_BATCHES = 200  # micro-batches the fill is measured over (all of them when the epoch is shorter)
@@ -79,8 +79,8 @@ def preview(cfg: DictConfig, samples: int = 3) -> dict[str, Any]:
     measured = min(FILL_BATCHES, stream.batches_per_epoch)
     real = slots = 0
     for batch in itertools.islice(stream, measured):
-        padding = make_cp_batch_for_te(None, batch)["padding_mask"]
-        real, slots = real + int((~padding).sum()), slots + padding.numel()
+        inputs = model_inputs(batch, vocab_size=len(tokenizer))
+        real, slots = real + inputs["real_tokens"], slots + inputs["slots"]
     figures = {
         "rows": len(rows),
         "tokens": sum(lengths),

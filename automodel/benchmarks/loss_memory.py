@@ -12,15 +12,15 @@ after the inputs were made. Printed per case:
 
 Run from the repository root (defaults are Qwen2.5/Qwen3-size vocabulary, an 8k pack and a 1.5B-size hidden):
 
-    python -m benchmarks.loss_memory --device cuda --dtype bfloat16
+    python -m automodel.benchmarks.loss_memory --device cuda --dtype bfloat16
 
 On CPU the matmuls dominate the time (compute grows with D; the [T, V] and [chunk, V] buffers
 that the two losses differ by do not), bf16 matmuls are several times slower than fp32 ones, and
 the naive case needs about 3 * T * V * 4 bytes (15 GB at T=8192), so use a small D and keep the
 naive case short (each of these about a minute on 2 idle cores):
 
-    python -m benchmarks.loss_memory --device cpu --dtype float32 --hidden 64 --cases chunked
-    python -m benchmarks.loss_memory --device cpu --dtype float32 --hidden 64 --tokens 2048
+    python -m automodel.benchmarks.loss_memory --device cpu --dtype float32 --hidden 64 --cases chunked
+    python -m automodel.benchmarks.loss_memory --device cpu --dtype float32 --hidden 64 --tokens 2048
 """
 
 from __future__ import annotations
@@ -108,11 +108,11 @@ def measure(
 ) -> dict:
     """:func:`run_case` in a fresh subprocess (a clean peak), its figures plus T, V and D."""
     command = [
-        sys.executable, "-m", "benchmarks.loss_memory", "--device", device, "--dtype", dtype, "--tokens", str(tokens),
+        sys.executable, "-m", "automodel.benchmarks.loss_memory", "--device", device, "--dtype", dtype, "--tokens", str(tokens),
         "--vocab", str(vocab), "--hidden", str(hidden), "--chunk-tokens", str(chunk_tokens), "--case", case,
         *(["--softcap", str(softcap)] if softcap is not None else []),
     ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    result = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
     if result.returncode:
         raise RuntimeError(result.stderr[-2000:])
     return {**json.loads(result.stdout.splitlines()[-1]), "tokens": tokens, "vocab": vocab, "hidden": hidden}

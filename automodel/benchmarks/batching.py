@@ -1,4 +1,4 @@
-"""Batching-mode benchmark: ``python -m benchmarks.batching``.
+"""Batching-mode benchmark: ``python -m automodel.benchmarks.batching``.
 
 One function per mode, each returning a flat dict (rows can be combined with other modes' figures):
 
@@ -10,7 +10,7 @@ One function per mode, each returning a flat dict (rows can be combined with oth
 - :func:`bench_stream`: micro-batches/s and tokens/s of the real ``MicroBatchStream`` (read the rows,
   flatten, collate) on a synthetic dataset.
 
-Lengths come from :func:`benchmarks.packing.sample_lengths` (clipped to the budget or max_seq_len).
+Lengths come from :func:`automodel.benchmarks.packing.sample_lengths` (clipped to the budget or max_seq_len).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import time
 import numba
 import numpy as np
 
+from automodel.benchmarks.packing import DISTRIBUTIONS, sample_lengths, synthetic_dataset
 from automodel.data.batching import DynBszBatching, LoaderEnv, RmpadBatching, _groups
 from automodel.data.collate import cp_padded
 from automodel.data.planning import lower_bound_packs, plan_token_budget
-from benchmarks.packing import DISTRIBUTIONS, sample_lengths, synthetic_dataset
 
 
 @numba.njit(cache=True)

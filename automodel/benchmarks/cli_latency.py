@@ -1,4 +1,4 @@
-"""CLI latency: ``python -m benchmarks.cli_latency`` (or ``automodel bench cli_latency``).
+"""CLI latency: ``python -m automodel.benchmarks.cli_latency`` (or ``automodel bench cli_latency``).
 
 Each case runs ``python -m automodel ...`` in a fresh process ``--repeat`` times and prints the
 median wall time, the median CPU time (user + sys: the cost on a busy machine, where wall time
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]  # the directory holding the automodel package
 CASES = {
     "version": ["--version"],
     "finetune --help": ["finetune", "--help"],

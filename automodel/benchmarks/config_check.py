@@ -1,9 +1,9 @@
-"""The setup check's time on real checkpoints' configs: ``python -m benchmarks.config_check``.
+"""The setup check's time on real checkpoints' configs: ``python -m automodel.benchmarks.config_check``.
 
 Each config is what a published checkpoint's config.json gives transformers (its layer layout,
 flags and thresholds; only the fields that matter here are written out, the rest are the config
 class's defaults, which these checkpoints share). For each, at the sample and row lengths given,
-prints the verdict of :func:`automodel.models.families.config_verdict` (uncached: a fresh cache
+prints the verdict of :func:`automodel.models.support.config_verdict` (uncached: a fresh cache
 directory), the layers it kept and the seconds it took.
 """
 
@@ -55,8 +55,9 @@ def real_config(name: str, **overrides) -> PretrainedConfig:
 
 
 def main() -> None:
-    from automodel.models.families import config_verdict
-    from automodel.models.verify import check_lengths, width_config
+    from automodel.models.support import config_verdict
+    from automodel.models.tiny import width_config
+    from automodel.models.verify import check_lengths
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", nargs="*", default=list(REAL_CONFIGS))

@@ -1,0 +1,58 @@
+"""One collated micro-batch -> the inputs of :class:`automodel.models.build.CausalLMForTraining`.
+
+The one road from the data path to the model, taken by the training recipe, ``automodel data``
+and the differential check alike: :func:`make_cp_batch_for_te` (this CP rank's tokens, THD), the
+attention layout (:class:`ThdAttentionMetadata`, host tensors), the labelled positions and the
+token counts, all read from host tensors; with a ``device`` only what the model computes on is
+queued to it.
+
+Shape legend: T = this rank's tokens, N = its labelled tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from automodel.attention import ThdAttentionMetadata
+from automodel.distributed import make_cp_batch_for_te
+from automodel.loss import label_positions
+
+# what the forward reads on the device; the layout and the counts stay on the host
+DEVICE_KEYS = ("input_ids", "labels", "position_ids", "label_positions")
+
+
+def model_inputs(
+    batch: dict[str, Any],
+    *,
+    vocab_size: int,
+    cp_mesh: DeviceMesh | None = None,
+    device: torch.device | None = None,
+) -> dict[str, Any]:
+    """This CP rank's share of a collated micro-batch (``[B, S]`` rows from a collater).
+
+    Args:
+        batch: a collated micro-batch (``input_ids``, ``labels``, ``position_ids``, ``seq_lens``...).
+        vocab_size: every label must be a token id below it (or the ignore index).
+        cp_mesh: the context-parallel mesh when ``cp_size > 1``, else None.
+        device: where the model computes; None leaves every tensor on the host.
+
+    Returns:
+        ``make_cp_batch_for_te``'s THD batch (``input_ids_T``, ``labels_T``, ``position_ids_T``,
+        ``padding_mask_T``...) plus ``attn_meta`` (the layout, its device copies queued),
+        ``label_positions`` (``[N]``), and the host ints ``label_tokens``, ``real_tokens`` and
+        ``slots`` (tokens of this rank, padding included).
+    """
+    thd = make_cp_batch_for_te(cp_mesh, batch)
+    meta = ThdAttentionMetadata.from_batch(thd, cp_group=cp_mesh.get_group() if cp_mesh is not None else None)
+    thd["attn_meta"] = meta.prefetch(device) if device is not None else meta
+    thd["label_positions"] = label_positions(thd["labels"], vocab_size)
+    thd["label_tokens"] = thd["label_positions"].numel()
+    thd["real_tokens"] = int((~thd["padding_mask"]).sum())
+    thd["slots"] = thd["padding_mask"].numel()
+    if device is not None:
+        for key in DEVICE_KEYS:
+            thd[key] = thd[key].to(device, non_blocking=True)
+    return thd

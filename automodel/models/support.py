@@ -1,0 +1,297 @@
+"""Which transformers model types train exactly on the THD path: the supported table, the verdict
+on a run's own config and its cache.
+
+Support is decided by the differential check (:mod:`automodel.models.verify`), not by hand.
+``automodel families --verify`` runs it on every type's default config (:func:`sweep`) and writes
+``supported.json`` beside this module: the table users read, and the verdict setup uses when
+``model.verify=false``. Setup runs the same check on the run's own config (:func:`config_verdict`:
+shrunk in width only, every layer kind and threshold kept, samples as long as the run's longest),
+cached per config, transformers and project version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import asdict
+from functools import cache
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import transformers
+from transformers import PretrainedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+import automodel
+from automodel.config import ConfigError
+from automodel.models.tiny import WINDOW, tiny_config, width_config
+from automodel.models.verify import (
+    REASONS,
+    RTOL,
+    Verdict,
+    backends_for,
+    check_lengths,
+    features_of,
+    one_line,
+    packed_step_errors,
+    verify_config,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@cache
+def supported_table() -> dict[str, dict]:
+    """``model_type`` -> its entry in ``supported.json`` (status, reason or features and backends)."""
+    return read_table()["types"]
+
+
+def uses_dense_mask(entry: dict) -> bool:
+    """Whether a verdict (:func:`config_verdict`, a table entry) runs the type's own attention code
+    under a block-diagonal dense mask: the check found the registered THD attention never called or
+    not exact for it, and the dense mask exact."""
+    return "dense_mask" in entry.get("features", [])
+
+
+def verified_types() -> dict[str, dict]:
+    return {name: entry for name, entry in supported_table().items() if entry["status"] == "verified"}
+
+
+def table_verdict(config: PretrainedConfig) -> dict:
+    """The shipped table's entry for the type (its default config's verdict), for ``model.verify=false``;
+    a :class:`ConfigError` for a type the table lacks (newer than the table's transformers)."""
+    entry = supported_table().get(config.model_type)
+    if entry is None:
+        raise ConfigError(
+            f"model_type {config.model_type!r} is not in the supported table (made with transformers "
+            f"{read_table()['transformers']}, this is {transformers.__version__}) and model.verify=false skips the "
+            "check on this config; set model.verify=true"
+        )
+    return entry
+
+
+def config_verdict(
+    config: PretrainedConfig,
+    *,
+    sample_tokens: int | None,
+    row_tokens: int | None,
+    cache_dir: Path | None = None,
+) -> dict:
+    """The differential check on the run's own config (:func:`~automodel.models.verify.width_config`)
+    with one packed row of samples as long as the run's longest (:func:`~automodel.models.verify.check_lengths`),
+    as a table entry. A verified config is cached in ``cache_dir`` (default :func:`exactness_cache_dir`)
+    by the checked config, the lengths, the transformers and project versions: a second run pays nothing. Under
+    ``torch.distributed`` rank 0 runs it and every rank gets its verdict."""
+    checked = width_config(config)
+    lengths = check_lengths(sample_tokens or row_tokens or 64, row_tokens)
+    document = checked.to_dict()
+    document.pop("transformers_version", None)
+    key = hashlib.sha256(
+        json.dumps(
+            [document, lengths, transformers.__version__, automodel.__version__], sort_keys=True, default=str
+        ).encode()
+    ).hexdigest()[:24]
+    path = (cache_dir or exactness_cache_dir()) / f"{config.model_type}-{key}.json"
+    entry = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        entry[0] = _cached_or_checked(checked, lengths, path)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(entry, src=0)
+    return entry[0]
+
+
+def _cached_or_checked(checked: PretrainedConfig, lengths: tuple[int, ...], path: Path) -> dict:
+    what = f"{checked.model_type}, {checked.num_hidden_layers} layers, samples {list(lengths)}"
+    try:
+        entry = json.loads(path.read_text())
+    except (OSError, ValueError):  # absent, or a damaged cache file: checked again and rewritten
+        pass
+    else:
+        logger.info("exactness verified for this config (%s; cached %s)", what, path)
+        return entry
+    logger.info("checking this config's packed step against each sample alone (%s)", what)
+    start = time.perf_counter()
+    # the dense-mask fallback (an O(T^2) mask) for a type that needs it, or one the table has not seen
+    default = supported_table().get(checked.model_type)
+    verdict = verify_config(checked, lengths, dense_mask_fallback=default is None or uses_dense_mask(default))
+    entry = {k: v for k, v in asdict(verdict).items() if v not in ("", [], None)}
+    if verdict.status != "verified":  # not cached: a refusal stops the run, and may come from the machine
+        return entry
+    logger.info(
+        "exactness verified for this config (%s; max rel error %.1e, %.1f s)",
+        what,
+        verdict.max_error,
+        time.perf_counter() - start,
+    )
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = path.with_suffix(f".{os.getpid()}.tmp")
+        staging.write_text(json.dumps(entry))
+        staging.replace(path)  # atomic: a reader sees a whole verdict or none
+    except OSError as error:  # an unwritable cache costs the next run the check, nothing else
+        logger.warning("exactness check not cached (%s): %s", path, error)
+    return entry
+
+
+def exactness_cache_dir() -> Path:
+    """``$AUTOMODEL_CACHE/exactness``, else ``$XDG_CACHE_HOME/automodel/exactness``, else ``~/.cache/...``."""
+    root = os.environ.get("AUTOMODEL_CACHE")
+    if root:
+        return Path(root) / "exactness"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "automodel" / "exactness"
+
+
+SUPPORTED_TABLE = Path(__file__).with_name("supported.json")
+
+
+def verify(model_type: str) -> Verdict:
+    """The differential for one type's default config (:func:`tiny_config`), with the reason when it
+    fails. A window left off by default (``sliding_window: null``) is verified switched on too."""
+    try:
+        config = tiny_config(model_type)
+    except Exception as error:  # any failure to build is recorded as the reason, not raised
+        return Verdict("not_buildable", one_line(error))
+    verdict = verify_config(config)
+    if verdict.status == "verified" and getattr(config, "sliding_window", 0) is None:
+        windowed = copy.deepcopy(config)
+        windowed.sliding_window = WINDOW
+        with contextlib.suppress(Exception):
+            windowed_errors, windowed_calls, windowed_worst = packed_step_errors(windowed)
+            if not windowed_errors:
+                verdict.features = sorted(set(verdict.features) | set(features_of(windowed, windowed_calls)))
+                verdict.backends = backends_for(verdict.features)
+                verdict.max_error = max(verdict.max_error, float(f"{windowed_worst:.1e}"))
+    return verdict
+
+
+def causal_lm_types() -> list[str]:
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+class _TooSlow(BaseException):  # not caught by the checks' own `except Exception`
+    pass
+
+
+def _too_slow(signum, frame):
+    raise _TooSlow
+
+
+def sweep(types: list[str], log=print, seconds_per_type: int = 120) -> dict[str, dict]:
+    """Each type's verdict; a type whose tiny model takes longer than ``seconds_per_type`` is listed
+    as not buildable tiny."""
+    table = {}
+    previous = signal.signal(signal.SIGALRM, _too_slow)
+    for model_type in types:
+        signal.alarm(seconds_per_type)
+        try:
+            verdict = verify(model_type)
+        except _TooSlow:
+            verdict = Verdict("not_buildable", f"its tiny config takes over {seconds_per_type} s to check")
+        except Exception as error:  # a bug in a check must not stop the sweep; it is recorded
+            verdict = Verdict("refused", REASONS["differs"].format(one_line(error)))
+            log(traceback.format_exc())
+        finally:
+            signal.alarm(0)
+        table[model_type] = {k: v for k, v in asdict(verdict).items() if v not in ("", [], None)}
+        log(f"{model_type:28} {verdict.status:13} {verdict.reason or ', '.join(verdict.features)}")
+    signal.signal(signal.SIGALRM, previous)
+    return table
+
+
+def write_table(table: dict[str, dict], path: Path = SUPPORTED_TABLE) -> None:
+    import transformers
+
+    document = {
+        "generated_by": "python -m automodel families --verify",
+        "transformers": transformers.__version__,
+        "torch": torch.__version__.split("+")[0],
+        "rtol": RTOL,
+        "types": dict(sorted(table.items())),
+    }
+    path.write_text(json.dumps(document, indent=1) + "\n")
+
+
+def read_table(path: Path = SUPPORTED_TABLE) -> dict:
+    return json.loads(path.read_text())
+
+
+def markdown_table(document: dict) -> str:
+    """The README's supported-families table, printed from the table file."""
+    types = document["types"]
+    rows = ["| `model_type` | features | backends |", "|---|---|---|"]
+    for name, entry in types.items():
+        if entry["status"] == "verified":
+            rows.append(
+                f"| `{name}` | {', '.join(entry.get('features', [])) or 'plain'} | "
+                f"{', '.join(entry['backends'])} |"
+            )
+    refused = ["| `model_type` | why refused |", "|---|---|"]
+    for name, entry in types.items():
+        if entry["status"] != "verified":
+            kind = "not buildable tiny: " if entry["status"] == "not_buildable" else ""
+            refused.append(f"| `{name}` | {kind}{entry['reason'].replace('|', '/')} |")
+    counts = {
+        s: sum(e["status"] == s for e in types.values()) for s in ("verified", "refused", "not_buildable")
+    }
+    head = (
+        f"transformers {document['transformers']}: {counts['verified']} verified, {counts['refused']} refused, "
+        f"{counts['not_buildable']} not buildable tiny, of {len(types)} causal-LM types."
+    )
+    return "\n".join([head, "", *rows, "", *refused]) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    """``automodel families [--verify [TYPE ...]] [--markdown]``."""
+    import argparse
+    import logging
+    import warnings
+
+    parser = argparse.ArgumentParser(
+        prog="automodel families",
+        description="The supported model types (automodel/models/supported.json), or re-verify them.",
+    )
+    parser.add_argument(
+        "--verify",
+        nargs="*",
+        metavar="TYPE",
+        help="run the differential check on these types (all causal-LM types when none given) "
+        "and update the table",
+    )
+    parser.add_argument("--markdown", action="store_true", help="print the README table")
+    args = parser.parse_args(argv)
+    if args.verify is None:
+        document = read_table()
+        if args.markdown:
+            print(markdown_table(document), end="")
+        else:
+            for name, entry in document["types"].items():
+                print(
+                    f"{name:28} {entry['status']:13} {entry.get('reason') or ', '.join(entry.get('features', []))}"
+                )
+        return 0
+    unknown = sorted(set(args.verify) - set(causal_lm_types()))
+    if unknown:
+        print(f"automodel families: not in transformers' causal-LM table: {unknown}", file=sys.stderr)
+        return 2
+    warnings.filterwarnings("ignore")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    table = sweep(args.verify or causal_lm_types())
+    document = read_table() if args.verify and SUPPORTED_TABLE.exists() else {"types": {}}
+    write_table({**document["types"], **table})
+    counts = {
+        s: sum(e["status"] == s for e in table.values()) for s in ("verified", "refused", "not_buildable")
+    }
+    print(
+        f"{len(table)} types: {counts['verified']} verified, {counts['refused']} refused, "
+        f"{counts['not_buildable']} not buildable tiny; written to {SUPPORTED_TABLE}"
+    )
+    return 0
