@@ -63,6 +63,7 @@ from automodel.attention.varlen import varlen_unsupported
 from automodel.benchmarks import loss_memory
 from automodel.benchmarks.step_profile import profile_step
 from automodel.config import load_recipe
+from automodel.loss import CROSS_ENTROPY_IGNORE_INDEX
 from automodel.te_support import te_pytorch
 from automodel.training.finetune import FinetuneRecipe
 
@@ -256,7 +257,7 @@ def peer_batch(samples: list[dict]) -> dict[str, torch.Tensor]:
     ``input_ids`` (0 on padding), ``attention_mask``, ``labels`` (-100 on prompt and padding)."""
     width = max(len(s["input_ids"]) for s in samples)
     ids = torch.zeros(len(samples), width, dtype=torch.long)
-    labels = torch.full((len(samples), width), -100, dtype=torch.long)
+    labels = torch.full((len(samples), width), CROSS_ENTROPY_IGNORE_INDEX, dtype=torch.long)
     mask = torch.zeros(len(samples), width, dtype=torch.long)
     for row, sample in enumerate(samples):
         n = len(sample["input_ids"])

@@ -52,6 +52,7 @@ from automodel.assets import TINY_TOKENIZER_DIR
 from automodel.config import refuse_remote_code
 from automodel.data.sources import RAW_ROW_COLUMN, RowOrigin
 from automodel.errors import DataError
+from automodel.loss import CROSS_ENTROPY_IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
 
@@ -633,7 +634,10 @@ def _encode_tokens(rows: list[tuple], tokenizer: PreTrainedTokenizerBase) -> lis
             samples.append(shift_for_next_token(input_ids, loss_mask or [1] * len(input_ids)))
         else:
             flags = loss_mask or [1] * len(labels)
-            learned = [int(label != -100 and flag == 1) for label, flag in zip(labels, flags, strict=True)]
+            learned = [
+                int(label != CROSS_ENTROPY_IGNORE_INDEX and flag == 1)
+                for label, flag in zip(labels, flags, strict=True)
+            ]
             samples.append((input_ids, labels, learned))
     return samples
 
