@@ -73,7 +73,7 @@ def packed_log_probs(model: torch.nn.Module, batch: dict[str, Any]) -> SampleLog
         batch["labels"],
         meta,
         batch.get("label_positions"),
-        per_token=True,
+        output="log_probs",
     )
     labelled_T = (batch["labels"] != CROSS_ENTROPY_IGNORE_INDEX).float()
     if meta.cp_size > 1:

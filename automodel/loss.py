@@ -12,14 +12,22 @@ logits one vocabulary block of the same size at a time, so only one chunk's wort
 exists at a time (at T=8192, V=152k the full float32 logits are 5 GB; 1024 rows of them are
 0.6 GB; ``python -m automodel.benchmarks.loss_memory`` measures the peak).
 
+Distillation (:func:`chunked_distillation`) walks the same chunks with a second, frozen head: the
+teacher's final hidden states at the labelled positions and its output projection. Each chunk
+holds the student's and the teacher's logits of its rows; the backward recomputes both per
+vocabulary block. Neither distribution ever exists as a ``[T, V]`` tensor.
+
+Normalizations other than the token mean weight each label token (:func:`sample_token_weights`).
+
 Shape legend: T = tokens, N = tokens with a label, C = rows of one chunk, B = columns of one
-vocabulary block, V = vocabulary size, D = hidden size.
+vocabulary block, V = vocabulary size, D = hidden size (D_t: the teacher's), S = samples.
 """
 
 from __future__ import annotations
 
 import math
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -125,6 +133,137 @@ def chunked_token_log_probs(
     ce_N = _ChunkedCrossEntropy.apply(*rows, False)
     zeros_T = torch.zeros(labels_T.shape, dtype=ce_N.dtype, device=hidden_TD.device)
     return zeros_T.index_copy(0, label_positions_N, -ce_N)
+
+
+DIVERGENCES = ("forward_kl", "reverse_kl")
+
+
+@dataclass(frozen=True)
+class TeacherHead:
+    """The teacher's side of one micro-batch's distillation: what its logits are computed from,
+    chunk by chunk, never the logits themselves.
+
+    Attributes:
+        hidden_ND: ``[N, D_t]`` the teacher's final hidden states at the student's labelled
+            positions, in their order (computed without autograd: the teacher gets no gradient).
+        weight_VD: ``[V, D_t]`` its output projection, a plain tensor (gathered if it was sharded);
+            None: the student's own head (a teacher that is the student's base, LoRA adapters off;
+            LoRA never adapts the head).
+        bias_V: its output bias, or None.
+        logit_scale, final_logit_softcap: its family's logit transform
+            (:func:`automodel.models.build.logit_transform`).
+    """
+
+    hidden_ND: torch.Tensor
+    weight_VD: torch.Tensor | None
+    bias_V: torch.Tensor | None = None
+    logit_scale: float = 1.0
+    final_logit_softcap: float | None = None
+
+
+def chunked_distillation(
+    hidden_TD: torch.Tensor,
+    weight_VD: torch.Tensor,
+    labels_T: torch.Tensor,
+    teacher: TeacherHead,
+    *,
+    bias_V: torch.Tensor | None = None,
+    logit_scale: float = 1.0,
+    final_logit_softcap: float | None = None,
+    divergence: str = "forward_kl",
+    temperature: float = 1.0,
+    chunk_tokens: int = 512,
+    label_positions_N: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per label token: the student's cross-entropy and a divergence between the teacher's and the
+    student's next-token distributions, float32 ``[T]`` each (0 where the label is -100).
+
+    With ``z`` the student's logits (its head and logit transform, as in
+    :func:`chunked_cross_entropy_sum`), ``y`` the teacher's, ``tau`` the temperature,
+    ``q = softmax(z / tau)`` and ``p = softmax(y / tau)``::
+
+        ce[t]  = logsumexp(z[t]) - z[t, labels[t]]                  (at temperature 1)
+        forward_kl[t] = sum_v p[t, v] * (log p[t, v] - log q[t, v])  = KL(p || q), mean-seeking
+        reverse_kl[t] = sum_v q[t, v] * (log q[t, v] - log p[t, v])  = KL(q || p), mode-seeking
+
+    Rows are processed ``chunk_tokens`` at a time in float32 (float64 for float64 inputs); the
+    backward recomputes both heads' logits one vocabulary block of ``chunk_tokens * V`` values at a
+    time, so the working memory is about 3 to 4 such float32 blocks (the student's and the
+    teacher's logits and the gradient; the softcap's tanh), never ``[T, V]``.
+
+    Args:
+        hidden_TD, weight_VD, labels_T, bias_V, logit_scale, final_logit_softcap, label_positions_N:
+            the student's, as for :func:`chunked_cross_entropy_sum` (differentiable).
+        teacher: :class:`TeacherHead` with ``weight_VD`` given, of the same vocabulary V.
+        divergence: ``forward_kl`` or ``reverse_kl``.
+        temperature: tau > 0, applied to both distributions of the divergence (not to ``ce``).
+
+    Returns:
+        ``(ce_T, divergence_T)``, both differentiable w.r.t. the student's tensors only.
+    """
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite positive number, got {temperature!r}")
+    label_positions_N, rows = _labelled_rows(
+        hidden_TD,
+        weight_VD,
+        labels_T,
+        bias_V,
+        logit_scale,
+        final_logit_softcap,
+        chunk_tokens,
+        label_positions_N,
+    )
+    _check_teacher(teacher, weight_VD.shape[0], label_positions_N.numel())
+    h_ND, w_VD, b_V, targets_N, scale, softcap, chunk_tokens, compute_dtype = rows
+    teacher_head = (teacher.logit_scale, teacher.final_logit_softcap)
+    ce_N, div_N = _ChunkedDistillation.apply(
+        h_ND, w_VD, b_V, targets_N, teacher.hidden_ND, teacher.weight_VD, teacher.bias_V,
+        (scale, softcap), teacher_head, divergence, float(temperature), chunk_tokens, compute_dtype,
+    )  # fmt: skip
+    zeros_T = torch.zeros(labels_T.shape, dtype=ce_N.dtype, device=hidden_TD.device)
+    return zeros_T.index_copy(0, label_positions_N, ce_N), zeros_T.index_copy(0, label_positions_N, div_N)
+
+
+def _check_teacher(teacher: TeacherHead, vocab: int, labelled: int) -> None:
+    w, h = teacher.weight_VD, teacher.hidden_ND
+    if w is None:
+        raise ValueError(
+            "teacher.weight_VD is None: give the head's weight (the student's, for its own base)"
+        )
+    for name, x in (("teacher.hidden_ND", h), ("teacher.weight_VD", w), ("teacher.bias_V", teacher.bias_V)):
+        if isinstance(x, DTensor):
+            raise ValueError(f"{name} is a DTensor; pass a plain tensor (full_tensor() of a sharded weight)")
+    if w.dim() != 2 or w.shape[0] != vocab or h.shape != (labelled, w.shape[1]):
+        raise ValueError(
+            f"teacher.hidden_ND {tuple(h.shape)} and teacher.weight_VD {tuple(w.shape)} must be [N, D_t] and "
+            f"[V, D_t] with N = {labelled} labelled positions and the student's vocabulary V = {vocab}"
+        )
+    if teacher.bias_V is not None and teacher.bias_V.shape != (vocab,):
+        raise ValueError(f"teacher.bias_V must have shape ({vocab},), got {tuple(teacher.bias_V.shape)}")
+
+
+def sample_token_weights(labels_T: torch.Tensor, sample_lengths_S: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Per-token weights of the sample mean: ``1 / n_s`` on each label token of sample s (n_s its
+    label tokens), 0 elsewhere; and the number of samples with at least one label.
+
+    Args:
+        labels_T: ``[T]`` a whole packed row's labels (every CP rank's tokens), -100 where none.
+        sample_lengths_S: ``[S]`` the row's sample lengths in slots (padded), summing to T.
+
+    Returns:
+        float32 ``[T]`` weights and the count. ``sum(weights * loss)`` over a micro-batch is the sum
+        of its samples' token means; divided by the step's sample count, the sample-mean loss.
+
+    Example: lengths [3, 2], labels [-100, 7, 7, 7, -100] -> weights [0, 0.5, 0.5, 1, 0], 2 samples.
+    """
+    sample_T = torch.repeat_interleave(torch.arange(sample_lengths_S.numel()), sample_lengths_S.cpu())
+    labelled_T = labels_T.cpu() != CROSS_ENTROPY_IGNORE_INDEX
+    counts_S = torch.bincount(sample_T[labelled_T], minlength=sample_lengths_S.numel())
+    per_sample_S = 1.0 / counts_S.clamp_min(1).double()
+    weights_T = torch.where(labelled_T, per_sample_S[sample_T], 0.0).float()
+    return weights_T, int((counts_S > 0).sum())
 
 
 def _labelled_rows(
@@ -293,9 +432,138 @@ def _block_logit_grad(h_ND, w_BD, b_B, targets_N, lse_N, scale, softcap) -> torc
     in_block_N = (targets_N >= 0) & (targets_N < g_NB.shape[1])
     # -1 at each target inside the block; a scatter, so the host never reads which rows those are.
     g_NB.scatter_add_(1, targets_N.clamp(0, g_NB.shape[1] - 1)[:, None], -in_block_N.to(g_NB.dtype)[:, None])
+    return _through_transform(g_NB, tanh_NB, scale)
+
+
+def _through_transform(g_NB: torch.Tensor, tanh_NB: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """The gradient w.r.t. the transformed logits ``softcap(scale * x)`` carried back to ``x``, in place."""
     if tanh_NB is not None:  # softcap'(u) = 1 - tanh(u / c)^2
         g_NB.mul_(tanh_NB.square_().neg_().add_(1))
     return g_NB.mul_(scale) if scale != 1.0 else g_NB
+
+
+class _ChunkedDistillation(torch.autograd.Function):
+    """Per labelled row, the student's cross-entropy and the divergence from the teacher, ``[N]``
+    each. Forward over chunks of rows (both heads' logits of one chunk at a time), backward over
+    vocabulary blocks, both heads' logits recomputed; the teacher's tensors get no gradient."""
+
+    @staticmethod
+    def forward(
+        ctx, h_ND, weight_VD, bias_V, targets_N, th_ND, t_weight_VD, t_bias_V, head, teacher_head,
+        divergence, temperature, chunk_tokens, compute_dtype,
+    ):  # fmt: skip
+        n = h_ND.shape[0]
+        # rows: logsumexp of z, of z / tau, of y / tau; the target logit; the divergence
+        stats_5N = torch.empty(5, n, dtype=softmax_dtype(compute_dtype), device=h_ND.device)
+        with _autocast_off(h_ND.device.type):
+            w, b, tw, tb = (_cast(x, compute_dtype) for x in (weight_VD, bias_V, t_weight_VD, t_bias_V))
+            for start in range(0, n, chunk_tokens):
+                rows = slice(start, start + chunk_tokens)
+                stats_5N[:, rows] = _distillation_chunk(
+                    _cast(h_ND[rows], compute_dtype), w, b, targets_N[rows], head,
+                    _cast(th_ND[rows], compute_dtype), tw, tb, teacher_head, divergence, temperature,
+                )  # fmt: skip
+        lse_N, lse_tau_N, teacher_lse_tau_N, target_logit_N, div_N = stats_5N
+        ctx.save_for_backward(
+            h_ND, weight_VD, bias_V, targets_N, th_ND, t_weight_VD, t_bias_V,
+            lse_N, lse_tau_N, teacher_lse_tau_N, div_N,
+        )  # fmt: skip
+        ctx.args = (head, teacher_head, divergence, temperature, chunk_tokens, compute_dtype)
+        return lse_N - target_logit_N, div_N.clone()
+
+    @staticmethod
+    def backward(ctx, grad_ce_N, grad_div_N):
+        h_ND, weight_VD, bias_V, targets_N, th_ND, t_weight_VD, t_bias_V, *stats = ctx.saved_tensors
+        lse_N, lse_tau_N, teacher_lse_tau_N, div_N = stats
+        head, teacher_head, divergence, temperature, chunk_tokens, compute_dtype = ctx.args
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        n, vocab = h_ND.shape[0], weight_VD.shape[0]
+        grad_h_ND = torch.zeros(h_ND.shape, dtype=lse_N.dtype, device=h_ND.device) if need_h else None
+        grad_w_VD = torch.zeros_like(weight_VD) if need_w else None
+        grad_b_V = torch.zeros_like(bias_V) if need_b else None
+        block = max(1, chunk_tokens * vocab // max(n, 1))  # as many logits as a forward chunk
+        # d div / d(z / tau), times the output's gradient, divided by tau once more for d / dz
+        div_scale_N = (grad_div_N / temperature)[:, None]
+        with _autocast_off(h_ND.device.type):
+            h, w, b, th, tw, tb = (
+                _cast(x, compute_dtype) for x in (h_ND, weight_VD, bias_V, th_ND, t_weight_VD, t_bias_V)
+            )
+            for start in range(0, vocab if n else 0, block):
+                cols = slice(start, start + block)
+                z_NB, tanh_NB = _capped_logits(
+                    h, w[cols], _slice(b, cols), *head, keep_tanh=head[1] is not None
+                )
+                # the cross-entropy's part: (softmax(z) - onehot(target)) * its gradient
+                g_NB = (z_NB - lse_N[:, None]).exp_()
+                targets_B = targets_N - start
+                in_block_N = (targets_B >= 0) & (targets_B < g_NB.shape[1])
+                g_NB.scatter_add_(
+                    1, targets_B.clamp(0, g_NB.shape[1] - 1)[:, None], -in_block_N.to(g_NB.dtype)[:, None]
+                )
+                g_NB.mul_(grad_ce_N[:, None])
+                y_NB, _ = _capped_logits(th, tw[cols], _slice(tb, cols), *teacher_head, keep_tanh=False)
+                z_NB.div_(temperature)
+                y_NB.div_(temperature)
+                if divergence == "forward_kl":  # d KL(p || q) / d(z / tau) = q - p
+                    y_NB.sub_(teacher_lse_tau_N[:, None]).exp_()
+                    z_NB.sub_(lse_tau_N[:, None]).exp_().sub_(y_NB)
+                    g_NB.add_(z_NB.mul_(div_scale_N))
+                else:  # d KL(q || p) / d(z / tau) = q * (log q - log p - KL(q || p))
+                    y_NB.sub_(z_NB).add_((lse_tau_N - teacher_lse_tau_N + div_N)[:, None])  # -(...)
+                    z_NB.sub_(lse_tau_N[:, None]).exp_()
+                    g_NB.sub_(y_NB.mul_(z_NB).mul_(div_scale_N))
+                del z_NB, y_NB
+                g_NB = _through_transform(g_NB, tanh_NB, head[0])
+                del tanh_NB
+                if need_b:
+                    grad_b_V[cols] = g_NB.sum(0)
+                g_NB = g_NB.to(compute_dtype)
+                if need_w:
+                    grad_w_VD[cols] = g_NB.T @ h
+                if need_h:
+                    _accumulate_matmul(grad_h_ND, g_NB, w[cols])
+                del g_NB
+        grad_h = grad_h_ND.to(h_ND.dtype) if need_h else None
+        return grad_h, grad_w_VD, grad_b_V, *(None,) * 10
+
+
+def _distillation_chunk(
+    h_CD, w_VD, b_V, targets_C, head, th_CD, tw_VD, tb_V, teacher_head, divergence, temperature
+) -> torch.Tensor:
+    """``[5, C]``: logsumexp of the student's logits z, of z / tau, of the teacher's y / tau; the
+    target logit; the divergence. Three ``[C, V]`` float32 buffers: z, y and one for the sums."""
+    z_CV, _ = _capped_logits(h_CD, w_VD, b_V, *head, keep_tanh=False)
+    target_C = z_CV.gather(1, targets_C[:, None]).squeeze(1)
+    work_CV = torch.empty_like(z_CV)
+    lse_C = _logsumexp(z_CV, work_CV)
+    if temperature != 1.0:
+        z_CV.div_(temperature)
+        lse_tau_C = _logsumexp(z_CV, work_CV)
+    else:
+        lse_tau_C = lse_C
+    y_CV, _ = _capped_logits(th_CD, tw_VD, tb_V, *teacher_head, keep_tanh=False)
+    if temperature != 1.0:
+        y_CV.div_(temperature)
+    teacher_lse_C = _logsumexp(y_CV, work_CV)
+    # KL(p || q) = sum p * (y - z) / tau + lse_q - lse_p; KL(q || p) the same with the roles swapped
+    first, first_lse, second_lse = (
+        (y_CV, teacher_lse_C, lse_tau_C) if divergence == "forward_kl" else (z_CV, lse_tau_C, teacher_lse_C)
+    )
+    probs_CV = torch.sub(first, first_lse[:, None], out=work_CV).exp_()
+    difference_CV = y_CV.sub_(z_CV) if divergence == "forward_kl" else z_CV.sub_(y_CV)
+    div_C = difference_CV.mul_(probs_CV).sum(1) + (second_lse - first_lse)
+    return torch.stack([lse_C, lse_tau_C, teacher_lse_C, target_C, div_C])
+
+
+def _logsumexp(x_CV: torch.Tensor, work_CV: torch.Tensor) -> torch.Tensor:
+    """Row logsumexp of ``x_CV`` through the preallocated ``work_CV`` (torch.logsumexp allocates two
+    temporaries of x's size)."""
+    max_C = x_CV.amax(1)
+    return max_C + torch.sub(x_CV, max_C[:, None], out=work_CV).exp_().sum(1).log()
+
+
+def _slice(x: torch.Tensor | None, cols: slice) -> torch.Tensor | None:
+    return None if x is None else x[cols]
 
 
 def softmax_dtype(compute_dtype: torch.dtype) -> torch.dtype:

@@ -16,6 +16,7 @@ Shape legend: T = this rank's tokens, D = hidden size, V = vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import shutil
@@ -30,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     set_model_state_dict,
 )
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
@@ -40,7 +42,13 @@ from automodel.attention.hf import (
     register_thd_attention,
 )
 from automodel.data.sft import end_of_turn_token_id
-from automodel.loss import chunked_cross_entropy_sum, chunked_token_log_probs
+from automodel.loss import (
+    TeacherHead,
+    chunked_cross_entropy_sum,
+    chunked_distillation,
+    chunked_token_log_probs,
+    label_positions,
+)
 from automodel.models.frozen_base import quantize_frozen_base, store_frozen_base
 from automodel.models.hf_io import UnshardableCheckpoint, check_finite, export_hf, load_sharded, publish
 from automodel.models.lora import LoraConfig, export_adapter
@@ -102,19 +110,55 @@ class CausalLMForTraining(nn.Module):
         labels_T: torch.Tensor,
         thd_layout: ThdAttentionMetadata,
         label_positions_N: torch.Tensor | None = None,
-        per_token: bool = False,
-    ) -> torch.Tensor:
-        """Float32 sum of the next-token cross-entropy over this rank's label tokens; with
-        ``per_token`` the log-probability of each label instead, float32 ``[T]`` (0 where -100).
-        Both go through the one output head (the family's logit transform included).
+        output: str = "loss",
+        teacher: TeacherHead | None = None,
+        divergence: str = "forward_kl",
+        temperature: float = 1.0,
+    ) -> Any:
+        """One packed row through the model; ``output`` says what comes back, every value computed
+        through the one output head (the family's logit transform included), never a ``[T, V]``:
+
+        - ``loss``: the float32 sum of the next-token cross-entropy over this rank's label tokens;
+        - ``log_probs``: each label's log-probability, float32 ``[T]`` (0 where -100);
+        - ``distill``: ``(ce_T, divergence_T)`` against ``teacher``, float32 ``[T]`` each
+          (:func:`automodel.loss.chunked_distillation` with ``divergence`` and ``temperature``);
+        - ``teacher``: this model as a distillation teacher, a :class:`automodel.loss.TeacherHead`:
+          the final hidden states at the labelled positions and the output head (gathered when
+          sharded); call it without autograd;
+        - ``hidden``: the final hidden states at the labelled positions only, ``[N, D]``.
 
         ``label_positions_N``: the labelled positions (:func:`automodel.loss.label_positions` of
         the host labels), so that the step never waits for the device to find them."""
+        if output not in OUTPUTS:
+            raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
         hidden_TD = self.hidden_states(input_ids_T, position_ids_T, thd_layout)
+        if output in ("teacher", "hidden"):
+            if label_positions_N is None:
+                label_positions_N = label_positions(labels_T, self.config.get_text_config().vocab_size)
+            hidden_ND = hidden_TD[label_positions_N]
+            return hidden_ND if output == "hidden" else self._as_teacher(hidden_ND)
         head = self.transformers_model.get_output_embeddings()
         # the head's FSDP forward method when the head is a unit of its own (apply_fsdp), else the function
-        output = getattr(head, HEAD_OUTPUT_METHOD, None) or functools.partial(head_output, head)
-        return output(hidden_TD, labels_T, label_positions_N, per_token, logit_transform(self.config))
+        method = getattr(head, HEAD_OUTPUT_METHOD, None) or functools.partial(head_output, head)
+        return method(
+            hidden_TD, labels_T, label_positions_N, output, logit_transform(self.config), teacher, divergence,
+            temperature,
+        )  # fmt: skip
+
+    def _as_teacher(self, hidden_ND: torch.Tensor) -> TeacherHead:
+        """:class:`TeacherHead` of this model: its head's weight and bias as plain tensors of their
+        own (an FSDP-sharded one gathered; the root's unsharded one copied, since the root frees it
+        when resharded)."""
+        head = self.transformers_model.get_output_embeddings()
+
+        def own(x: torch.Tensor | None) -> torch.Tensor | None:
+            if isinstance(x, DTensor):
+                return x.full_tensor()
+            if x is None or not isinstance(self, FSDPModule):
+                return x
+            return x.detach().clone()
+
+        return TeacherHead(hidden_ND, own(head.weight), own(head.bias), **logit_transform(self.config))
 
     def hidden_states(
         self, input_ids_T: torch.Tensor, position_ids_T: torch.Tensor, thd_layout: ThdAttentionMetadata
@@ -136,6 +180,7 @@ class CausalLMForTraining(nn.Module):
 
 
 HEAD_OUTPUT_METHOD = "automodel_head_output"
+OUTPUTS = ("loss", "log_probs", "distill", "teacher", "hidden")
 
 
 def head_output(
@@ -143,21 +188,37 @@ def head_output(
     hidden_TD: torch.Tensor,
     labels_T: torch.Tensor,
     label_positions_N: torch.Tensor | None,
-    per_token: bool,
+    output: str,
     transform: dict[str, Any],
-) -> torch.Tensor:
-    """:meth:`CausalLMForTraining.forward`'s output through ``head`` (its ``weight`` and ``bias``):
-    the float32 cross-entropy sum, or with ``per_token`` each label's log-probability.
+    teacher: TeacherHead | None = None,
+    divergence: str = "forward_kl",
+    temperature: float = 1.0,
+) -> Any:
+    """:meth:`CausalLMForTraining.forward`'s ``loss``, ``log_probs`` or ``distill`` output through
+    ``head`` (its ``weight`` and ``bias``). A ``teacher`` without a weight is the student's own base:
+    its head is this one.
 
     The loss reads the head's weight without calling the head's ``forward`` (it computes the logits
     chunk by chunk), so when the head is an FSDP2 unit of its own, :func:`apply_fsdp` makes this
     function a method of the head (``HEAD_OUTPUT_METHOD``) and registers it as an FSDP forward
     method: FSDP2 unshards the head before it, and reduce-scatters the head's gradient right after
     its backward."""
-    output = chunked_token_log_probs if per_token else chunked_cross_entropy_sum
-    return output(
-        hidden_TD, head.weight, labels_T, bias_V=head.bias, label_positions_N=label_positions_N, **transform
+    student = {"bias_V": head.bias, "label_positions_N": label_positions_N, **transform}
+    if output == "loss":
+        return chunked_cross_entropy_sum(hidden_TD, head.weight, labels_T, **student)
+    if output == "log_probs":
+        return chunked_token_log_probs(hidden_TD, head.weight, labels_T, **student)
+    if teacher is None:
+        raise ValueError("output='distill' needs a teacher (a TeacherHead)")
+    if teacher.weight_VD is None:  # the student's base: LoRA never adapts the head, so it is this one
+        teacher = dataclasses.replace(teacher, weight_VD=head.weight.detach(), bias_V=_detached(head.bias))
+    return chunked_distillation(
+        hidden_TD, head.weight, labels_T, teacher, divergence=divergence, temperature=temperature, **student
     )
+
+
+def _detached(x: torch.Tensor | None) -> torch.Tensor | None:
+    return None if x is None else x.detach()
 
 
 def batched_position_ids(config: PretrainedConfig, position_ids: torch.Tensor) -> torch.Tensor:
@@ -204,13 +265,16 @@ def build_model(
     is_main: bool = True,
     lora: LoraConfig | None = None,
     dense_mask: bool = False,
+    frozen: bool = False,
 ) -> CausalLMForTraining:
     """The training model with its weights: meta build, LoRA adapters when ``lora`` is given,
     ``shard(model)`` (FSDP2), materialize on ``device``, then each rank reads its own shards of a local
     safetensors checkpoint (:mod:`automodel.models.hf_io`; otherwise rank 0's weights are broadcast).
 
     ``dense_mask``: run the type's own attention code under a block-diagonal mask instead of the
-    registered THD attention (the differential check's verdict: ``families.uses_dense_mask``)."""
+    registered THD attention (the differential check's verdict: ``families.uses_dense_mask``).
+    ``frozen``: a model that is never trained (a distillation teacher): no parameter requires a
+    gradient, all are stored in the compute dtype (``spec.dtype``), and it is in eval mode."""
     register_thd_attention()
     implementation = own_attention_implementation(config) if dense_mask else THD_ATTENTION
     with torch.device("meta"):
@@ -229,6 +293,8 @@ def build_model(
         with torch.device("meta"):
             model.hf = lora.apply(hf)
         store_frozen_base(model, spec.torch_dtype)
+    if frozen:
+        store_frozen_base(model.requires_grad_(False).eval(), spec.torch_dtype)
     shard(model)
     model.to_empty(device=device)
     if getattr(config.get_text_config(), "tie_word_embeddings", False):

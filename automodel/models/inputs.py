@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from automodel.attention import ThdAttentionMetadata
 from automodel.distributed import make_cp_batch_for_te
-from automodel.loss import label_positions
+from automodel.loss import label_positions, sample_token_weights
 
 # what the forward reads on the device; the layout and the counts stay on the host
 DEVICE_KEYS = ("input_ids", "labels", "position_ids", "label_positions")
@@ -30,6 +30,7 @@ def model_inputs(
     vocab_size: int,
     cp_mesh: DeviceMesh | None = None,
     device: torch.device | None = None,
+    sample_weights: bool = False,
 ) -> dict[str, Any]:
     """This CP rank's share of a collated micro-batch (``[B, S]`` rows from a collater).
 
@@ -38,21 +39,31 @@ def model_inputs(
         vocab_size: every label must be a token id below it (or the ignore index).
         cp_mesh: the context-parallel mesh when ``cp_size > 1``, else None.
         device: where the model computes; None leaves every tensor on the host.
+        sample_weights: also ``loss_weights`` ``[T]``: each of this rank's label tokens weighted
+            1 / (its sample's label tokens) (:func:`automodel.loss.sample_token_weights`, read from
+            the whole row's labels, so every CP shard of a sample weighs its tokens alike).
 
     Returns:
         ``make_cp_batch_for_te``'s THD batch (``input_ids_T``, ``labels_T``, ``position_ids_T``,
         ``padding_mask_T``...) plus ``attn_meta`` (the layout, its device copies queued),
         ``label_positions`` (``[N]``), and the host ints ``label_tokens``, ``real_tokens`` and
-        ``slots`` (tokens of this rank, padding included).
+        ``slots`` (tokens of this rank, padding included) and ``samples`` (the row's samples with
+        a label, all CP ranks').
     """
-    thd = make_cp_batch_for_te(cp_mesh, batch)
+    row_labels = batch["labels"].reshape(-1)  # the whole row's (every CP rank's), in THD order
+    thd, local_T = make_cp_batch_for_te(cp_mesh, batch, return_local_indices=True)
     meta = ThdAttentionMetadata.from_batch(thd, cp_group=cp_mesh.get_group() if cp_mesh is not None else None)
     thd["attn_meta"] = meta.prefetch(device) if device is not None else meta
     thd["label_positions"] = label_positions(thd["labels"], vocab_size)
     thd["label_tokens"] = thd["label_positions"].numel()
     thd["real_tokens"] = int((~thd["padding_mask"]).sum())
     thd["slots"] = thd["padding_mask"].numel()
+    weights, thd["samples"] = sample_token_weights(row_labels, meta.padded_lens)
+    keys = DEVICE_KEYS
+    if sample_weights:
+        thd["loss_weights"] = weights[local_T.long()]
+        keys = (*keys, "loss_weights")
     if device is not None:
-        for key in DEVICE_KEYS:
+        for key in keys:
             thd[key] = thd[key].to(device, non_blocking=True)
     return thd

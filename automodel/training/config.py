@@ -11,6 +11,7 @@ import torch
 from automodel.training.tracking import TrackingConfig
 
 RESUME_MODES = ("auto", "never")
+LOSS_NORMALIZATIONS = ("token", "sample", "sum")
 
 
 def _check(condition: bool, message: str) -> None:
@@ -165,6 +166,11 @@ class TrainerConfig:
         where the host waited for the device (file, line, operation); ``host_syncs`` in that
         step's metrics record counts them. Null: off.
     tracking: experiment trackers (:class:`TrackingConfig`): TensorBoard by default, W&B, MLflow.
+    loss_normalization: how the step's per-token losses l_t become its loss, over the global batch
+        (every DP rank and accumulated micro-batch; CP ranks' tokens counted once):
+        ``token`` sum(l_t) / (label tokens); ``sample`` the mean over samples of each sample's token
+        mean; ``sum`` sum(l_t) / ``loss_divisor``. DPO's loss is a mean over pairs: refused there.
+    loss_divisor: the constant of ``sum`` (e.g. the tokens a global batch holds); only with ``sum``.
     """
 
     max_steps: int = 100
@@ -183,6 +189,8 @@ class TrainerConfig:
     progress_bar: bool = True
     sync_debug_step: int | None = None
     tracking: TrackingConfig | dict | None = None
+    loss_normalization: str = "token"
+    loss_divisor: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.tracking, TrackingConfig):
@@ -229,3 +237,19 @@ class TrainerConfig:
             or (_is_int(self.stop_at_step) and 1 <= self.stop_at_step <= self.max_steps),
             f"trainer.stop_at_step must be null or in [1, max_steps={self.max_steps}], got {self.stop_at_step!r}",
         )
+        _check(
+            self.loss_normalization in LOSS_NORMALIZATIONS,
+            f"trainer.loss_normalization must be one of {LOSS_NORMALIZATIONS}, got {self.loss_normalization!r}",
+        )
+        if self.loss_normalization == "sum":
+            _check(
+                _is_real(self.loss_divisor) and self.loss_divisor > 0,
+                "trainer.loss_normalization=sum divides the summed loss by trainer.loss_divisor, which must be a "
+                f"finite positive number (e.g. the tokens of a global batch), got {self.loss_divisor!r}",
+            )
+        else:
+            _check(
+                self.loss_divisor is None,
+                f"trainer.loss_divisor={self.loss_divisor!r} applies only to trainer.loss_normalization=sum "
+                f"(this run's is {self.loss_normalization}); remove it or set trainer.loss_normalization=sum",
+            )

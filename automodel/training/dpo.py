@@ -95,6 +95,12 @@ class DPORecipe(FinetuneRecipe):
                 raise ConfigError(
                     f"{name}: a DPO recipe needs {kind.__module__}.{kind.__name__}, got {type(value).__name__}"
                 )
+        if self.trainer.loss_normalization != "token":
+            raise ConfigError(
+                f"trainer.loss_normalization={self.trainer.loss_normalization} does not apply to DPO, whose loss "
+                "is a mean over the step's pairs of one term per pair (each from the pair's summed log-probs); "
+                "remove the override"
+            )
 
     def setup(self) -> None:
         super().setup()
@@ -128,7 +134,7 @@ class DPORecipe(FinetuneRecipe):
         return values
 
     def _forward_backward(
-        self, micro_batches: list[dict[str, Any]], label_tokens: torch.Tensor
+        self, micro_batches: list[dict[str, Any]], counts: torch.Tensor
     ) -> dict[str, torch.Tensor]:
         """The step's mean DPO loss over all its pairs (every DP rank's), backward done; reward metrics."""
         pairs = self._sum_over_dp(

@@ -40,6 +40,9 @@ from automodel.training.validation import evaluate
 
 logger = logging.getLogger("automodel")
 
+# what _shard counts in a micro-batch (samples: those with a label), summed over the step's ranks
+_COUNTS = ("label_tokens", "real_tokens", "slots", "samples")
+
 
 class FinetuneRecipe:
     """Builds every component from a resolved recipe config, then trains.
@@ -71,14 +74,7 @@ class FinetuneRecipe:
             raise ConfigError(str(error)) from None
         configure_console(self.dims.is_main)
         self._warn_no_validation_data()
-        # Before anything is written: the model config, and the differential check on it (model.verify, cached)
-        with _as_user_error(ModelError):
-            self.hf_config, self.model_verdict = config_checks(
-                self.model_spec,
-                cp_size=self.dims.cp_size,
-                max_sample_tokens=self._longest_sample(),
-                row_tokens=self._row_tokens(),
-            )
+        self._check_model_config()
         # Lock, resume checks and the saved recipe: all before any data or model work.
         self.run_dir = RunDirectory(self.output_dir, self.dims.rank)
         run_id, resume_from = self.run_dir.prepare(
@@ -107,12 +103,7 @@ class FinetuneRecipe:
 
         with _as_user_error(ConfigError):  # data.tokenizer: a path or name the recipe gives
             self.tokenizer = self.data.load_tokenizer(trust_remote_code=self.model_spec.trust_remote_code)
-        with _as_user_error(
-            ModelError
-        ):  # the tokenizer, checkpoint and LoRA targets, before tokenizing and packing
-            checkpoint_checks(
-                self.model_spec, self.hf_config, vocab_needed=len(self.tokenizer), lora=self.lora
-            )
+        self._check_checkpoint()
         # rank 0 fills the datasets cache, the others read it; a bad row raised in a worker process
         # of datasets.map arrives here as the worker's ValueError
         with _main_rank_first(self.dims.is_main), _as_user_error(DataError):
@@ -157,6 +148,25 @@ class FinetuneRecipe:
                 resume_from, self.model, self.optimizer, self.scheduler, self.stream
             )
             logger.info("resumed from %s at step %d", resume_from.path, self.step)
+
+    def _check_model_config(self) -> None:
+        """Before anything is written: the model config, and the differential check on it
+        (``model.verify``, cached)."""
+        with _as_user_error(ModelError):
+            self.hf_config, self.model_verdict = config_checks(
+                self.model_spec,
+                cp_size=self.dims.cp_size,
+                max_sample_tokens=self._longest_sample(),
+                row_tokens=self._row_tokens(),
+            )
+
+    def _check_checkpoint(self) -> None:
+        """The tokenizer against the vocabulary, the checkpoint's tensors and the LoRA targets,
+        before tokenizing and packing."""
+        with _as_user_error(ModelError):
+            checkpoint_checks(
+                self.model_spec, self.hf_config, vocab_needed=len(self.tokenizer), lora=self.lora
+            )
 
     def _warn_no_validation_data(self) -> None:
         """Say so when ``trainer.eval_every`` will never evaluate (a warning: a recipe's own
@@ -270,15 +280,14 @@ class FinetuneRecipe:
         backward (``trainer.sync_debug_step`` lists any wait that remains)."""
         start = time.perf_counter()
         micro_batches = [self._shard(next(self.stream)) for _ in range(self.trainer.grad_accum_steps)]
-        # per-rank [label tokens, real tokens, slots] of the step, summed over all ranks in one collective
+        # per-rank counts of the step (_COUNTS), summed over all ranks in one collective
         counts = self._all_reduce(
-            torch.tensor([[b["label_tokens"], b["real_tokens"], b["slots"]] for b in micro_batches]).sum(0),
-            torch.float64,
+            torch.tensor([[b[name] for name in _COUNTS] for b in micro_batches]).sum(0), torch.float64
         )
-        objective = self._forward_backward(micro_batches, counts[0])
+        objective = self._forward_backward(micro_batches, counts)
         grad_norm = self._grad_norm_after_clipping()
         # the step's one device read
-        *values, label_tokens, real, slots, grad_norm = torch.cat(
+        *values, label_tokens, real, slots, samples, grad_norm = torch.cat(
             [torch.stack(list(objective.values())).double(), counts, grad_norm[None].double()]
         ).tolist()
         metrics = dict(zip(objective, values))
@@ -306,6 +315,7 @@ class FinetuneRecipe:
             "grad_norm": grad_norm,
             **metrics,
             "label_tokens": int(label_tokens),
+            "samples": int(samples),
             "real_tokens": int(real),
             "fill": real / slots,
             "tokens_per_s": real / seconds,
@@ -316,27 +326,63 @@ class FinetuneRecipe:
         return record
 
     def _forward_backward(
-        self, micro_batches: list[dict[str, Any]], label_tokens: torch.Tensor
+        self, micro_batches: list[dict[str, Any]], counts: torch.Tensor
     ) -> dict[str, torch.Tensor]:
-        """The objective, the one part a :class:`automodel.training.dpo.DPORecipe` replaces: forward
-        and backward of the step's micro-batches. ``label_tokens``: the step's label tokens on all
-        ranks (a device tensor). Returns 0-dim device tensors, not read here: ``loss`` (the global
-        loss) first, then the objective's own metrics."""
-        normalizer = label_tokens.float()  # stays on the device: no wait before the backward
-        loss_sum = torch.zeros((), device=self.dims.device)
+        """Forward and backward of the step's micro-batches: each one's summed terms
+        (:meth:`_micro_batch_terms`, the objective) divided by the step's normalizer
+        (:meth:`_loss_normalizer`, from ``counts``: the step's ``_COUNTS`` over all ranks, a device
+        tensor). Returns 0-dim device tensors, not read here: ``loss`` (the global loss) first, then
+        the objective's own metrics, normalized alike. :class:`automodel.training.dpo.DPORecipe`
+        replaces the whole method (a mean over pairs)."""
+        normalizer = self._loss_normalizer(counts)  # stays on the device: no wait before the backward
+        totals = None
         for i, batch in enumerate(micro_batches):
             self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # reduce once per step
             with self._autocast():
-                micro_loss = self.model(
-                    batch["input_ids"],
-                    batch["position_ids"],
-                    batch["labels"],
-                    batch["attn_meta"],
-                    batch["label_positions"],
-                )
-            (micro_loss / normalizer).backward()
-            loss_sum += micro_loss.detach()
-        return {"loss": self._all_reduce(loss_sum, torch.float64) / label_tokens}
+                terms = self._micro_batch_terms(batch)
+            (terms["loss"] / normalizer.float()).backward()
+            sums = torch.stack([term.detach() for term in terms.values()])
+            totals = sums if totals is None else totals + sums
+        return dict(zip(terms, self._all_reduce(totals, torch.float64) / normalizer))
+
+    def _loss_normalizer(self, counts: torch.Tensor) -> torch.Tensor:
+        """The step's divisor (``trainer.loss_normalization``), float64 on the device: its label
+        tokens (``token``), its samples with a label (``sample``), or ``trainer.loss_divisor``."""
+        mode = self.trainer.loss_normalization
+        if mode == "sum":
+            return torch.tensor(self.trainer.loss_divisor, dtype=torch.float64, device=self.dims.device)
+        return counts[_COUNTS.index("label_tokens" if mode == "token" else "samples")]
+
+    def _micro_batch_terms(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The objective over one micro-batch: 0-dim sums over its label tokens, each token weighted
+        for the normalization (:meth:`_weighted_sum`); ``loss`` (differentiable) first, then the
+        objective's metrics. Here the cross-entropy; :class:`automodel.training.kd.KDRecipe` mixes
+        in the divergence from a teacher."""
+        if "loss_weights" not in batch:  # every token weighs 1: the loss's own sum
+            return {"loss": self._model_output(batch)}
+        return {"loss": self._weighted_sum(-self._model_output(batch, output="log_probs"), batch)}
+
+    @staticmethod
+    def _weighted_sum(values_T: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
+        """``sum(values_T * loss_weights_T)``: with ``trainer.loss_normalization=sample`` each token
+        weighs 1 / (its sample's label tokens), else 1."""
+        weights_T = batch.get("loss_weights")
+        return values_T.sum() if weights_T is None else (values_T * weights_T).sum()
+
+    def _model_output(
+        self, batch: dict[str, Any], model: CausalLMForTraining | None = None, **output: Any
+    ) -> Any:
+        """``model`` (the trained one by default) on one sharded micro-batch; ``output`` picks what
+        it returns (:meth:`automodel.models.CausalLMForTraining.forward`; default the
+        cross-entropy sum)."""
+        return (model or self.model)(
+            batch["input_ids"],
+            batch["position_ids"],
+            batch["labels"],
+            batch["attn_meta"],
+            batch["label_positions"],
+            **output,
+        )
 
     def train_step(self, list_host_syncs: bool = False) -> dict[str, Any]:
         """One optimizer step; returns its metrics record. With ``list_host_syncs`` (CUDA), every
@@ -368,12 +414,7 @@ class FinetuneRecipe:
         training data stream is not touched and ``evaluate`` restores the RNG."""
         batches = (self._shard(batch) for batch in self.val_batches)
         with self._autocast():
-            result = evaluate(
-                self.model, batches,
-                lambda b: self.model(
-                    b["input_ids"], b["position_ids"], b["labels"], b["attn_meta"], b["label_positions"]
-                ),
-            )  # fmt: skip
+            result = evaluate(self.model, batches, self._model_output)
         logger.info(
             "step %d  val_loss %.4f  val_perplexity %.3f over %d label tokens",
             self.step,
@@ -384,11 +425,19 @@ class FinetuneRecipe:
         return result.as_record()
 
     def _shard(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """This CP rank's share of a collated micro-batch, as the model takes it (:func:`model_inputs`)."""
+        """This CP rank's share of a collated micro-batch, as the model takes it (:func:`model_inputs`),
+        with per-token weights for ``trainer.loss_normalization=sample``. A CP group's ranks hold the
+        same samples: only its first counts them."""
         cp_mesh = self.dims.cp_mesh if self.dims.cp_size > 1 else None
-        return model_inputs(
-            batch, vocab_size=self.hf_config.vocab_size, cp_mesh=cp_mesh, device=self.dims.device
+        thd = model_inputs(
+            batch,
+            vocab_size=self.hf_config.vocab_size,
+            cp_mesh=cp_mesh,
+            device=self.dims.device,
+            sample_weights=self.trainer.loss_normalization == "sample",
         )
+        thd["samples"] = thd["samples"] if self.dims.cp_rank == 0 else 0
+        return thd
 
     def _grad_norm_after_clipping(self) -> torch.Tensor:
         """The total gradient norm before clipping, a 0-dim tensor on the device (not read here)."""
@@ -472,12 +521,14 @@ def _main_rank_first(is_main: bool):
 
 
 @contextlib.contextmanager
-def _as_user_error(kind: type[UserError], errors: tuple[type[Exception], ...] = (ValueError,)):
+def _as_user_error(
+    kind: type[UserError], errors: tuple[type[Exception], ...] = (ValueError,), prefix: str = ""
+):
     """The boundary checks of one stage raise ValueError naming the field and the fix: the user's
-    input, reported as ``kind`` (one line from the CLI)."""
+    input, reported as ``kind`` (one line from the CLI), after ``prefix``."""
     try:
         yield
     except UserError:
         raise
     except errors as error:
-        raise kind(str(error)) from error
+        raise kind(prefix + str(error)) from error

@@ -78,6 +78,7 @@ MUTABLE_KEYS = (
     "packing.cache_dir",
     "peft.export_merged",
     "trainer.tracking",  # where the numbers go, not what is trained
+    "kd.shard_teacher",  # where the teacher's weights live, not what it computes
 )  # the rest of peft.* (targets, rank, alpha, dropout) shapes the trained parameters: never mutable
 
 

@@ -86,8 +86,8 @@ def test_head_unit_loss_and_gradients_equal_the_unsharded_model(one_process_grou
     head, embed = sharded.hf.lm_head, sharded.hf.model.embed_tokens
     assert isinstance(head, FSDPModule) and isinstance(embed, FSDPModule)
     assert hasattr(head, HEAD_OUTPUT_METHOD) and not hasattr(plain.hf.lm_head, HEAD_OUTPUT_METHOD)
-    for per_token in (False, True):
-        losses = [m(*batch(), per_token=per_token).sum() for m in (plain, sharded)]
+    for output in ("loss", "log_probs"):
+        losses = [m(*batch(), output=output).sum() for m in (plain, sharded)]
         assert torch.equal(losses[0], losses[1].detach())
         for loss in losses:
             loss.backward()
