@@ -181,6 +181,14 @@ class MicroBatchStream(_Position):
         """Micro-batches per rank in the current epoch."""
         return self.plan(self.epoch).num_packs // self.env.dp_size
 
+    def epoch_tokens(self, epoch: int = 0) -> tuple[int, int]:
+        """``(real tokens, label tokens)`` that all DP ranks together train in ``epoch``: the units of
+        its dealt micro-batches (what ``automodel data`` reports as learned)."""
+        plan = self.plan(epoch)
+        dealt = plan.sample_order[: plan.pack_offsets[plan.num_packs - plan.num_packs % self.env.dp_size]]
+        tokens, learned = unit_token_counts(self.prepared.units)
+        return int(tokens[dealt].sum()), int(learned[dealt].sum())
+
     def __next__(self) -> dict[str, Any]:
         for _ in range(2):
             if self._iterator is None:
@@ -257,6 +265,39 @@ class _Mode:
         prepared = self._prepared(dataset, env)
         plan = prepared.plan(prepared.kept)
         return _Dealt(prepared, plan, 0, env, -(-plan.num_packs // env.dp_size))
+
+
+def sample_cap(mode: Any, cp_size: int = 1) -> int | None:
+    """The most tokens one sample may have in a row of the batching ``mode`` (a pack, ``max_seq_len``,
+    dyn_bsz's length cap, ``none``'s ``max_length``), rounded down to a multiple of ``2*cp_size``
+    (the CP padding must still fit); None when the mode names no bound. ``data.long_samples`` cuts
+    to it when ``data.max_length`` is null or larger."""
+    for name in ("packed_sequence_size", "max_seq_len", "length_cap", "max_length"):
+        cap = getattr(mode, name, None)
+        if cap is not None:
+            return cap // cp_multiple(cp_size) * cp_multiple(cp_size)
+    return None
+
+
+def unit_token_counts(units: datasets.Dataset) -> tuple[np.ndarray, np.ndarray]:
+    """``([K] real tokens, [K] label tokens)`` of each unit: a pack (``seq_lens``, labels != -100) or
+    a sample (its length, :func:`label_token_counts`)."""
+    table = units.with_format("arrow")[:]
+    if "seq_lens" not in table.column_names:
+        return pc.list_value_length(table.column("input_ids")).to_numpy(
+            zero_copy_only=False
+        ), label_token_counts(units)
+    real = _row_sums(table.column("seq_lens"), pc.list_flatten(table.column("seq_lens")))
+    labels = table.column("labels")
+    return real, _row_sums(labels, pc.not_equal(pc.list_flatten(labels), CROSS_ENTROPY_IGNORE_INDEX))
+
+
+def _row_sums(lists, flat_values) -> np.ndarray:
+    """``[N]`` sums of each list of ``lists`` over ``flat_values`` (its values, flattened)."""
+    values = flat_values.to_numpy(zero_copy_only=False).astype(np.int64)
+    ends = np.cumsum(pc.list_value_length(lists).to_numpy(zero_copy_only=False))
+    cumulative = np.concatenate([[0], np.cumsum(values)])
+    return cumulative[ends] - cumulative[np.concatenate([[0], ends[:-1]])]
 
 
 def _sample_rows(dataset: datasets.Dataset) -> datasets.Dataset:
@@ -403,9 +444,7 @@ def label_token_counts(dataset: datasets.Dataset) -> np.ndarray:
     learnable = pc.not_equal(pc.list_flatten(table.column("labels")), CROSS_ENTROPY_IGNORE_INDEX)
     if "loss_mask" in table.column_names:
         learnable = pc.and_(learnable, pc.not_equal(pc.list_flatten(table.column("loss_mask")), 0))
-    cumulative = np.concatenate([[0], np.cumsum(learnable.to_numpy(zero_copy_only=False), dtype=np.int64)])
-    ends = np.cumsum(pc.list_value_length(table.column("labels")).to_numpy(zero_copy_only=False))
-    return cumulative[ends] - cumulative[np.concatenate([[0], ends[:-1]])]
+    return _row_sums(table.column("labels"), learnable)
 
 
 @dataclass
