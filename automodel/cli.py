@@ -30,6 +30,8 @@ USAGE = """automodel <command> [...]    (automodel --version; --debug: traceback
   data RECIPE [OVERRIDES...]       rendered samples with the learned tokens marked, token/row counts, pack fill,
                                    steps per epoch; builds no model
   recipes                          the shipped recipes and the options of each config group
+  tokenize SOURCE OUTPUT [...]     text files (.txt/.jsonl/.parquet, a directory or glob) -> a token file for
+                                   pretraining (flat token ids + document offsets, memory-mapped: data=corpus)
   bench packing [...]              packing speed, memory and tightness
   bench throughput [...]           real tokens/s of packed THD against padded batches (CPU)
   bench batching [...]             rmpad / dyn_bsz fill and speed against VeOmni's arrival-order scan
@@ -83,6 +85,8 @@ def _dispatch(command: str, rest: list[str], argv: list[str]) -> int:
         return _data(rest)
     if command == "recipes":
         return _recipes()
+    if command == "tokenize":
+        return _tokenize(rest)
     if command == "bench" and rest and rest[0] in BENCHMARKS:
         from automodel.benchmarks import run_benchmark
 
@@ -176,6 +180,45 @@ def _data(argv: list[str]) -> int:
     from automodel.training.preview import preview
 
     preview(cfg, samples=args.samples)
+    return 0
+
+
+def _tokenize(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="automodel tokenize",
+        description="Tokenize text files as a stream into a token file (the format: automodel/data/token_files.py), "
+        "which data=corpus memory-maps: data.source=OUTPUT.",
+    )
+    parser.add_argument(
+        "source", help="a .txt/.jsonl/.parquet file, a directory or glob of them, or tiny_corpus"
+    )
+    parser.add_argument("output", help="the token-file directory to write (must not exist)")
+    parser.add_argument(
+        "--tokenizer", default="tiny", help="tiny, or a local tokenizer directory (default tiny)"
+    )
+    parser.add_argument("--text-column", default="text", help="the text of a .jsonl row or .parquet column")
+    parser.add_argument("--txt-samples", default="lines", choices=("lines", "blocks"),
+                        help="a .txt file's documents: each non-blank line, or each run of lines between blank lines")  # fmt: skip
+    parser.add_argument(
+        "--trust-remote-code", action="store_true", help="allow a tokenizer's own Python code"
+    )
+    args = parser.parse_args(argv)
+
+    from automodel.data.sft import load_tokenizer
+    from automodel.data.sources import check_source
+    from automodel.data.token_files import write_token_file
+    from automodel.errors import DataError
+
+    try:
+        check_source(args.source, "source")
+        tokenizer = load_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
+        written = write_token_file(args.source, args.output, tokenizer, tokenizer_name=args.tokenizer,
+                                   text_column=args.text_column, txt_samples=args.txt_samples)  # fmt: skip
+    except ValueError as error:
+        raise DataError(str(error)) from None
+    meta = written.meta
+    print(f"{written.path}: {meta['documents']:,} documents, {meta['tokens']:,} tokens ({meta['dtype']}) "
+          f"from {len(meta['sources'])} file(s)")  # fmt: skip
     return 0
 
 

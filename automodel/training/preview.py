@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 
 from automodel.config import build_section
 from automodel.console import configure_console
-from automodel.data.batching import LoaderEnv, sample_cap
+from automodel.data.batching import LoaderEnv, sample_cap, sample_lengths, unit_token_counts
 from automodel.errors import ConfigError, DataError
 from automodel.models.inputs import model_inputs
 
@@ -68,22 +68,21 @@ def preview(cfg: DictConfig, samples: int = 3) -> dict[str, Any]:
     )
     stream = batching.build(dataset, env)
 
-    rows = dataset.select_columns(["input_ids", "labels", "loss_mask"])
-    for index in range(min(samples, len(rows))):
-        row = rows[index]
-        print(f"--- sample {index + 1} of {len(rows)} ({len(row['input_ids'])} tokens, "
+    for index in range(min(samples, len(dataset))):
+        row = {name: list(map(int, dataset[index][name])) for name in ("input_ids", "labels", "loss_mask")}
+        print(f"--- sample {index + 1} of {len(dataset)} ({len(row['input_ids'])} tokens, "
               f"{sum(row['loss_mask'])} learned between {LEARNED[0]} {LEARNED[1]})")  # fmt: skip
         print(render_sample(row["input_ids"], row["labels"], row["loss_mask"], tokenizer))
-    lengths = [len(ids) for ids in rows["input_ids"]]
+    lengths = sample_lengths(dataset)
     tokens, learned = stream.epoch_tokens()
-    in_data = (sum(lengths), sum(sum(mask) for mask in rows["loss_mask"]))
+    in_data = tuple(int(counts.sum()) for counts in unit_token_counts(dataset))
     measured = min(FILL_BATCHES, stream.batches_per_epoch)
     real = slots = 0
     for batch in itertools.islice(stream, measured):
         inputs = model_inputs(batch, vocab_size=len(tokenizer))
         real, slots = real + inputs["real_tokens"], slots + inputs["slots"]
     figures = {
-        "rows": len(rows),
+        "rows": len(dataset),
         "tokens": tokens,  # what one epoch trains: the samples of its dealt micro-batches
         "learned_tokens": learned,
         "data_tokens": in_data[0],

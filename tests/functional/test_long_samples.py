@@ -13,8 +13,8 @@ from automodel.assets.build_tiny_assets import WORDS
 from automodel.cli import main
 from automodel.config import build_section, load_recipe
 from automodel.data.batching import LoaderEnv, sample_cap
-from automodel.training.preview import preview
 from automodel.data.sft import load_tokenizer
+from automodel.training.preview import preview
 
 PACK = 2048
 ROWS = 306
