@@ -37,6 +37,8 @@ USAGE = """automodel <command> [...]    (automodel --version; --debug: traceback
   bench batching [...]             rmpad / dyn_bsz fill and speed against VeOmni's arrival-order scan
   bench balance [...]              balanced packing: per-step load balance across DP ranks
   bench gpu [...]                  every GPU figure: tokens/s, MFU, memory, host syncs per backend (tiny on CPU)
+  bench init_memory [...]          host memory of a from-scratch build: each rank its own shards vs rank 0 + broadcast
+  bench tokenize [...]             tokenizing and packing a generated text corpus against datasets.map; peak memory
   bench cli_latency [...]          how fast the CLI answers --cfg job, typos and bad values
   check-gpu [...]                  Transformer Engine against the portable attention on this machine's GPUs
   families [--verify [TYPE ...]]   the supported model types; --verify re-runs the differential check
