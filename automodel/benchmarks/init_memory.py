@@ -115,10 +115,18 @@ def main(argv: list[str] | None = None) -> int:
                 if done.returncode != 0:
                     print(done.stdout[-3000:], done.stderr[-3000:], file=sys.stderr)
                     return 1
-                rows = [json.loads((Path(tmp) / f"result_{mode}_w{world}_r{r}.json").read_text()) for r in range(world)]
+                rows = [
+                    json.loads((Path(tmp) / f"result_{mode}_w{world}_r{r}.json").read_text())
+                    for r in range(world)
+                ]
                 for r in rows:
-                    print(f"{mode:8} {world:>5} {r['rank']:>4} | {r['peak_bytes'] / fp32:6.2f} | {r['seconds']:7.2f}")
-                print(f"{mode:8} {world:>5}  max | {max(r['peak_bytes'] for r in rows) / fp32:6.2f} |", flush=True)
+                    print(
+                        f"{mode:8} {world:>5} {r['rank']:>4} | {r['peak_bytes'] / fp32:6.2f} | {r['seconds']:7.2f}"
+                    )
+                print(
+                    f"{mode:8} {world:>5}  max | {max(r['peak_bytes'] for r in rows) / fp32:6.2f} |",
+                    flush=True,
+                )
     return 0
 
 
