@@ -95,3 +95,16 @@ def test_split_trains_every_token_of_the_corpus_in_one_epoch(tmp_path, capfd):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == steps and {r["epoch"] for r in records} == {0}
     assert sum(r["label_tokens"] for r in records) == sum(positions)
+
+
+def test_the_pretraining_recipe_trains_every_token_of_its_corpus(tmp_path):
+    """``tiny_llama_pretrain`` on the shipped corpus (40 documents longer than its 1,024-token packs):
+    one epoch's micro-batches hold every token of every training document."""
+    from automodel.data.token_files import open_token_file
+
+    cfg = load_recipe("tiny_llama_pretrain", [f"data.cache_dir={tmp_path}", "data.val_fraction=null"])
+    figures = preview(cfg, samples=0)
+    (meta,) = tmp_path.glob("tokens-*/meta.json")
+    offsets = open_token_file(meta.parent).offsets
+    every_token = int(offsets[-1]) - (len(offsets) - 1)  # n - 1 labels per document
+    assert figures["learned_tokens"] == figures["tokens"] == every_token == figures["data_learned_tokens"]
