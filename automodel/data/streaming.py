@@ -30,15 +30,11 @@ from datasets.distributed import split_dataset_by_node
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from automodel.data.batching import LoaderEnv, PackedBatching, _fingerprint, _Position
-from automodel.data.collate import (
-    CROSS_ENTROPY_IGNORE_INDEX,
-    build_row,
-    cp_padded,
-    packed_sequence_thd_collater,
-)
+from automodel.data.collate import build_row, cp_padded, packed_sequence_thd_collater
 from automodel.data.packing import keep_fitting
 from automodel.data.planning import check_positive_int, plan_packs
 from automodel.errors import DataError
+from automodel.loss import CROSS_ENTROPY_IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
 
