@@ -202,6 +202,9 @@ def _tokenize(argv: list[str]) -> int:
     parser.add_argument("--txt-samples", default="lines", choices=("lines", "blocks"),
                         help="a .txt file's documents: each non-blank line, or each run of lines between blank lines")  # fmt: skip
     parser.add_argument(
+        "--num-proc", type=int, default=None, help="processes that encode (default: this one)"
+    )
+    parser.add_argument(
         "--trust-remote-code", action="store_true", help="allow a tokenizer's own Python code"
     )
     args = parser.parse_args(argv)
@@ -215,7 +218,8 @@ def _tokenize(argv: list[str]) -> int:
         check_source(args.source, "source")
         tokenizer = load_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
         written = write_token_file(args.source, args.output, tokenizer, tokenizer_name=args.tokenizer,
-                                   text_column=args.text_column, txt_samples=args.txt_samples)  # fmt: skip
+                                   text_column=args.text_column, txt_samples=args.txt_samples,
+                                   num_proc=args.num_proc)  # fmt: skip
     except ValueError as error:
         raise DataError(str(error)) from None
     meta = written.meta

@@ -11,8 +11,9 @@ peak memory is the largest sum of RSS over the process and its children, sampled
 byte-level BPE of 16,384 ids trained on the first 2 MB of the corpus (the shipped tiny one's recipe,
 ``build_tiny_assets.train_tokenizer``), so that words are one or two tokens as with real tokenizers.
 
-- ``automodel``: ``write_token_file`` (streamed read, the fast tokenizer's batch encoder, flat ids
-  and offsets written as it goes), then the packs of an epoch (documents split into pieces of at most
+- ``automodel``: ``write_token_file`` with ``num_proc=2`` (this process reads the files as a
+  stream and writes flat ids and offsets as they come; two forked workers run the fast
+  tokenizer's batch encoder on batches of 1 MB), then the packs of an epoch (documents split into pieces of at most
   2,048 tokens, best-fit decreasing over the lengths) and every pack's row built once.
 - ``datasets.map``: ``load_dataset("text")`` (Arrow cache) and ``.map(tokenizer, batched=True,
   num_proc=2)``, the usual Hugging Face preprocessing; no packing.
@@ -129,7 +130,7 @@ def run_automodel(corpus: Path, work: Path, tokenizer_dir: str) -> dict:
 
     tokenizer = load_tokenizer(tokenizer_dir)
     start = time.perf_counter()
-    file = write_token_file(str(corpus), work / "corpus.tokens", tokenizer)
+    file = write_token_file(str(corpus), work / "corpus.tokens", tokenizer, num_proc=2)
     tokenized = time.perf_counter()
     samples = TokenCorpus(file, np.arange(file.meta["documents"]), PACK, "split")
     packs = corpus_packs(samples, PACK, algorithm="bfd", seed=0, padding_idx=0, cp_size=1)

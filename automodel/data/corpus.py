@@ -38,6 +38,7 @@ from automodel.data.pack_cache import PACKER_CODE_VERSION, cached_entry
 from automodel.data.packing import keep_fitting
 from automodel.data.planning import PackPlan, check_positive_int, plan_packs
 from automodel.data.sft import load_tokenizer
+from automodel.data.sft_data import auto_num_proc
 from automodel.data.sources import TXT_SAMPLES, check_source, data_files
 from automodel.data.token_files import (
     TokenFile,
@@ -194,6 +195,8 @@ class CorpusData:
         long_samples: ``split`` (default: pieces, no token lost), ``truncate`` or ``drop``.
         val_fraction: hold out this fraction of the documents for validation (seeded), or null.
         seed: seeds the held-out documents.
+        num_proc: processes that tokenize a text source: ``auto`` (this machine's cores, at most 8),
+            a number, or null (this process).
         cache_dir: where text sources are tokenized to (null: ``$AUTOMODEL_CACHE/tokens``, else
             ``~/.cache/automodel/tokens``); an entry is keyed by the files (names, sizes, times),
             the tokenizer and the two fields above.
@@ -207,9 +210,14 @@ class CorpusData:
     long_samples: str = "split"
     val_fraction: float | None = None
     seed: int = 1234
+    num_proc: int | str | None = None
     cache_dir: str | None = None
 
     def __post_init__(self) -> None:
+        if self.num_proc == "auto":
+            self.num_proc = auto_num_proc()
+        if self.num_proc is not None:
+            check_positive_int("data.num_proc", self.num_proc)
         check_source(self.source, "data.source")
         check_long_samples(self.long_samples)
         if self.max_length is not None:
@@ -239,7 +247,8 @@ class CorpusData:
         def write(staging: Path) -> None:
             staging.rmdir()  # write_token_file writes the directory itself
             write_token_file(self.source, staging, tokenizer, tokenizer_name=self.tokenizer,
-                             text_column=self.text_column, txt_samples=self.txt_samples)  # fmt: skip
+                             text_column=self.text_column, txt_samples=self.txt_samples,
+                             num_proc=self.num_proc)  # fmt: skip
 
         return open_token_file(cached_entry(root, f"tokens-{key}", write, what="token cache"), tokenizer)
 

@@ -22,8 +22,10 @@ of the corpus. It writes a staging directory and renames it into place when comp
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import multiprocessing
 import os
 import shutil
 from collections.abc import Iterator
@@ -167,9 +169,12 @@ def write_token_file(
     text_column: str = "text",
     txt_samples: str = "lines",
     batch_bytes: int = 1 << 20,
+    num_proc: int | None = None,
 ) -> TokenFile:
     """Tokenize ``source`` (a ``.txt``/``.jsonl``/``.parquet`` file, a directory or glob of them) as
-    a stream into the token file ``output`` (written beside, renamed into place), and open it."""
+    a stream into the token file ``output`` (written beside, renamed into place), and open it.
+    ``num_proc``: worker processes that encode batches (in order; this process reads and writes),
+    None: this process alone."""
     files = data_files(source)
     output = Path(output).expanduser()
     if output.exists():
@@ -184,16 +189,15 @@ def write_token_file(
         start = np.zeros(1, "<i8").tobytes()
         offsets.write(start)
         offsets_digest.update(start)
-        for texts in _batches(iter_texts(files, text_column, txt_samples), batch_bytes):
-            encoded = encode_documents(texts, tokenizer)
-            flat = np.concatenate(encoded).astype(dtype).tobytes()
-            ends = (count + np.cumsum([len(ids) for ids in encoded])).astype("<i8").tobytes()
+        batches = _batches(iter_texts(files, text_column, txt_samples), batch_bytes)
+        for flat, lengths in _encoded_batches(batches, tokenizer, dtype, num_proc):
+            ends = (count + np.cumsum(lengths)).astype("<i8").tobytes()
             tokens.write(flat)
             offsets.write(ends)
             tokens_digest.update(flat)
             offsets_digest.update(ends)
             count += len(flat) // dtype.itemsize
-            documents += len(encoded)
+            documents += len(lengths)
     if documents == 0:
         shutil.rmtree(staging)
         raise ValueError(f"source {source!r} holds no document")
@@ -208,6 +212,29 @@ def write_token_file(
     logger.info("token file %s: %d documents, %d tokens (%s) from %d file(s)", output, documents, count,
                 dtype.name, len(files))  # fmt: skip
     return open_token_file(output)
+
+
+_worker_tokenizer: PreTrainedTokenizerBase | None = None  # set before the pool forks its workers
+
+
+def _encode_batch(texts: list[str], dtype: np.dtype, tokenizer: PreTrainedTokenizerBase | None = None):
+    """``(ids as bytes, [n] lengths)`` of a batch of documents."""
+    encoded = encode_documents(texts, tokenizer or _worker_tokenizer)
+    return np.concatenate(encoded).astype(dtype).tobytes(), np.array([len(ids) for ids in encoded], np.int64)
+
+
+def _encoded_batches(batches: Iterator[list[str]], tokenizer, dtype, num_proc: int | None) -> Iterator[tuple]:
+    """Each batch encoded, in order: here, or by ``num_proc`` forked workers while this process reads."""
+    if not num_proc or num_proc < 2:
+        yield from (_encode_batch(texts, dtype, tokenizer) for texts in batches)
+        return
+    global _worker_tokenizer
+    _worker_tokenizer = tokenizer
+    try:
+        with multiprocessing.get_context("fork").Pool(num_proc) as pool:
+            yield from pool.imap(functools.partial(_encode_batch, dtype=dtype), batches, chunksize=1)
+    finally:
+        _worker_tokenizer = None
 
 
 def _batches(texts: Iterator[str], batch_bytes: int) -> Iterator[list[str]]:

@@ -52,6 +52,9 @@ def test_documents_are_format_texts_tokenization(tmp_path, tiny):
         assert document == row["input_ids"] + row["labels"][-1:]  # bos text eos
     with pytest.raises(ValueError, match="exists"):
         write_token_file(str(tmp_path / "src"), tmp_path / "out", tiny)
+    workers = write_token_file(str(tmp_path / "src"), tmp_path / "two", tiny, txt_samples="blocks", num_proc=2,
+                               batch_bytes=64)  # fmt: skip
+    assert workers.meta["xxh3_128"] == file.meta["xxh3_128"]  # the same file, encoded by two processes
 
 
 def test_every_check_on_read(tmp_path, tiny):
