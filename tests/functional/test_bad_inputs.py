@@ -65,9 +65,9 @@ def data_work(monkeypatch):
     calls = []
     build, plan = SFTData.build, packing_module.plan_packs
 
-    def counted_build(self, tokenizer):
+    def counted_build(self, tokenizer, **options):
         calls.append("tokenize")
-        return build(self, tokenizer)
+        return build(self, tokenizer, **options)
 
     def counted_plan(*args, **kwargs):
         calls.append("pack")
