@@ -386,7 +386,7 @@ def load_weights(
             init_sharded(model.transformers_model, config, seed, trust_remote_code=spec.trust_remote_code)
             init_buffers(model.transformers_model)
     except (UnshardableCheckpoint, UninitializedTensor) as why:
-        logger.warning("%s: rank 0 reads (or builds) the whole model and broadcasts it", why)
+        logger.warning("%s: rank 0 reads the whole model and broadcasts it", why)
         load_from_rank0(model, spec, config, seed=seed, is_main=is_main, lora=lora)
         return
     if lora is not None:
