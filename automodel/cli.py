@@ -30,11 +30,15 @@ USAGE = """automodel <command> [...]    (automodel --version; --debug: traceback
   data RECIPE [OVERRIDES...]       rendered samples with the learned tokens marked, token/row counts, pack fill,
                                    steps per epoch; builds no model
   recipes                          the shipped recipes and the options of each config group
+  tokenize SOURCE OUTPUT [...]     text files (.txt/.jsonl/.parquet, a directory or glob) -> a token file for
+                                   pretraining (flat token ids + document offsets, memory-mapped: data=corpus)
   bench packing [...]              packing speed, memory and tightness
   bench throughput [...]           real tokens/s of packed THD against padded batches (CPU)
   bench batching [...]             rmpad / dyn_bsz fill and speed against VeOmni's arrival-order scan
   bench balance [...]              balanced packing: per-step load balance across DP ranks
   bench gpu [...]                  every GPU figure: tokens/s, MFU, memory, host syncs per backend (tiny on CPU)
+  bench init_memory [...]          host memory of a from-scratch build: each rank its own shards vs rank 0 + broadcast
+  bench tokenize [...]             tokenizing and packing a generated text corpus against datasets.map; peak memory
   bench cli_latency [...]          how fast the CLI answers --cfg job, typos and bad values
   check-gpu [...]                  Transformer Engine against the portable attention on this machine's GPUs
   families [--verify [TYPE ...]]   the supported model types; --verify re-runs the differential check
@@ -83,6 +87,8 @@ def _dispatch(command: str, rest: list[str], argv: list[str]) -> int:
         return _data(rest)
     if command == "recipes":
         return _recipes()
+    if command == "tokenize":
+        return _tokenize(rest)
     if command == "bench" and rest and rest[0] in BENCHMARKS:
         from automodel.benchmarks import run_benchmark
 
@@ -179,6 +185,49 @@ def _data(argv: list[str]) -> int:
     return 0
 
 
+def _tokenize(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="automodel tokenize",
+        description="Tokenize text files as a stream into a token file (the format: automodel/data/token_files.py), "
+        "which data=corpus memory-maps: data.source=OUTPUT.",
+    )
+    parser.add_argument(
+        "source", help="a .txt/.jsonl/.parquet file, a directory or glob of them, or tiny_corpus"
+    )
+    parser.add_argument("output", help="the token-file directory to write (must not exist)")
+    parser.add_argument(
+        "--tokenizer", default="tiny", help="tiny, or a local tokenizer directory (default tiny)"
+    )
+    parser.add_argument("--text-column", default="text", help="the text of a .jsonl row or .parquet column")
+    parser.add_argument("--txt-samples", default="lines", choices=("lines", "blocks"),
+                        help="a .txt file's documents: each non-blank line, or each run of lines between blank lines")  # fmt: skip
+    parser.add_argument(
+        "--num-proc", type=int, default=None, help="processes that encode (default: this one)"
+    )
+    parser.add_argument(
+        "--trust-remote-code", action="store_true", help="allow a tokenizer's own Python code"
+    )
+    args = parser.parse_args(argv)
+
+    from automodel.data.sft import load_tokenizer
+    from automodel.data.sources import check_source
+    from automodel.data.token_files import write_token_file
+    from automodel.errors import DataError
+
+    try:
+        check_source(args.source, "source")
+        tokenizer = load_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
+        written = write_token_file(args.source, args.output, tokenizer, tokenizer_name=args.tokenizer,
+                                   text_column=args.text_column, txt_samples=args.txt_samples,
+                                   num_proc=args.num_proc)  # fmt: skip
+    except ValueError as error:
+        raise DataError(str(error)) from None
+    meta = written.meta
+    print(f"{written.path}: {meta['documents']:,} documents, {meta['tokens']:,} tokens ({meta['dtype']}) "
+          f"from {len(meta['sources'])} file(s)")  # fmt: skip
+    return 0
+
+
 # Keys most runs set; every key of a group is in its YAML (automodel finetune RECIPE --cfg job).
 COMMON_KEYS = (
     ("trainer.max_steps, trainer.grad_accum_steps", "optimizer steps, micro-batches per step"),
@@ -193,7 +242,8 @@ COMMON_KEYS = (
         "a local HF checkpoint (model=hf_checkpoint); float32 or bfloat16",
     ),
     ("data.source, data.format, data.tokenizer", "file/dir/glob/Hub id; messages, sharegpt, alpaca, ..."),
-    ("data.max_length, data.val_fraction, data.num_proc", "cut samples; hold out for validation; processes"),
+    ("data.max_length, data.long_samples", "the most tokens per sample; split | truncate | drop longer ones"),
+    ("data.val_fraction, data.num_proc", "hold out for validation; tokenizing processes"),
     ("packing.packed_sequence_size, packing.micro_batch_size", "tokens per pack, packs per micro-batch"),
     ("parallel.cp_size", "context parallel size (divides the torchrun world size)"),
     ("+peft=lora peft.rank=16", "LoRA adapters instead of full fine-tuning"),

@@ -50,6 +50,14 @@ ALLOWED_TARGETS = frozenset(
 )
 
 
+def automodel_cache_dir(name: str) -> Path:
+    """``$AUTOMODEL_CACHE/<name>``, else ``$XDG_CACHE_HOME/automodel/<name>``, else ``~/.cache/automodel/<name>``."""
+    root = os.environ.get("AUTOMODEL_CACHE")
+    if root:
+        return Path(root) / name
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "automodel" / name
+
+
 def refuse_remote_code(directory: str | Path, field: str, trust_remote_code: bool) -> None:
     """ConfigError when a local checkpoint or tokenizer directory asks transformers to import its own
     Python files (``auto_map`` in config.json or tokenizer_config.json) and the recipe did not opt in

@@ -6,6 +6,7 @@
     tiny_preference.jsonl                   NUM_PAIRS rows with columns prompt, chosen, rejected
     tiny_tokenizer/tokenizer.json           byte-level BPE with VOCAB_SIZE ids, trained on the rows
     tiny_tokenizer/tokenizer_config.json    bos/eos/pad tokens and the chat template
+    tiny_corpus/part-0.txt, part-1.jsonl    NUM_DOCUMENTS pretraining documents (blocks; {"text": ...})
 
 Every row is one instance of a templated task that a model of a few million parameters starts to
 learn within a hundred CPU steps (copy, reverse, sort, add, look up, count, capitalize). Task sizes
@@ -38,6 +39,8 @@ SEED = 20260
 NUM_ROWS = 3000
 NUM_PAIRS = 1000
 PREFERENCE_SEED = SEED + 1  # other task instances than the SFT rows
+CORPUS_SEED = SEED + 2
+NUM_DOCUMENTS = 160
 VOCAB_SIZE = 512
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
@@ -197,6 +200,26 @@ def make_preference_rows(seed: int = PREFERENCE_SEED, num_rows: int = NUM_PAIRS)
     ]  # fmt: skip
 
 
+def make_corpus_documents(seed: int = CORPUS_SEED, num_documents: int = NUM_DOCUMENTS) -> list[str]:
+    """Pretraining documents over the same tasks: each is 1 to 60 task instances (log-uniform)
+    written as ``question\nAnswer: answer`` lines, so that a few are longer than a pack of 1,024
+    tiny tokens. No line is blank (a blank line separates the documents of a ``.txt`` file).
+
+    Example document of two instances::
+
+        What is 12 plus 30?
+        Answer: 42
+        Spell the word tiger with dashes.
+        Answer: t-i-g-e-r
+    """
+    rng = random.Random(seed)
+    documents = []
+    for _ in range(num_documents):
+        instances = [rng.choice(TASKS)(rng) for _ in range(_log_uniform_int(rng, 1, 60))]
+        documents.append("\n".join(f"{question}\nAnswer: {answer}" for question, answer in instances))
+    return documents
+
+
 def train_tokenizer(texts: list[str], vocab_size: int = VOCAB_SIZE) -> Tokenizer:
     """A byte-level BPE over ``texts``; ``SPECIAL_TOKENS`` take ids 0..5 and bos is prepended on encode."""
     tokenizer = Tokenizer(models.BPE())
@@ -236,6 +259,9 @@ def build_tiny_assets(out_dir: Path, seed: int = SEED) -> list[Path]:
     tokenizer = train_tokenizer([row["prompt"] + row["completion"] for row in rows])
     tokenizer_dir = out_dir / "tiny_tokenizer"
     tokenizer_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "tiny_corpus").mkdir(exist_ok=True)
+    documents = make_corpus_documents(seed + 2)
+    half = len(documents) // 2
     paths = {
         out_dir / "tiny_sft.jsonl": "".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows),
         out_dir / "tiny_preference.jsonl": "".join(
@@ -243,6 +269,10 @@ def build_tiny_assets(out_dir: Path, seed: int = SEED) -> list[Path]:
         ),
         tokenizer_dir / "tokenizer.json": tokenizer.to_str(pretty=True) + "\n",
         tokenizer_dir / "tokenizer_config.json": json.dumps(tokenizer_config(), indent=2) + "\n",
+        out_dir / "tiny_corpus" / "part-0.txt": "\n\n".join(documents[:half]) + "\n",
+        out_dir / "tiny_corpus" / "part-1.jsonl": "".join(
+            json.dumps({"text": text}, separators=(",", ":")) + "\n" for text in documents[half:]
+        ),
     }
     for path, text in paths.items():
         path.write_text(text, encoding="utf-8", newline="\n")

@@ -11,6 +11,8 @@ BENCHMARKS = (
     "gpu",
     "lora_memory",
     "sharded_io",
+    "init_memory",
+    "tokenize",
     "cli_latency",
 )
 
@@ -32,6 +34,10 @@ def run_benchmark(name: str, argv: list[str]) -> int:
             from automodel.benchmarks.lora_memory import main
         case "sharded_io":
             from automodel.benchmarks.sharded_io import main
+        case "init_memory":
+            from automodel.benchmarks.init_memory import main
+        case "tokenize":
+            from automodel.benchmarks.tokenize import main
         case "cli_latency":
             from automodel.benchmarks.cli_latency import main
         case _:

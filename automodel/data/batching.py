@@ -40,6 +40,7 @@ from automodel.data.collate import (
     packed_sequence_thd_collater,
     padded_sequence_thd_collater,
 )
+from automodel.data.corpus import CorpusPacks, TokenCorpus, corpus_packs
 from automodel.data.pack_cache import cached_pack_dataset
 from automodel.data.packing import keep_fitting, pack_dataset, read_lengths
 from automodel.data.planning import (
@@ -181,6 +182,14 @@ class MicroBatchStream(_Position):
         """Micro-batches per rank in the current epoch."""
         return self.plan(self.epoch).num_packs // self.env.dp_size
 
+    def epoch_tokens(self, epoch: int = 0) -> tuple[int, int]:
+        """``(real tokens, label tokens)`` that all DP ranks together train in ``epoch``: the units of
+        its dealt micro-batches (what ``automodel data`` reports as learned)."""
+        plan = self.plan(epoch)
+        dealt = plan.sample_order[: plan.pack_offsets[plan.num_packs - plan.num_packs % self.env.dp_size]]
+        tokens, learned = unit_token_counts(self.prepared.units)
+        return int(tokens[dealt].sum()), int(learned[dealt].sum())
+
     def __next__(self) -> dict[str, Any]:
         for _ in range(2):
             if self._iterator is None:
@@ -231,10 +240,10 @@ class _Mode:
         ):
             raise ValueError(f"packing.num_workers must be an int >= 0, got {self.num_workers!r}")
 
-    def _prepared(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
-        if not isinstance(dataset, datasets.Dataset):
+    def _prepared(self, dataset: datasets.Dataset | TokenCorpus, env: LoaderEnv) -> Prepared:
+        if not isinstance(dataset, (datasets.Dataset, TokenCorpus)):
             raise ValueError(
-                f"dataset: this mode needs a map-style datasets.Dataset, got {type(dataset).__name__}"
+                f"dataset: this mode needs a map-style datasets.Dataset or a TokenCorpus, got {type(dataset).__name__}"
             )
         prepared = self.prepare(dataset, env)
         prepared.fingerprint = _fingerprint(
@@ -259,7 +268,49 @@ class _Mode:
         return _Dealt(prepared, plan, 0, env, -(-plan.num_packs // env.dp_size))
 
 
-def _sample_rows(dataset: datasets.Dataset) -> datasets.Dataset:
+def sample_cap(mode: Any, cp_size: int = 1) -> int | None:
+    """The most tokens one sample may have in a row of the batching ``mode`` (a pack, ``max_seq_len``,
+    dyn_bsz's length cap, ``none``'s ``max_length``), rounded down to a multiple of ``2*cp_size``
+    (the CP padding must still fit); None when the mode names no bound. ``data.long_samples`` cuts
+    to it when ``data.max_length`` is null or larger."""
+    for name in ("packed_sequence_size", "max_seq_len", "length_cap", "max_length"):
+        cap = getattr(mode, name, None)
+        if cap is not None:
+            return cap // cp_multiple(cp_size) * cp_multiple(cp_size)
+    return None
+
+
+def unit_token_counts(units: datasets.Dataset | TokenCorpus | CorpusPacks) -> tuple[np.ndarray, np.ndarray]:
+    """``([K] real tokens, [K] label tokens)`` of each unit: a pack (``seq_lens``, labels != -100) or
+    a sample (its length, :func:`label_token_counts`)."""
+    if isinstance(units, (TokenCorpus, CorpusPacks)):
+        return units.token_counts()
+    table = units.with_format("arrow")[:]
+    if "seq_lens" not in table.column_names:
+        return pc.list_value_length(table.column("input_ids")).to_numpy(
+            zero_copy_only=False
+        ), label_token_counts(units)
+    real = _row_sums(table.column("seq_lens"), pc.list_flatten(table.column("seq_lens")))
+    labels = table.column("labels")
+    return real, _row_sums(labels, pc.not_equal(pc.list_flatten(labels), CROSS_ENTROPY_IGNORE_INDEX))
+
+
+def _row_sums(lists, flat_values) -> np.ndarray:
+    """``[N]`` sums of each list of ``lists`` over ``flat_values`` (its values, flattened)."""
+    values = flat_values.to_numpy(zero_copy_only=False).astype(np.int64)
+    ends = np.cumsum(pc.list_value_length(lists).to_numpy(zero_copy_only=False))
+    cumulative = np.concatenate([[0], np.cumsum(values)])
+    return cumulative[ends] - cumulative[np.concatenate([[0], ends[:-1]])]
+
+
+def sample_lengths(dataset: datasets.Dataset | TokenCorpus) -> np.ndarray:
+    """``[N]`` tokens per sample (:func:`~automodel.data.packing.read_lengths` for a dataset)."""
+    return dataset.lengths if isinstance(dataset, TokenCorpus) else read_lengths(dataset)
+
+
+def _sample_rows(dataset: datasets.Dataset | TokenCorpus) -> datasets.Dataset | TokenCorpus:
+    if isinstance(dataset, TokenCorpus):
+        return dataset
     names = [c for c in ("input_ids", "labels", "loss_mask") if c in dataset.column_names]
     return dataset.select_columns(names).with_format("numpy")
 
@@ -283,7 +334,19 @@ class PackedBatching(_Mode):
         if self.algorithm not in PACKING_ALGORITHMS:
             raise ValueError(f"packing.algorithm must be one of {PACKING_ALGORITHMS}, got {self.algorithm!r}")
 
-    def prepare(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
+    def prepare(self, dataset: datasets.Dataset | TokenCorpus, env: LoaderEnv) -> Prepared:
+        if isinstance(dataset, TokenCorpus):  # packs built as they are read, from the memory-mapped tokens
+            if self.max_packs is not None:
+                raise ValueError(
+                    "packing.max_packs is not supported on a token corpus; use trainer.max_steps"
+                )
+            packs = corpus_packs(
+                dataset, self.packed_sequence_size, algorithm=self.algorithm, seed=env.seed,
+                padding_idx=env.padding_idx, cp_size=env.cp_size, drop_long_samples=self.drop_long_samples,
+                cache_dir=self.cache_dir,
+            )  # fmt: skip
+            return Prepared(packs, np.arange(len(packs)), functools.partial(_groups, size=self.micro_batch_size),
+                            packed_sequence_thd_collater, "")  # fmt: skip
         pack = (
             functools.partial(cached_pack_dataset, cache_dir=self.cache_dir)
             if self.cache_dir
@@ -312,7 +375,7 @@ class PaddedBatching(_Mode):
     _positive = ("micro_batch_size", "max_length")
 
     def prepare(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
-        padded = cp_padded(read_lengths(dataset), env.cp_size)
+        padded = cp_padded(sample_lengths(dataset), env.cp_size)
         kept = np.flatnonzero(keep_fitting("packing.max_length", padded, self.max_length, True, env.cp_size))
         collate = functools.partial(
             padded_sequence_thd_collater, padding_idx=env.padding_idx, cp_size=env.cp_size
@@ -388,7 +451,7 @@ class RmpadBatching(_FlatMode):
         length = self._static_length(
             self.micro_batch_size * self.max_seq_len, "micro_batch_size * max_seq_len", env.cp_size
         )
-        padded = cp_padded(read_lengths(dataset), env.cp_size)
+        padded = cp_padded(sample_lengths(dataset), env.cp_size)
         kept = np.flatnonzero(
             keep_fitting("packing.max_seq_len", padded, self.max_seq_len, True, env.cp_size)
         )
@@ -399,13 +462,13 @@ class RmpadBatching(_FlatMode):
 
 def label_token_counts(dataset: datasets.Dataset) -> np.ndarray:
     """``[N]`` label tokens per sample: label != -100 where ``loss_mask`` != 0."""
+    if isinstance(dataset, TokenCorpus):
+        return dataset.lengths
     table = dataset.with_format("arrow")[:]
     learnable = pc.not_equal(pc.list_flatten(table.column("labels")), CROSS_ENTROPY_IGNORE_INDEX)
     if "loss_mask" in table.column_names:
         learnable = pc.and_(learnable, pc.not_equal(pc.list_flatten(table.column("loss_mask")), 0))
-    cumulative = np.concatenate([[0], np.cumsum(learnable.to_numpy(zero_copy_only=False), dtype=np.int64)])
-    ends = np.cumsum(pc.list_value_length(table.column("labels")).to_numpy(zero_copy_only=False))
-    return cumulative[ends] - cumulative[np.concatenate([[0], ends[:-1]])]
+    return _row_sums(table.column("labels"), learnable)
 
 
 @dataclass
@@ -453,7 +516,7 @@ class DynBszBatching(_FlatMode):
 
     def prepare(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
         length = self._static_length(self.length_cap, "the length cap", env.cp_size)
-        sizes = cp_padded(read_lengths(dataset), env.cp_size)
+        sizes = cp_padded(sample_lengths(dataset), env.cp_size)
         weights = sizes if self.count == "tokens" else label_token_counts(dataset)
         cap_name = (
             "packing.max_packed_length" if self.max_packed_length else "packing.max_tokens_per_micro_batch"
@@ -537,7 +600,7 @@ class BalancedBatching(_Mode):
         self.cost_coefficients = check_cost_coefficients(self.cost_coefficients)
 
     def prepare(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
-        padded = cp_padded(read_lengths(dataset), env.cp_size)
+        padded = cp_padded(sample_lengths(dataset), env.cp_size)
         keep = keep_fitting(
             "packing.packed_sequence_size",
             padded,

@@ -7,11 +7,12 @@ the input tokens, every packing parameter and the packer's code version. Layout 
                          and ``digest.json``, their xxh3-128 (checked before every read)
     packed-<key>.lock    a ``filelock`` lock: the kernel releases it when its holder dies
     packed-<key>.holder  host and pid of the lock's holder while it holds it (logged by a process that waits)
-    tmp-<key>-<pid>/     an entry being written; one whose entry lock is free lost its writer
+    tmp-packed-<key>-<pid>/  an entry being written; one whose entry lock is free lost its writer
                          and is removed by the next call
 
 Every process takes the lock in turn; the first packs and writes the entry, the others find it
-complete and read it. No collective (NCCL or gloo) is open while they wait, so
+complete and read it. :func:`cached_entry` does this for every cached product: packs, pack plans of
+token files (``plan-<key>``) and token files tokenized from text (``tokens-<key>``). No collective (NCCL or gloo) is open while they wait, so
 ``parallel.timeout_minutes`` does not apply; ``wait_timeout_s`` bounds the wait, which is logged.
 """
 
@@ -93,6 +94,29 @@ def cached_pack_dataset(
         filelock.Timeout: another process held the lock longer than ``wait_timeout_s``.
     """
     parameters = _parameters(*args, **kwargs)
+    selected = _select_split(dataset, split)
+    key = pack_cache_key(selected, None, **parameters)
+    entry = cached_entry(
+        cache_dir, f"packed-{key}", lambda staging: pack_dataset(selected, None, **parameters).save_to_disk(
+            str(staging)), wait_timeout_s,
+    )  # fmt: skip
+    return datasets.load_from_disk(str(entry))
+
+
+def cached_entry(
+    cache_dir: str | os.PathLike,
+    name: str,
+    write,
+    wait_timeout_s: float = 4 * 3600.0,
+    what: str = "pack cache",
+) -> Path:
+    """The complete directory ``cache_dir/name``: made first by ``write(staging)`` (a directory to
+    fill) under the entry's lock if it does not exist, then checked against its digest. Every cached
+    product (packs, pack plans, token files) goes through here.
+
+    Raises:
+        filelock.Timeout: another process held the lock longer than ``wait_timeout_s``.
+    """
     if not wait_timeout_s > 0:
         raise ValueError(f"wait_timeout_s must be positive, got {wait_timeout_s!r}")
     root = Path(cache_dir).expanduser()
@@ -103,45 +127,38 @@ def cached_pack_dataset(
             f"cache_dir={os.fspath(cache_dir)!r}: cannot create it ({error.strerror}: {error.filename}); point it at "
             "a writable directory"
         ) from None
-    selected = _select_split(dataset, split)
-    key = pack_cache_key(selected, None, **parameters)
-    entry = root / f"packed-{key}"
+    entry = root / name
     _remove_dead_staging(root)
-    with _entry_lock(root, key, wait_timeout_s):
+    with _entry_lock(root, name, wait_timeout_s):
         if not (entry / DIGEST).is_file():  # none, or written before entries carried their digest
             shutil.rmtree(entry, ignore_errors=True)
             start = time.perf_counter()
-            packed = pack_dataset(selected, None, **parameters)
-            staging = root / f"tmp-{key}-{os.getpid()}"
-            packed.save_to_disk(str(staging))
+            staging = root / f"tmp-{name}-{os.getpid()}"
+            staging.mkdir()
+            write(staging)
             (staging / DIGEST).write_text(json.dumps({"xxh3_128": entry_digest(staging)}))
             os.rename(staging, entry)
-            logger.info(
-                "pack cache: packed %d rows into %s in %.1f s",
-                len(packed),
-                entry,
-                time.perf_counter() - start,
-            )
-    logger.info("pack cache: reading %s", entry)
+            logger.info("%s: wrote %s in %.1f s", what, entry, time.perf_counter() - start)
+    logger.info("%s: reading %s", what, entry)
     written = json.loads((entry / DIGEST).read_text()).get("xxh3_128")
     if entry_digest(entry) != written:
         raise ValueError(
-            f"pack cache entry {entry} does not match the digest it was written with (its files were changed or "
-            "damaged after packing); delete that directory and it is packed again"
+            f"{what} entry {entry} does not match the digest it was written with (its files were changed or "
+            "damaged after writing); delete that directory and it is made again"
         )
-    return datasets.load_from_disk(str(entry))
+    return entry
 
 
 @contextlib.contextmanager
-def _entry_lock(root: Path, key: str, wait_timeout_s: float):
-    """Holds ``packed-<key>.lock``; a process that finds it held logs that it waits, for which lock
-    and whom (``packed-<key>.holder``, written by each holder)."""
-    lock, holder = FileLock(root / f"packed-{key}.lock"), root / f"packed-{key}.holder"
+def _entry_lock(root: Path, name: str, wait_timeout_s: float):
+    """Holds ``<name>.lock``; a process that finds it held logs that it waits, for which lock and
+    whom (``<name>.holder``, written by each holder)."""
+    lock, holder = FileLock(root / f"{name}.lock"), root / f"{name}.holder"
     try:
         lock.acquire(timeout=0)
     except filelock.Timeout:
         known = holder.read_text().strip() if holder.is_file() else "holder unknown"
-        logger.info("pack cache: waiting up to %.0f s for %s, held by %s (packing this data)",
+        logger.info("pack cache: waiting up to %.0f s for %s, held by %s (making this entry)",
                     wait_timeout_s, lock.lock_file, known)  # fmt: skip
         start = time.perf_counter()
         lock.acquire(timeout=wait_timeout_s)
@@ -155,12 +172,12 @@ def _entry_lock(root: Path, key: str, wait_timeout_s: float):
 
 
 def _remove_dead_staging(root: Path) -> None:
-    """Removes the ``tmp-<key>-<pid>`` directories of writers that died: a live writer holds its
+    """Removes the ``tmp-<name>-<pid>`` directories of writers that died: a live writer holds its
     entry's lock, so a staging directory whose lock is free is a dead one's."""
     for staging in root.glob("tmp-*-*"):
-        key = staging.name.split("-")[1]
+        name = staging.name[len("tmp-") :].rpartition("-")[0]
         try:
-            with FileLock(root / f"packed-{key}.lock", timeout=0):
+            with FileLock(root / f"{name}.lock", timeout=0):
                 shutil.rmtree(staging, ignore_errors=True)
             logger.info("pack cache: removed %s, left by a writer that died", staging)
         except filelock.Timeout:

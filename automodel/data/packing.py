@@ -362,11 +362,15 @@ def keep_fitting(
                 f"drop_long_samples=False but sample {i} has {padded_lens[i]} tokens{after}, more than {limit}={cap}: "
                 f"raise {limit}, shorten the sample, or set drop_long_samples=True"
             )
+        dropped_tokens, tokens = int(padded_lens[too_long].sum()), int(padded_lens.sum())
         logger.warning(
-            "dropped %d of %d samples (%.3f%%) longer than %s=%d tokens%s",
+            "dropped %d of %d samples (%.3f%%), %d of %d tokens (%.3f%%), longer than %s=%d tokens%s",
             int(too_long.sum()),
             len(too_long),
             100 * too_long.mean(),
+            dropped_tokens,
+            tokens,
+            100 * dropped_tokens / max(1, tokens),
             limit,
             cap,
             after,

@@ -24,14 +24,16 @@ tokens               ``input_ids``, ``labels``/``loss_mask``      as given (see 
 ==================== ============================================ ===================================
 
 A malformed row raises a ``ValueError`` naming the file, the row and the field, or with
-``on_bad_row="skip"`` is dropped and counted. Samples with no token to learn are dropped; both
-drops and truncations are logged with their count and share.
+``on_bad_row="skip"`` is dropped and counted. A sample longer than ``max_length`` is split into
+pieces, truncated or dropped (``long_samples``: :mod:`automodel.data.long_samples`); samples with
+no token to learn are dropped; every drop, cut and split is logged in rows and tokens.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import json
 import logging
@@ -46,10 +48,14 @@ from typing import Any
 
 import datasets
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from datasets.table import InMemoryTable
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from automodel.assets import TINY_TOKENIZER_DIR
 from automodel.config import refuse_remote_code
+from automodel.data.long_samples import check_long_samples, cut_rows, piece_sums, plan_pieces, report
 from automodel.data.sources import RAW_ROW_COLUMN, RowOrigin
 from automodel.errors import DataError
 from automodel.loss import CROSS_ENTROPY_IGNORE_INDEX
@@ -85,7 +91,6 @@ _OUTPUT_FEATURES = datasets.Features(
         "loss_mask": datasets.List(datasets.Value("int8")),
         # per-row counters, read for the report, then removed
         "_learnable": datasets.Value("int32"),
-        "_truncated": datasets.Value("bool"),
         "_bad": datasets.Value("string"),
     }
 )
@@ -234,6 +239,7 @@ def tokenize_sft_dataset(
     on_bad_row: str = "error",
     origin: RowOrigin = _NO_ORIGIN,
     num_proc: int | None = None,
+    long_samples: str = "truncate",
 ) -> datasets.Dataset:
     """Tokenize rows of one format into ``input_ids``, ``labels`` and ``loss_mask`` (module docstring).
 
@@ -247,11 +253,14 @@ def tokenize_sft_dataset(
             ``{% generation %}`` markers, or else (Llama 3, Qwen 2.5) as the text between the
             conversation rendered up to the turn with a generation prompt and rendered through it.
         columns: field -> column name, for columns named otherwise (``{"prompt": "question"}``).
-        max_length: keep at most this many positions per sample (the tail is cut; counted, logged).
+        max_length: the most positions a sample may have; a longer one is handled by ``long_samples``.
         on_bad_row: ``"error"``: a malformed row raises ``ValueError`` naming file, row and field;
             ``"skip"``: it is dropped, and the drops are counted and logged by reason.
         origin: maps a row index to ``"file row n"`` for messages (from ``load_sft_source``).
         num_proc: processes for ``datasets.map`` (None: this process).
+        long_samples: a sample longer than ``max_length``: ``"truncate"`` (its first ``max_length``
+            positions), ``"split"`` (pieces of ``max_length``, each its own sample: no token lost)
+            or ``"drop"``; counted and logged in rows and tokens.
 
     Returns:
         A ``datasets.Dataset`` with int list columns ``input_ids``, ``labels``, ``loss_mask`` of
@@ -282,6 +291,7 @@ def tokenize_sft_dataset(
         raise ValueError(f"format must be one of {tuple(FORMATS)}, got {format!r}")
     if on_bad_row not in BAD_ROW_MODES:
         raise ValueError(f"on_bad_row must be one of {BAD_ROW_MODES}, got {on_bad_row!r}")
+    check_long_samples(long_samples, "long_samples")
     fields = _resolve_columns(dataset, format, dict(columns or {}), origin)
     _check_tokenizer(tokenizer, format)
 
@@ -290,7 +300,7 @@ def tokenize_sft_dataset(
         tokenized = dataset.map(
             functools.partial(
                 _encode_batch, fields=list(fields), format=format, tokenizer=tokenizer, columns=fields,
-                max_length=max_length, on_bad_row=on_bad_row, origin=origin, has_raw=bool(raw),
+                on_bad_row=on_bad_row, origin=origin, has_raw=bool(raw),
             ),
             batched=True,
             with_indices=True,
@@ -300,7 +310,7 @@ def tokenize_sft_dataset(
             num_proc=num_proc,
             desc=f"Tokenizing SFT samples ({format})",
         )  # fmt: skip
-    return _drop_and_report(tokenized, max_length, origin)
+    return _drop_and_report(tokenized, max_length, long_samples, origin)
 
 
 # The process whose forked children (datasets.map's num_proc workers and its queue manager) are
@@ -398,7 +408,6 @@ def _encode_batch(
     format: str,
     tokenizer: PreTrainedTokenizerBase,
     columns: dict[str, str],
-    max_length: int | None,
     on_bad_row: str,
     origin: RowOrigin,
     has_raw: bool = False,
@@ -431,12 +440,7 @@ def _encode_batch(
     out: dict[str, list] = {name: [] for name in _OUTPUT_FEATURES}
     for reason in bad:
         input_ids, labels, loss_mask = ([], [], []) if reason else next(samples)
-        truncated = max_length is not None and len(input_ids) > max_length
-        if truncated:
-            input_ids, labels, loss_mask = input_ids[:max_length], labels[:max_length], loss_mask[:max_length]
-        for name, value in zip(
-            _OUTPUT_FEATURES, (input_ids, labels, loss_mask, sum(loss_mask), truncated, reason)
-        ):
+        for name, value in zip(_OUTPUT_FEATURES, (input_ids, labels, loss_mask, sum(loss_mask), reason)):
             out[name].append(value)
     return out
 
@@ -447,16 +451,15 @@ def _json_object(text: str) -> dict | None:
 
 
 def _drop_and_report(
-    tokenized: datasets.Dataset, max_length: int | None, origin: RowOrigin
+    tokenized: datasets.Dataset, max_length: int | None, long_samples: str, origin: RowOrigin
 ) -> datasets.Dataset:
-    counters = tokenized.select_columns(["_learnable", "_truncated", "_bad"]).with_format("arrow")[:]
-    learnable = counters.column("_learnable").to_numpy()
-    truncated = counters.column("_truncated").to_numpy(zero_copy_only=False)
-    bad = counters.column("_bad").to_pylist()
+    """Malformed rows (skipped), rows longer than ``max_length`` (``long_samples``) and samples with no
+    token to learn, each counted and logged; the rest as ``input_ids``, ``labels``, ``loss_mask`` rows."""
+    table = tokenized.with_format("arrow")[:]
+    learnable = table.column("_learnable").to_numpy()
+    bad = table.column("_bad").to_pylist()
     total = len(learnable)
-    share = lambda n: f"{n} of {total} rows ({100 * n / total:.2f}%)"  # noqa: E731
-    if truncated.any():
-        logger.warning("truncated %s to max_length=%d tokens", share(int(truncated.sum())), max_length)
+    share = lambda n, of=total: f"{n} of {of} rows ({100 * n / of:.2f}%)"  # noqa: E731
     skipped = Counter(reason for reason in bad if reason)
     if skipped:
         first = next(i for i, reason in enumerate(bad) if reason)
@@ -464,19 +467,37 @@ def _drop_and_report(
             "skipped %s that are malformed (on_bad_row=skip); first: %s: %s; by reason: %s",
             share(sum(skipped.values())), origin(first), bad[first], dict(skipped.most_common(5)),
         )  # fmt: skip
-    unlearnable = int(((learnable == 0) & ~np.array([bool(r) for r in bad], dtype=bool)).sum())
+    rows = np.flatnonzero(~np.array([bool(r) for r in bad], dtype=bool))
+    ids = table.column("input_ids")
+    lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False).astype(np.int64)
+    pieces = plan_pieces(lengths[rows], max_length, long_samples)
+    pieces = dataclasses.replace(pieces, rows=rows[pieces.rows])
+    masks = table.column("loss_mask").combine_chunks()
+    row_starts = masks.offsets.to_numpy().astype(np.int64)[:-1]
+    mask_values = masks.values.to_numpy(zero_copy_only=False).astype(np.int64)
+    learned = piece_sums(mask_values, row_starts, pieces)
+    report(lengths[rows], learnable[rows], pieces, learned, max_length, long_samples)
+    unlearnable = int((learned == 0).sum())
     if unlearnable:
-        reason = "no assistant turn" + (
-            f", or the prompt fills max_length={max_length}" if max_length else ""
+        reason = (
+            "no assistant turn"
+            + (f", or the prompt fills max_length={max_length}" if max_length else "")
+            + (", or a piece of a split sample holds no learned token" if long_samples == "split" else "")
         )
-        logger.warning("dropped %s with no token to learn (%s)", share(unlearnable), reason)
-    keep = np.flatnonzero(learnable > 0)
-    if len(keep) == 0:
+        logger.warning("dropped %s with no token to learn (%s)", share(unlearnable, len(learned)), reason)
+    keep = learned > 0
+    if not keep.any():
         raise ValueError(f"none of the {total} rows has a token to learn (malformed, or nothing to learn)")
-    if len(keep) < total:
-        tokenized = tokenized.select(keep)
-    logger.info("tokenized %d samples, %d tokens to learn", len(keep), int(learnable.sum(dtype=np.int64)))
-    return tokenized.remove_columns(["_learnable", "_truncated", "_bad"])
+    logger.info("tokenized %d samples, %d tokens to learn", int(keep.sum()), int(learned[keep].sum()))
+    pieces = dataclasses.replace(pieces, rows=pieces.rows[keep], starts=pieces.starts[keep],
+                                 lengths=pieces.lengths[keep])  # fmt: skip
+    columns = ["input_ids", "labels", "loss_mask"]
+    if not pieces.starts.any() and np.array_equal(pieces.lengths, lengths[pieces.rows]):  # whole rows
+        kept = tokenized if len(pieces.rows) == total else tokenized.select(pieces.rows)
+        return kept.remove_columns(["_learnable", "_bad"])
+    schema = tokenized.features.arrow_schema
+    cut = cut_rows(table, columns, pieces).cast(pa.schema([schema.field(name) for name in columns]))
+    return datasets.Dataset(InMemoryTable(cut))
 
 
 # -- parsing: one row of fields -> the values the encoder needs, or BadRow ------------------------------

@@ -11,6 +11,7 @@ import datasets
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from automodel.data.long_samples import check_long_samples
 from automodel.data.section import check_mapping, check_shared_fields, hold_out
 from automodel.data.sft import FORMATS, load_tokenizer, tokenize_sft_dataset
 from automodel.data.sources import TXT_SAMPLES, check_source, is_txt_source, load_sft_source
@@ -73,7 +74,12 @@ class SFTData:
     sources: several sources mixed by weight, each a :class:`DataSource` or a dict of its fields
         (then set ``source: null``).
     tokenizer: ``tiny`` (shipped) or a local tokenizer directory (often the checkpoint's).
-    max_length: cut samples to at most this many tokens (counted and reported).
+    max_length: the most tokens a sample may have (null: the most the batching mode fits in a row,
+        ``packing.packed_sequence_size`` for packs); a longer one is handled by ``long_samples``.
+    long_samples: ``split`` (pieces of ``max_length``, each its own sequence: no token lost),
+        ``truncate`` (the first ``max_length``) or ``drop``; counted in rows and tokens. Null: by
+        format, ``split`` for ``text`` (continued pretraining), ``truncate`` for the others (a piece
+        of a split answer would have no prompt; a ``tokens`` row may carry an SFT loss mask).
     on_bad_row: ``error`` (raise naming file, row and field) or ``skip`` (drop, count, report).
     validation: a validation set: a :class:`DataSource` or a dict of its fields, which default
         to the single training source's (``{split: validation}`` reads another split of it).
@@ -92,6 +98,7 @@ class SFTData:
     sources: list[DataSource | dict] | None = None
     tokenizer: str = "tiny"
     max_length: int | None = None
+    long_samples: str | None = None
     on_bad_row: str = "error"
     validation: DataSource | dict | None = None
     val_fraction: float | None = None
@@ -116,17 +123,24 @@ class SFTData:
         if self.validation is not None:
             self.validation = _source(self.validation, single if self.source else {})
         check_shared_fields(self)
+        if self.long_samples is not None:
+            check_long_samples(self.long_samples)
 
     def load_tokenizer(self, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
         return load_tokenizer(self.tokenizer, trust_remote_code=trust_remote_code)
 
-    def build(self, tokenizer: PreTrainedTokenizerBase) -> tuple[datasets.Dataset, datasets.Dataset | None]:
+    def build(
+        self, tokenizer: PreTrainedTokenizerBase, sample_cap: int | None = None
+    ) -> tuple[datasets.Dataset, datasets.Dataset | None]:
         """``(train, validation or None)``, rows ``input_ids``, ``labels``, ``loss_mask`` ready for a
-        batching mode. Every row of a source is tokenized once; the mix is logged per source."""
-        options = {"max_length": self.max_length, "on_bad_row": self.on_bad_row, "num_proc": self.num_proc}
+        batching mode. Every row of a source is tokenized once; the mix is logged per source.
+        ``sample_cap``: the most tokens the batching mode fits in a row (:func:`sample_cap`), the
+        limit of ``long_samples`` when it is below ``max_length`` or that is null."""
+        limit = min((n for n in (self.max_length, sample_cap) if n is not None), default=None)
+        options = {"max_length": limit, "on_bad_row": self.on_bad_row, "num_proc": self.num_proc}
         train, held_out, report = [], [], []
         for index, spec in enumerate(self.sources):
-            rows = spec.tokenize(tokenizer, **options)
+            rows = spec.tokenize(tokenizer, long_samples=self.long_samples_for(spec.format), **options)
             if self.val_fraction is not None:
                 rows, validation = hold_out(rows, self.val_fraction, self.seed, spec.source)
                 held_out.append(validation)
@@ -137,12 +151,19 @@ class SFTData:
         for source, rows, weight, taken in report:
             logger.info("data: %s: %d rows x weight %g -> %d samples (%.1f%% of %d)",
                         source, rows, weight, taken, 100 * taken / total, total)  # fmt: skip
-        validation = self.validation.tokenize(tokenizer, **options) if self.validation else None
+        validation = None
+        if self.validation:
+            long_samples = self.long_samples_for(self.validation.format)
+            validation = self.validation.tokenize(tokenizer, long_samples=long_samples, **options)
         if held_out:
             validation = datasets.concatenate_datasets(held_out)
         if validation is not None:
             logger.info("data: validation set of %d samples", len(validation))
         return datasets.concatenate_datasets(train) if len(train) > 1 else train[0], validation
+
+    def long_samples_for(self, format: str) -> str:
+        """``long_samples``, or by default ``split`` for ``text`` and ``truncate`` for the others."""
+        return self.long_samples or ("split" if format == "text" else "truncate")
 
 
 def auto_num_proc(cap: int = 8) -> int:

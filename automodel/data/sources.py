@@ -24,10 +24,14 @@ from typing import Any
 import datasets
 from datasets.exceptions import DatasetsError
 
-from automodel.assets import TINY_PREFERENCE_PATH, TINY_SFT_PATH
+from automodel.assets import TINY_CORPUS_DIR, TINY_PREFERENCE_PATH, TINY_SFT_PATH
 
 # Built-in names are reserved: they never resolve to a local path of the same name.
-BUILTIN_SOURCES = {"tiny_sft": TINY_SFT_PATH, "tiny_preference": TINY_PREFERENCE_PATH}
+BUILTIN_SOURCES = {
+    "tiny_sft": TINY_SFT_PATH,
+    "tiny_preference": TINY_PREFERENCE_PATH,
+    "tiny_corpus": TINY_CORPUS_DIR,
+}
 _BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "txt"}
 TXT_SAMPLES = (
     "lines",
@@ -121,28 +125,34 @@ def load_sft_source(
 def _load_source(
     name: str, split: str, cache: str | None, txt_samples: str
 ) -> tuple[datasets.Dataset, RowOrigin]:
-    if name in BUILTIN_SOURCES:
-        return _load_files([str(BUILTIN_SOURCES[name])], split, cache, txt_samples)
-    path = Path(name).expanduser()
-    if _GLOB_CHARS.search(name) and not path.exists():
-        files = sorted(p for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
-        if not files:
-            raise ValueError(f"no file matches the pattern {name!r}")
-        return _load_files(files, split, cache, txt_samples)
-    if not path.exists():  # check_source: a Hub id
+    path = Path(BUILTIN_SOURCES.get(name, name)).expanduser()
+    if not path.exists() and not _GLOB_CHARS.search(name):  # check_source: a Hub id
         return _load_hub(name, split, cache)
     if path.is_dir() and any(
         (path / f).is_file() for f in ("dataset_dict.json", "state.json")
     ):  # save_to_disk
         return _load_saved(path, split)
+    return _load_files(data_files(name), split, cache, txt_samples)
+
+
+def data_files(name: str) -> list[str]:
+    """The files a local source names, sorted: a file, a built-in name, the files of a directory
+    (recursively, skipping names that start with ``.`` or ``_``; only data files when it holds any),
+    or those a glob pattern matches. ValueError when there are none."""
+    path = Path(BUILTIN_SOURCES.get(name, name)).expanduser()
+    if _GLOB_CHARS.search(name) and not path.exists():
+        files = sorted(p for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+        if not files:
+            raise ValueError(f"no file matches the pattern {name!r}")
+        return files
     if path.is_dir():
         hidden = lambda p: any(part.startswith((".", "_")) for part in p.relative_to(path).parts)  # noqa: E731
         files = sorted(str(p) for p in path.rglob("*") if p.is_file() and not hidden(p))
         files = [f for f in files if _extension(f) in _BUILDERS] or files
         if not files:
             raise ValueError(f"directory {name!r} holds no data files")
-        return _load_files(files, split, cache, txt_samples)
-    return _load_files([str(path)], split, cache, txt_samples)
+        return files
+    return [str(path)]
 
 
 def _load_files(

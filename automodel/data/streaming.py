@@ -16,6 +16,7 @@ Memory: at most ``buffer_size`` waiting samples plus the packs of one round.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -33,6 +34,7 @@ from automodel.data.collate import build_row, cp_padded, packed_sequence_thd_col
 from automodel.data.packing import keep_fitting
 from automodel.data.planning import check_positive_int, plan_packs
 from automodel.errors import DataError
+from automodel.loss import CROSS_ENTROPY_IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +159,16 @@ class StreamedMicroBatches(_Position):
             )  # replay to the position
         self.taken += 1
         return next(self._iterator)
+
+    def epoch_tokens(self, epoch: int = 0) -> tuple[int, int]:
+        """``(real tokens, label tokens)`` that all DP ranks together train in ``epoch``, by packing it."""
+        real = learned = 0
+        for rank in range(self.env.dp_size):
+            packs = _EpochPacks(self.mode, self.rows, dataclasses.replace(self.env, dp_rank=rank), epoch)
+            for pack in itertools.islice(packs, self.batches_per_epoch * self.mode.micro_batch_size):
+                real += int(pack["seq_lens"].sum())
+                learned += int((pack["labels"] != CROSS_ENTROPY_IGNORE_INDEX).sum())
+        return real, learned
 
 
 @dataclass

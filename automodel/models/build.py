@@ -50,8 +50,16 @@ from automodel.loss import (
     label_positions,
 )
 from automodel.models.frozen_base import quantize_frozen_base, store_frozen_base
-from automodel.models.hf_io import UnshardableCheckpoint, check_finite, export_hf, load_sharded, publish
+from automodel.models.hf_io import (
+    UnshardableCheckpoint,
+    check_finite,
+    export_hf,
+    init_buffers,
+    load_sharded,
+    publish,
+)
 from automodel.models.lora import LoraConfig, export_adapter
+from automodel.models.sharded_init import UninitializedTensor, init_sharded
 from automodel.models.spec import ModelSpec
 
 _PREFIX = "hf."
@@ -328,7 +336,8 @@ def compile_decoder_layers(model: CausalLMForTraining) -> None:
 
 
 def source_model(spec: ModelSpec, config: PretrainedConfig, seed: int) -> PreTrainedModel:
-    """The full model on CPU in float32: the checkpoint, or transformers' init seeded with ``seed``."""
+    """The full model on CPU in float32 (rank 0's fallback): the checkpoint, or transformers' own
+    init seeded with ``seed`` (``from_config``: one RNG stream through the whole model)."""
     if spec.pretrained_path is None:
         torch.manual_seed(seed)
         return AutoModelForCausalLM.from_config(
@@ -361,26 +370,44 @@ def load_weights(
     is_main: bool,
     lora: LoraConfig | None = None,
 ) -> None:
-    """A local safetensors checkpoint: every rank reads its own shards (``load_sharded``) and builds
-    ``lora``'s adapters from ``seed`` itself. Otherwise (``model.config``, a hub id, a conversion
-    transformers does by arithmetic) rank 0 builds the source model once and broadcasts it."""
-    if spec.pretrained_path is not None:
-        try:
+    """Every rank fills its own shards: from a local safetensors checkpoint (``load_sharded``), or for
+    ``model.config`` by transformers' ``_init_weights`` seeded per tensor (:func:`init_sharded`:
+    the same values at any world size); ``lora``'s adapters from ``seed`` on every rank. Otherwise
+    (a hub id, a conversion transformers does by arithmetic, a tensor ``_init_weights`` leaves
+    unset) rank 0 builds the source model once and broadcasts it."""
+    try:
+        if spec.pretrained_path is not None:
             load_sharded(
                 model.transformers_model,
                 spec.pretrained_path,
                 f"model.pretrained_path={spec.pretrained_path!r}",
             )
-        except UnshardableCheckpoint as why:
-            logger.warning("%s: rank 0 reads the whole model and broadcasts it", why)
         else:
-            if lora is not None:
-                adapters = {_PREFIX + k: v for k, v in adapter_init(spec, config, lora, seed).items()}
-                set_model_state_dict(
-                    model, adapters, options=StateDictOptions(full_state_dict=True, strict=False)
-                )
-            return
-    load_from_rank0(model, spec, config, seed=seed, is_main=is_main, lora=lora)
+            init_sharded(model.transformers_model, config, seed, trust_remote_code=spec.trust_remote_code)
+            init_buffers(model.transformers_model)
+    except (UnshardableCheckpoint, UninitializedTensor) as why:
+        logger.warning("%s: rank 0 reads the whole model and broadcasts it", why)
+        load_from_rank0(model, spec, config, seed=seed, is_main=is_main, lora=lora)
+        return
+    if lora is not None:
+        adapters = {_PREFIX + k: v for k, v in adapter_init(spec, config, lora, seed).items()}
+        set_model_state_dict(model, adapters, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def initialized_model(spec: ModelSpec, config: PretrainedConfig, seed: int) -> PreTrainedModel:
+    """The whole ``model.config`` model on CPU in float32 with the values every rank's shards get
+    (:func:`init_sharded`): the base a run starts from, for comparisons and exports."""
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, trust_remote_code=spec.trust_remote_code
+        )
+    hf.to_empty(device="cpu")
+    if getattr(config.get_text_config(), "tie_word_embeddings", False):
+        hf.tie_weights()
+    with torch.no_grad():
+        init_sharded(hf, config, seed, trust_remote_code=spec.trust_remote_code)
+        init_buffers(hf)
+    return hf
 
 
 def adapter_init(

@@ -32,7 +32,7 @@ from transformers import PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import automodel
-from automodel.config import ConfigError
+from automodel.config import ConfigError, automodel_cache_dir
 from automodel.models.tiny import WINDOW, tiny_config, width_config
 from automodel.models.verify import (
     REASONS,
@@ -144,10 +144,7 @@ def _cached_or_checked(checked: PretrainedConfig, lengths: tuple[int, ...], path
 
 def exactness_cache_dir() -> Path:
     """``$AUTOMODEL_CACHE/exactness``, else ``$XDG_CACHE_HOME/automodel/exactness``, else ``~/.cache/...``."""
-    root = os.environ.get("AUTOMODEL_CACHE")
-    if root:
-        return Path(root) / "exactness"
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "automodel" / "exactness"
+    return automodel_cache_dir("exactness")
 
 
 SUPPORTED_TABLE = Path(__file__).with_name("supported.json")

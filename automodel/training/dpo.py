@@ -114,6 +114,10 @@ class DPORecipe(FinetuneRecipe):
                 "DPO reference: a frozen copy of the starting model (no gradients, no optimizer state)"
             )
 
+    def _build_data(self) -> tuple[Any, Any]:
+        """Pairs are never split (a piece would lose its prompt): each side is cut by ``data.max_length``."""
+        return self.data.build(self.tokenizer)
+
     @staticmethod
     def _pair_log_probs(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """``[P, 2]`` summed label log-probs of the micro-batch's pairs (chosen, rejected), and label counts."""

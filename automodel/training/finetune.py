@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from automodel.config import build_section
 from automodel.console import configure_console, on_terminal
-from automodel.data.batching import LoaderEnv
+from automodel.data.batching import LoaderEnv, sample_cap
 from automodel.distributed.parallel import init_distributed
 from automodel.errors import ConfigError, DataError, ModelError, UserError
 from automodel.models import CausalLMForTraining, build_model, export_model
@@ -107,7 +107,7 @@ class FinetuneRecipe:
         # rank 0 fills the datasets cache, the others read it; a bad row raised in a worker process
         # of datasets.map arrives here as the worker's ValueError
         with _main_rank_first(self.dims.is_main), _as_user_error(DataError):
-            dataset, self.val_dataset = self.data.build(self.tokenizer)
+            dataset, self.val_dataset = self._build_data()
         if self._longest_sample() is None:  # no bound in the recipe (DPO pairs): the samples themselves
             with _as_user_error(ModelError):
                 check_max_positions(
@@ -182,6 +182,11 @@ class FinetuneRecipe:
                 "data.val_fraction (e.g. 0.05) or data.validation (e.g. {split: validation}) to evaluate",
                 every,
             )
+
+    def _build_data(self) -> tuple[Any, Any]:
+        """``(train, validation or None)`` from the data section; samples longer than the batching
+        mode's row are split, truncated or dropped there (``data.long_samples``)."""
+        return self.data.build(self.tokenizer, sample_cap=sample_cap(self.batching, self.dims.cp_size))
 
     def _longest_sample(self) -> int | None:
         """The most tokens a sample can have: ``data.max_length``, else the pack size (longer samples

@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 
 from automodel.config import build_section
 from automodel.console import configure_console
-from automodel.data.batching import LoaderEnv
+from automodel.data.batching import LoaderEnv, sample_cap, sample_lengths, unit_token_counts
 from automodel.errors import ConfigError, DataError
 from automodel.models.inputs import model_inputs
 
@@ -52,7 +52,7 @@ def preview(cfg: DictConfig, samples: int = 3) -> dict[str, Any]:
         )
     try:
         tokenizer = data.load_tokenizer(trust_remote_code=bool(cfg.model.get("trust_remote_code", False)))
-        dataset, validation = data.build(tokenizer)
+        dataset, validation = data.build(tokenizer, sample_cap=sample_cap(batching, parallel.cp_size))
     except DataError:
         raise
     except ValueError as error:
@@ -68,23 +68,25 @@ def preview(cfg: DictConfig, samples: int = 3) -> dict[str, Any]:
     )
     stream = batching.build(dataset, env)
 
-    rows = dataset.select_columns(["input_ids", "labels", "loss_mask"])
-    for index in range(min(samples, len(rows))):
-        row = rows[index]
-        print(f"--- sample {index + 1} of {len(rows)} ({len(row['input_ids'])} tokens, "
+    for index in range(min(samples, len(dataset))):
+        row = {name: list(map(int, dataset[index][name])) for name in ("input_ids", "labels", "loss_mask")}
+        print(f"--- sample {index + 1} of {len(dataset)} ({len(row['input_ids'])} tokens, "
               f"{sum(row['loss_mask'])} learned between {LEARNED[0]} {LEARNED[1]})")  # fmt: skip
         print(render_sample(row["input_ids"], row["labels"], row["loss_mask"], tokenizer))
-    lengths = [len(ids) for ids in rows["input_ids"]]
-    learned = sum(sum(mask) for mask in rows["loss_mask"])
+    lengths = sample_lengths(dataset)
+    tokens, learned = stream.epoch_tokens()
+    in_data = tuple(int(counts.sum()) for counts in unit_token_counts(dataset))
     measured = min(FILL_BATCHES, stream.batches_per_epoch)
     real = slots = 0
     for batch in itertools.islice(stream, measured):
         inputs = model_inputs(batch, vocab_size=len(tokenizer))
         real, slots = real + inputs["real_tokens"], slots + inputs["slots"]
     figures = {
-        "rows": len(rows),
-        "tokens": sum(lengths),
+        "rows": len(dataset),
+        "tokens": tokens,  # what one epoch trains: the samples of its dealt micro-batches
         "learned_tokens": learned,
+        "data_tokens": in_data[0],
+        "data_learned_tokens": in_data[1],
         "validation_rows": 0 if validation is None else len(validation),
         "micro_batches_per_epoch": stream.batches_per_epoch,
         "fill": real / slots,
@@ -92,9 +94,12 @@ def preview(cfg: DictConfig, samples: int = 3) -> dict[str, Any]:
     }
     print("---")
     print(
-        f"rows {figures['rows']:,} (validation {figures['validation_rows']:,}), tokens {figures['tokens']:,}, "
-        f"learned {learned:,} ({100 * learned / figures['tokens']:.1f}%), sample length {min(lengths)}..{max(lengths)}"
+        f"rows {figures['rows']:,} (validation {figures['validation_rows']:,}), one epoch: tokens {tokens:,}, "
+        f"learned {learned:,} ({100 * learned / max(1, tokens):.1f}%), sample length {min(lengths)}..{max(lengths)}"
     )
+    if in_data != (tokens, learned):
+        print(f"the rows hold {in_data[0]:,} tokens, {in_data[1]:,} learned: the rest is dropped by the batching mode "
+              "or not dealt to the data-parallel ranks (see the log)")  # fmt: skip
     print(f"fill {100 * figures['fill']:.1f}% of the token slots (over {measured} micro-batches)")
     print(f"{stream.batches_per_epoch} micro-batches per epoch on each of {env.dp_size} data-parallel rank(s) "
           f"(WORLD_SIZE={world}, cp_size={cp_size}); grad_accum_steps {trainer.grad_accum_steps}: "

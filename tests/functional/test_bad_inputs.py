@@ -65,9 +65,9 @@ def data_work(monkeypatch):
     calls = []
     build, plan = SFTData.build, packing_module.plan_packs
 
-    def counted_build(self, tokenizer):
+    def counted_build(self, tokenizer, **options):
         calls.append("tokenize")
-        return build(self, tokenizer)
+        return build(self, tokenizer, **options)
 
     def counted_plan(*args, **kwargs):
         calls.append("pack")
@@ -787,7 +787,7 @@ def test_a_dead_writers_staging_is_removed_and_a_wait_on_the_pack_cache_lock_is_
 
     rows = _rows(3, 4, 5, 2)
     key = pack_cache_key(rows, "train", 8)
-    dead, other_dead, live = (tmp_path / f"tmp-{k}-4242" for k in (key, "0" * 32, "1" * 32))
+    dead, other_dead, live = (tmp_path / f"tmp-packed-{k}-4242" for k in (key, "0" * 32, "1" * 32))
     for staging in (dead, other_dead, live):
         staging.mkdir()
         (staging / "data-00000-of-00001.arrow").write_bytes(b"half written")
@@ -797,7 +797,7 @@ def test_a_dead_writers_staging_is_removed_and_a_wait_on_the_pack_cache_lock_is_
 
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from pathlib import Path; from automodel.data.pack_cache import "
-         f"_entry_lock\nwith _entry_lock(Path({str(tmp_path)!r}), {key!r}, 60):\n print('held', flush=True); "
+         f"_entry_lock\nwith _entry_lock(Path({str(tmp_path)!r}), 'packed-{key}', 60):\n print('held', flush=True); "
          "time.sleep(1.5)"], stdout=subprocess.PIPE, text=True)  # fmt: skip
     assert holder.stdout.readline() == "held\n"
     with caplog.at_level(logging.INFO, logger="automodel.data.pack_cache"):

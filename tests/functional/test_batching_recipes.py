@@ -76,8 +76,8 @@ def test_cache_recipe_second_run_reads_the_cache(recipe_runs):
     entries = sorted(p for p in (root / "cache").iterdir() if p.is_dir())
     # the training set's entry and the validation set's; no staging left, no third entry
     assert len(entries) == 2 and all(e.name.startswith("packed-") for e in entries), entries
-    assert "pack cache: packed" in logs["cache_first"]
+    assert "pack cache: wrote" in logs["cache_first"]
     second_log = logs["cache_second"]
     assert all(f"pack cache: reading {entry}" in second_log for entry in entries), second_log
-    assert "pack_dataset:" not in second_log and "pack cache: packed" not in second_log
+    assert "pack_dataset:" not in second_log and "pack cache: wrote" not in second_log
     assert losses(root / "cache_second") == losses(root / "cache_first")  # same packs, same run

@@ -61,13 +61,13 @@ def checkpoint_model_state(checkpoint: Path, tmp_path: Path) -> dict[str, torch.
 
 
 def base_model_and_lora():
-    """The recipe's untrained base model (transformers' init from trainer.seed) and its LoRA config."""
+    """The recipe's untrained base model (every rank's init from trainer.seed) and its LoRA config."""
     from automodel.config import build_section, load_recipe
-    from automodel.models.build import source_model
+    from automodel.models.build import initialized_model
 
     cfg = load_recipe("tiny_llama_lora")
     spec, lora = build_section(cfg, "model"), build_section(cfg, "peft")
-    return (lambda: source_model(spec, spec.hf_config(), cfg.trainer.seed).eval()), lora
+    return (lambda: initialized_model(spec, spec.hf_config(), cfg.trainer.seed).eval()), lora
 
 
 def nf4_dequantized(model: torch.nn.Module, **block_sizes: int) -> torch.nn.Module:

@@ -169,8 +169,9 @@ def test_dpo_validation_equals_a_hand_computation_over_the_validation_pairs(tmp_
     assert record["val_loss"] == pytest.approx(
         float(-torch.nn.functional.logsigmoid(margin).mean()), rel=1e-5
     )
-    # a margin is a difference of two log-prob sums: float32 rounding of each, not of the margin
-    assert record["val_reward_margin"] == pytest.approx(float(margin.mean()), abs=1e-6)
+    # a margin is a difference of two log-prob sums: float32 rounding of each (|sum| of a few hundred
+    # times 2**-24, times beta: ~1e-6, 1.3e-6 from the per-tensor seeded init), not of the margin
+    assert record["val_reward_margin"] == pytest.approx(float(margin.mean()), abs=5e-6)
     assert record["val_reward_accuracy"] == pytest.approx(float((margin > 0).float().mean()), abs=1e-9)
 
 

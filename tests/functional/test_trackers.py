@@ -139,7 +139,9 @@ def test_a_tracker_that_cannot_start_stops_the_run_before_data_work(
     tokenized = []
     build = SFTData.build
     monkeypatch.setattr(
-        SFTData, "build", lambda self, tokenizer: tokenized.append(1) or build(self, tokenizer)
+        SFTData,
+        "build",
+        lambda self, tokenizer, **options: tokenized.append(1) or build(self, tokenizer, **options),
     )
     with pytest.raises(ConfigError) as error:
         run(recipe(tmp_path / "run", tracker))

@@ -60,9 +60,9 @@ def data_work(monkeypatch):
     calls = []
     build = SFTData.build
 
-    def counted(self, tokenizer):
+    def counted(self, tokenizer, **options):
         calls.append("tokenize")
-        return build(self, tokenizer)
+        return build(self, tokenizer, **options)
 
     monkeypatch.setattr(SFTData, "build", counted)
     return calls

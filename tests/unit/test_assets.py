@@ -30,6 +30,8 @@ def test_regeneration_reproduces_the_shipped_files(tmp_path):
     # whole tokenizer.json) come out the same in every process; this also checks that claim.
     written = build_tiny_assets(tmp_path)
     assert sorted(p.relative_to(tmp_path).as_posix() for p in written) == [
+        "tiny_corpus/part-0.txt",
+        "tiny_corpus/part-1.jsonl",
         "tiny_preference.jsonl",
         "tiny_sft.jsonl",
         "tiny_tokenizer/tokenizer.json",

@@ -167,7 +167,10 @@ def test_build_eval_covers_every_sample_once_with_equal_counts(name):
 )
 def test_over_long_samples_are_reported_with_the_limit_they_exceed(mode, limit, caplog):
     mode.build(tagged_dataset([10, 20, 5, 30]), LoaderEnv())
-    assert f"dropped 2 of 4 samples (50.000%) longer than {limit} tokens" in caplog.text
+    assert (
+        f"dropped 2 of 4 samples (50.000%), 50 of 65 tokens (76.923%), longer than {limit} tokens"
+        in caplog.text
+    )
 
 
 def test_streaming_contract():

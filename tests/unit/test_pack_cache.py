@@ -57,7 +57,7 @@ def test_first_call_packs_second_reads(tmp_path, caplog):
     assert entry.name == f"packed-{pack_cache_key(dataset, 'train', 64, cp_size=2, seed=3)}"
     logs = packing_logs(caplog)
     assert [m.split(":")[0] for m in logs] == ["pack_dataset", "pack cache", "pack cache"]
-    assert logs[1].startswith("pack cache: packed") and logs[2].startswith("pack cache: reading")
+    assert logs[1].startswith("pack cache: wrote") and logs[2].startswith("pack cache: reading")
 
     caplog.clear()
     mtime = entry.stat().st_mtime_ns
@@ -115,7 +115,7 @@ def test_key_follows_the_data_and_the_code(monkeypatch):
 def test_dead_staging_is_replaced_and_a_held_lock_times_out(tmp_path):
     dataset = make_dataset()
     key = pack_cache_key(dataset, "train", 64)
-    staging = tmp_path / f"tmp-{key}-{os.getpid()}"  # a crashed writer's leftovers
+    staging = tmp_path / f"tmp-packed-{key}-{os.getpid()}"  # a crashed writer's leftovers
     staging.mkdir()
     (staging / "data-00000-of-00001.arrow").write_bytes(b"\x00garbage")
     with FileLock(tmp_path / f"packed-{key}.lock"):  # another process packing: wait_timeout_s bounds the wait

@@ -159,7 +159,8 @@ def test_long_samples_are_dropped_counted_and_reported_once(caplog):
     drops = [r for r in caplog.records if "dropped" in r.getMessage()]
     assert len(drops) == 1
     assert (
-        "dropped 2 of 4 samples (50.000%) longer than packed_sequence_size=10 tokens" in drops[0].getMessage()
+        "dropped 2 of 4 samples (50.000%), 23 of 28 tokens (82.143%), longer than packed_sequence_size=10 tokens"
+        in drops[0].getMessage()
     )
 
 

@@ -272,7 +272,11 @@ def test_max_length_truncates_and_drops_with_a_report(caplog):
         {"input_ids": [1, 11, 12], "labels": [11, 12, 14], "loss_mask": [0, 0, 1]},
         {"input_ids": [1, 14, 10], "labels": [14, 10, 2], "loss_mask": [0, 1, 1]},
     ]
-    assert "truncated 2 of 3 rows (66.67%) to max_length=3" in caplog.text
+    # 4 + 7 + 3 positions, 2 + 2 + 2 learned; the first two rows lose 1 and 4 positions, 1 and 2 learned
+    assert (
+        "truncated 2 of 3 rows (66.67%) to 3 tokens: 5 of 14 tokens lost (35.71%), 3 of 6 learned"
+        in caplog.text
+    )
     assert "dropped 1 of 3 rows (33.33%)" in caplog.text
     with pytest.raises(ValueError, match="none of the 3 rows"):
         tokenize_sft_dataset(dataset, word_tokenizer(), max_length=1)
