@@ -83,15 +83,18 @@ def llama3_like_tokenizer():
 
 @pytest.fixture
 def varlen_kernel(monkeypatch: pytest.MonkeyPatch):
-    """``install(version)`` makes torch's ``varlen_attn`` the stand-in with that release's signature
-    (``varlen_standin.BY_VERSION``), or for ``"2.9"`` removes the module as torch 2.9 lacks it;
-    returns the stand-in's call records. automodel's cached kernel lookup is reset around the test."""
+    """``install(version, exact=False)`` makes torch's ``varlen_attn`` the stand-in with that release's
+    signature and checks (``varlen_standin.BY_VERSION``), or for ``"2.9"`` removes the module as torch
+    2.9 lacks it; returns the stand-in's call records. ``exact=True`` admits float64 inputs (for exact
+    comparisons; float32 stays refused, as by the kernel). automodel's cached kernel lookup is reset
+    around the test."""
     import torch
     import varlen_standin
 
     from automodel.attention.varlen import installed_varlen_kernel
 
-    def install(version: str) -> list[dict]:
+    def install(version: str, exact: bool = False) -> list[dict]:
+        monkeypatch.setitem(varlen_standin.EXACT, "on", exact)
         if version == "2.9":
             monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", None)
             monkeypatch.setattr(torch, "__version__", "2.9.0")
