@@ -14,6 +14,24 @@ from automodel.te_support import te_extension, te_pytorch
 TE_STANDIN_PATH = Path(__file__).resolve().parents[1] / "te_standin"
 
 
+@pytest.fixture(autouse=True)
+def no_gpu_sized_bench_case(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing GPU-sized in tests/unit, whatever the machine: a ``bench gpu`` case of any shape but
+    ``tiny`` fails the test that runs it (on a GPU, the full shapes take minutes and tens of GB)."""
+    from automodel.benchmarks import gpu
+
+    for name in ("run_case", "run_peer"):
+        monkeypatch.setattr(gpu, name, _tiny_only(getattr(gpu, name)))
+
+
+def _tiny_only(run):
+    def tiny_only(case, *args, **kwargs):
+        assert case.shape == "tiny", f"tests/unit ran bench gpu's {case.name!r}: use --tiny"
+        return run(case, *args, **kwargs)
+
+    return tiny_only
+
+
 @pytest.fixture
 def one_process_group():
     """A one-rank gloo process group on a free port for one test; yields its 1-rank CPU mesh. A test
