@@ -266,7 +266,7 @@ def summarize(records: list[dict], parameters: int, warmup: int) -> dict:
 
 def peer_batch(samples: list[dict]) -> dict[str, torch.Tensor]:
     """Token-format samples -> a padded transformers batch ``[B, L]`` (L = the longest sample):
-    ``input_ids`` (0 on padding), ``attention_mask``, ``labels`` (-100 on prompt and padding)."""
+    ``input_ids`` (0 on padding), ``attention_mask``, ``labels`` (the ignore index on prompt and padding)."""
     width = max(len(s["input_ids"]) for s in samples)
     ids = torch.zeros(len(samples), width, dtype=torch.long)
     labels = torch.full((len(samples), width), CROSS_ENTROPY_IGNORE_INDEX, dtype=torch.long)
@@ -275,7 +275,9 @@ def peer_batch(samples: list[dict]) -> dict[str, torch.Tensor]:
         n = len(sample["input_ids"])
         ids[row, :n] = torch.tensor(sample["input_ids"])
         mask[row, :n] = 1
-        labels[row, :n] = ids[row, :n].masked_fill(torch.tensor(sample["loss_mask"]) == 0, -100)
+        labels[row, :n] = ids[row, :n].masked_fill(
+            torch.tensor(sample["loss_mask"]) == 0, CROSS_ENTROPY_IGNORE_INDEX
+        )
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
@@ -300,11 +302,12 @@ def run_peer(case: Case, data: Path, args: argparse.Namespace) -> dict:
     steps = args.warmup + args.steps
     records = []
     try:
-        rows = size_peer(model, samples, steps, device, CudaMemory(device)) if cuda else PEER_ROWS
+        rows = peer_rows(model, samples, steps, CudaMemory(device) if cuda else None)
         for step in range(steps):
             batch = peer_batch(samples[step * rows : (step + 1) * rows])
             batch = {key: x.to(device) for key, x in batch.items()}
-            real, labels = int(batch["attention_mask"].sum()), int((batch["labels"][:, 1:] != -100).sum())
+            real = int(batch["attention_mask"].sum())
+            labels = int((batch["labels"][:, 1:] != CROSS_ENTROPY_IGNORE_INDEX).sum())
             start = time.perf_counter()
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
                 loss = model(**batch).loss
@@ -367,12 +370,23 @@ def fit_peer_rows(budget: float, fixed: float, per_token: float, lengths: list[i
     return max(fits, default=0)
 
 
-def size_peer(model, samples: list[dict], steps: int, device: torch.device, memory: CudaMemory) -> int:
+def peer_rows(model, samples: list[dict], steps: int, memory: CudaMemory | None) -> int:
+    """``PEER_ROWS`` where memory is not measured (CPU), else :func:`size_peer`'s rows, the peak
+    statistics then reset so that the steps' peak is not the probes'."""
+    if memory is None:
+        return PEER_ROWS
+    rows = size_peer(model, samples, steps, memory)
+    memory.reset_peak()
+    return rows
+
+
+def size_peer(model, samples: list[dict], steps: int, memory: CudaMemory) -> int:
     """How many padded rows the peer's batches get on this device: two probe forward/backward
     passes (1 and 2 rows of the run's longest sample, under the peer's autocast) give its memory per
     token and the part that does not grow with tokens (weights, gradients, autocast's bf16 copies);
     AdamW's two states (8 bytes per parameter) come on top at the first step. Logs the outcome."""
     log = logging.getLogger(__name__)
+    device = next(model.parameters()).device
     lengths = [len(s["input_ids"]) for s in samples]
     longest = max(lengths[: steps * PEER_ROWS])
     probe = samples[lengths.index(longest)]

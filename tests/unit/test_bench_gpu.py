@@ -244,13 +244,13 @@ def test_size_peer_from_two_probe_passes():
     fixed = 1_000_000 + 8 * parameters
     total = int((fixed + 1000 * 30 * 5) / gpu.PEER_MEMORY_SHARE) + 1  # room for 5 rows of 30 slots
     memory = StandinMemory([1_000_000 + 30_000, 1_000_000 + 60_000], total)
-    assert gpu.size_peer(model, samples, 2, torch.device("cpu"), memory) == 5
-    assert memory.resets == 2 and all(
-        p.grad is None for p in model.parameters()
-    )  # the probes leave no gradient
+    assert gpu.peer_rows(model, samples, 2, memory) == 5
+    # two probes, then the peak reset for the steps; the probes leave no gradient
+    assert memory.resets == 3 and all(p.grad is None for p in model.parameters())
+    assert gpu.peer_rows(model, samples, 2, None) == gpu.PEER_ROWS  # CPU: not measured
     small = StandinMemory([1_000_000 + 30_000, 1_000_000 + 60_000], int(fixed / gpu.PEER_MEMORY_SHARE))
     with pytest.raises(gpu.PeerDoesNotFit, match=r"one padded row needs .* GiB, 90% of the device is"):
-        gpu.size_peer(model, samples, 2, torch.device("cpu"), small)
+        gpu.size_peer(model, samples, 2, small)
 
 
 @pytest.mark.parametrize("oom_rows", [1, 2])
@@ -266,9 +266,9 @@ def test_size_peer_when_a_probe_runs_out_of_memory(oom_rows):
     memory = StandinMemory([2_000_000], 80 * 2**30)
     if oom_rows == 1:
         with pytest.raises(gpu.PeerDoesNotFit, match="one padded row of 30 tokens does not fit in 80 GiB"):
-            gpu.size_peer(model, samples, 2, torch.device("cpu"), memory)
+            gpu.size_peer(model, samples, 2, memory)
     else:
-        assert gpu.size_peer(model, samples, 2, torch.device("cpu"), memory) == 1
+        assert gpu.size_peer(model, samples, 2, memory) == 1
 
 
 def test_cuda_memory_reads_the_allocator(monkeypatch):
