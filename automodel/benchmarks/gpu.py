@@ -345,9 +345,6 @@ class CudaMemory:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
 
-    def allocated(self) -> int:
-        return torch.cuda.memory_allocated(self.device)
-
     def peak(self) -> int:
         return torch.cuda.max_memory_allocated(self.device)
 
