@@ -107,10 +107,9 @@ def _te_case(device, seed, real, padded, h, h_kv, case) -> CheckResult:
         {key: x[~pad] for key, x in ref.items()},
         bf16_tolerance(h, h_kv),
     )
-    result = replace(result, detail=f"{result.detail}; {selected}")
     if pad.any() and torch.count_nonzero(te["out"][pad]):
         result = replace(result, passed=False, detail=result.detail + "; padding rows of out are not 0")
-    return result
+    return replace(result, detail=f"{result.detail}; {selected}")  # last: te_header reads it
 
 
 def cp_indices(
@@ -140,9 +139,8 @@ def cp_indices(
 def te_header(results: Sequence[CheckResult]) -> str:
     """Transformer Engine's version, the attention backends TE selected in the ``te vs portable``
     rows (from TE's own selection state, :func:`te_selected_backend`) and TE's cuDNN version."""
-    selected = sorted(
-        {r.detail.rsplit("; ", 1)[-1] for r in results if r.check == "te vs portable" and "; " in r.detail}
-    )
+    compared = [r for r in results if r.check == "te vs portable" and r.detail.startswith("max abs err")]
+    selected = sorted({r.detail.rsplit("; ", 1)[-1] for r in compared})
     backends = ", ".join(selected) if selected else te_selected_backend()
     return f"Transformer Engine {te_version()} (attention {backends}; cuDNN {te_cudnn_version()})"
 
