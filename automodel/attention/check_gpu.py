@@ -17,9 +17,15 @@ attention function (:mod:`automodel.attention.hf`). Checks, each printed as one 
   also runs over all N ranks like ``te cp vs te``.
 - ``cp indices``: TE's ``thd_get_partitioned_indices`` kernel against automodel's torch version.
 
+A case this torch or TE cannot run (a window on torch 2.10's varlen, a cp_comm_type older than the
+installed TE) is a SKIP row with the reason; a case that raises is a FAIL row naming the error, so
+one table always comes out. The header names the device, torch (and its cuDNN), and Transformer
+Engine's version, the attention backend TE selected for its rows (from TE's own selection state:
+FusedAttention is cuDNN's, FlashAttention the flash-attn package's) and TE's cuDNN version.
+
 Run: ``automodel check-gpu`` on one GPU, ``torchrun --nproc-per-node N -m automodel.attention.check_gpu``
-for the CP rows. Exit codes: 0 all passed, 1 some check failed, 2 cannot run here (no CUDA device or
-no Transformer Engine; the reason is printed).
+for the CP rows. Exit codes: 0 every row passed or was skipped, 1 some check failed, 2 cannot run here
+(no CUDA device, or neither Transformer Engine nor varlen; the reason is printed).
 
 Shape legend: T = tokens of the batch, t = one rank's tokens, h = query heads, h_kv = key/value
 heads, d = head dim.
@@ -28,6 +34,7 @@ heads, d = head dim.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from collections.abc import Sequence
 from dataclasses import replace
@@ -42,10 +49,12 @@ from automodel.attention.check_kit import (
     HEADS,
     LENGTH_MIXES,
     CheckResult,
+    all_passed,
     bf16_tolerance,
     compare,
     cp_vs_one_process,
     format_table,
+    guarded,
     make_meta,
     padding_cases,
     padding_rows,
@@ -58,7 +67,13 @@ from automodel.attention.check_varlen import (
     varlen_cp_vs_varlen,
     varlen_reason,
 )
-from automodel.attention.te import TE_INSTALL_HINT, te_import_failure, te_version
+from automodel.attention.te import (
+    TE_INSTALL_HINT,
+    te_cudnn_version,
+    te_import_failure,
+    te_selected_backend,
+    te_version,
+)
 from automodel.distributed.cp_sharding import thd_get_partitioned_indices
 from automodel.te_support import te_extension, te_pytorch
 
@@ -68,29 +83,33 @@ def te_vs_portable(
 ) -> list[CheckResult]:
     results = []
     for name, real, padded, label in padding_cases(length_mixes):
-        meta = make_meta(real, padded, device)
-        pad = padding_rows(real, padded).to(device)
         for h, h_kv in HEADS:
             case = f"{name}, {label}, heads {h}/{h_kv}, T={sum(padded)}"
-            q, k, v, dout = (x.to(device) for x in random_inputs(sum(padded), h, h_kv, seed))
-            dout[pad] = 0  # the loss reads real tokens only
-            te = run_attention("te", h, h_kv, meta, q, k, v, dout, torch.bfloat16)
-            # Same bf16-rounded inputs, computed in float32.
-            q, k, v = (x.bfloat16().float() for x in (q, k, v))
-            ref = run_attention("portable", h, h_kv, meta, q, k, v, dout, torch.float32)
-            result = compare(
-                "te vs portable",
-                case,
-                {key: x[~pad] for key, x in te.items()},
-                {key: x[~pad] for key, x in ref.items()},
-                bf16_tolerance(h, h_kv),
-            )
-            if pad.any() and torch.count_nonzero(te["out"][pad]):
-                result = replace(
-                    result, passed=False, detail=result.detail + "; padding rows of out are not 0"
-                )
-            results.append(result)
+            run = functools.partial(_te_case, device, seed, real, padded, h, h_kv, case)
+            results.append(guarded("te vs portable", case, run))
     return results
+
+
+def _te_case(device, seed, real, padded, h, h_kv, case) -> CheckResult:
+    meta = make_meta(real, padded, device)
+    pad = padding_rows(real, padded).to(device)
+    q, k, v, dout = (x.to(device) for x in random_inputs(sum(padded), h, h_kv, seed))
+    dout[pad] = 0  # the loss reads real tokens only
+    te = run_attention("te", h, h_kv, meta, q, k, v, dout, torch.bfloat16)
+    selected = te_selected_backend()
+    # Same bf16-rounded inputs, computed in float32.
+    q, k, v = (x.bfloat16().float() for x in (q, k, v))
+    ref = run_attention("portable", h, h_kv, meta, q, k, v, dout, torch.float32)
+    result = compare(
+        "te vs portable",
+        case,
+        {key: x[~pad] for key, x in te.items()},
+        {key: x[~pad] for key, x in ref.items()},
+        bf16_tolerance(h, h_kv),
+    )
+    if pad.any() and torch.count_nonzero(te["out"][pad]):
+        result = replace(result, passed=False, detail=result.detail + "; padding rows of out are not 0")
+    return replace(result, detail=f"{result.detail}; {selected}")  # last: te_header reads it
 
 
 def cp_indices(
@@ -115,6 +134,23 @@ def cp_indices(
                 CheckResult("cp indices", f"{name}, cp {world_size}, T={total}", not mismatched, detail)
             )
     return results
+
+
+def te_header(results: Sequence[CheckResult]) -> str:
+    """Transformer Engine's version, the attention backends TE selected in the ``te vs portable``
+    rows (from TE's own selection state, :func:`te_selected_backend`) and TE's cuDNN version."""
+    compared = [r for r in results if r.check == "te vs portable" and r.detail.startswith("max abs err")]
+    selected = sorted({r.detail.rsplit("; ", 1)[-1] for r in compared})
+    backends = ", ".join(selected) if selected else te_selected_backend()
+    return f"Transformer Engine {te_version()} (attention {backends}; cuDNN {te_cudnn_version()})"
+
+
+def header(device: torch.device, te_reason: str | None, results: Sequence[CheckResult]) -> str:
+    te = te_header(results) if te_reason is None else "Transformer Engine not installed"
+    return (
+        f"check-gpu on {torch.cuda.get_device_name(device)}, torch {torch.__version__} (CUDA {torch.version.cuda}, "
+        f"cuDNN {torch.backends.cudnn.version()}), {te}"
+    )
 
 
 def unavailable_reason() -> str | None:
@@ -165,12 +201,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             dist.all_gather_object(gathered, results)
             results = [r for rank_results in gathered for r in rank_results]
         if rank == 0:
-            te = te_version() if te_reason is None else "not installed"
-            print(
-                f"check-gpu on {torch.cuda.get_device_name(device)}, Transformer Engine {te}, torch {torch.__version__}"
-            )
+            print(header(device, te_reason, results))
             print(format_table(results))
-        return EXIT_OK if all(r.passed for r in results) else EXIT_FAILED
+        return EXIT_OK if all_passed(results) else EXIT_FAILED
     finally:
         if distributed:
             dist.destroy_process_group()

@@ -1,7 +1,8 @@
 """The kit the GPU checks share (``automodel check-gpu``: :mod:`~automodel.attention.check_gpu`
 for Transformer Engine, :mod:`~automodel.attention.check_varlen` for torch's varlen kernel): the
-result row and its table, the THD layouts and head configurations, seeded inputs, TE's bf16
-tolerances, and attention run the way a transformers layer calls it.
+result row (PASS, FAIL, or SKIP with the reason where this torch or TE cannot run a case) and its
+table, the THD layouts and head configurations, seeded inputs, TE's bf16 tolerances, and attention
+run the way a transformers layer calls it.
 
 Shape legend: T = tokens of the batch, t = one rank's tokens, h = query heads, h_kv = key/value
 heads, d = head dim.
@@ -9,7 +10,8 @@ heads, d = head dim.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +19,7 @@ import torch.distributed as dist
 
 from automodel.attention import ThdAttentionMetadata
 from automodel.attention.hf import AttentionProbe, attach_thd_attention
+from automodel.attention.te import te_comm_refusal
 from automodel.distributed.parallel import CP_COMM_TYPES
 
 EXIT_OK, EXIT_FAILED, EXIT_UNAVAILABLE = 0, 1, 2
@@ -38,10 +41,35 @@ HEADS = ((8, 8), (8, 2))
 
 @dataclass(frozen=True)
 class CheckResult:
+    """One row: ``skipped`` marks a case this torch or TE cannot run (``detail`` says why), which
+    fails nothing."""
+
     check: str
     case: str
     passed: bool
     detail: str
+    skipped: bool = False
+
+    @property
+    def status(self) -> str:
+        return "SKIP" if self.skipped else "PASS" if self.passed else "FAIL"
+
+
+def skip(check: str, case: str, reason: str) -> CheckResult:
+    return CheckResult(check, case, False, reason, skipped=True)
+
+
+def guarded(check: str, case: str, run: Callable[[], CheckResult]) -> CheckResult:
+    """``run()``, or a FAIL row naming the exception it raised: one case that errors must not take
+    the other rows with it."""
+    try:
+        return run()
+    except Exception as error:
+        return CheckResult(check, case, False, f"raised {type(error).__name__}: {error}")
+
+
+def all_passed(results: Sequence[CheckResult]) -> bool:
+    return all(r.passed or r.skipped for r in results)
 
 
 def bf16_tolerance(num_heads: int, num_kv_heads: int) -> float:
@@ -129,34 +157,41 @@ def cp_vs_one_process(
         padded = round_up(real, 2 * cp_size)
         layouts += [(f"{name}, padded", real, padded), (f"{name}, no padding", padded, padded)]
     for name, real, padded in layouts:
-        meta_full, meta = make_meta(real, padded, device), make_meta(real, padded, device, cp_group)
-        idx = meta.partition_indices[rank].to(device)
-        real_local = ~padding_rows(real, padded).to(device)[idx]
         for comm in CP_COMM_TYPES if backend == "te" else ("all_gather",):
             h, h_kv = 4 * cp_size, cp_size  # divisible by cp for a2a
-            q, k, v, dout = (x.to(device) for x in random_inputs(sum(padded), h, h_kv, seed))
-            ref = run_attention(backend, h, h_kv, meta_full, q, k, v, dout, torch.bfloat16)
-            got = run_attention(
-                backend, h, h_kv, meta, q[idx], k[idx], v[idx], dout[idx], torch.bfloat16, comm
+            check = f"{backend} cp vs {backend}"
+            case = f"{name}, cp {cp_size} {comm}, heads {h}/{h_kv}, rank {rank}"
+            refusal = te_comm_refusal(comm) if backend == "te" else None
+            if refusal is not None:
+                results.append(skip(check, case, refusal))
+                continue
+            run = functools.partial(
+                _cp_case, device, seed, cp_group, backend, comm, real, padded, h, h_kv, check, case
             )
-            results.append(
-                compare(
-                    f"{backend} cp vs {backend}",
-                    f"{name}, cp {cp_size} {comm}, heads {h}/{h_kv}, rank {rank}",
-                    {key: x[real_local] for key, x in got.items()},
-                    {key: x[idx][real_local] for key, x in ref.items()},
-                    bf16_tolerance(h, h_kv),
-                )
-            )
+            results.append(guarded(check, case, run))
     return results
+
+
+def _cp_case(device, seed, cp_group, backend, comm, real, padded, h, h_kv, check, case) -> CheckResult:
+    meta_full, meta = make_meta(real, padded, device), make_meta(real, padded, device, cp_group)
+    idx = meta.partition_indices[dist.get_rank(cp_group)].to(device)
+    real_local = ~padding_rows(real, padded).to(device)[idx]
+    q, k, v, dout = (x.to(device) for x in random_inputs(sum(padded), h, h_kv, seed))
+    ref = run_attention(backend, h, h_kv, meta_full, q, k, v, dout, torch.bfloat16)
+    got = run_attention(backend, h, h_kv, meta, q[idx], k[idx], v[idx], dout[idx], torch.bfloat16, comm)
+    return compare(
+        check,
+        case,
+        {key: x[real_local] for key, x in got.items()},
+        {key: x[idx][real_local] for key, x in ref.items()},
+        bf16_tolerance(h, h_kv),
+    )
 
 
 def format_table(results: Sequence[CheckResult]) -> str:
     width = max(len(r.case) for r in results)
-    lines = [f"{'':4}  {'check':14}  {'case':{width}}  detail"]
-    lines += [
-        f"{'PASS' if r.passed else 'FAIL':4}  {r.check:14}  {r.case:{width}}  {r.detail}" for r in results
-    ]
-    failed = sum(not r.passed for r in results)
-    lines.append(f"{len(results) - failed} passed, {failed} failed")
+    lines = [f"{'':4}  {'check':19}  {'case':{width}}  detail"]
+    lines += [f"{r.status:4}  {r.check:19}  {r.case:{width}}  {r.detail}" for r in results]
+    counts = {status: sum(r.status == status for r in results) for status in ("PASS", "FAIL", "SKIP")}
+    lines.append(f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped")
     return "\n".join(lines)

@@ -6,7 +6,9 @@ a window shorter than some sequences, and a window of 1; the varlen backend in b
 :func:`reference_varlen_attention` in float32 on the same bf16-rounded inputs; out on real rows, and
 dq, dk, dv on all rows (the output gradient is 0 on padding rows, as the loss makes it), within TE's
 bf16 tolerances. :func:`varlen_cp_vs_varlen` checks context parallelism through the same kernel.
-``automodel check-gpu`` runs them wherever the varlen backend can run.
+``automodel check-gpu`` runs them wherever the varlen backend can run; a case this torch's kernel
+cannot run (a window longer sequences exceed, on torch 2.10: :func:`window_refusal`) is a SKIP row
+with the reason, and a case that raises is a FAIL row naming the error.
 
 Shape legend: T = tokens of the batch, H = query heads, K = key/value heads, D = head dim, L = one
 sequence's length.
@@ -14,6 +16,7 @@ sequence's length.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -26,20 +29,25 @@ from automodel.attention.check_kit import (
     CheckResult,
     bf16_tolerance,
     compare,
+    guarded,
     padding_cases,
     padding_rows,
     random_inputs,
     round_up,
+    skip,
 )
 from automodel.attention.varlen import (
+    installed_varlen_kernel,
     varlen_attention,
     varlen_cp_layout,
     varlen_local_queries,
     varlen_unsupported,
+    window_refusal,
 )
 from automodel.distributed.cp_sharding import thd_get_partitioned_indices
 
 WINDOWS = (None, 48, 1)
+SCALE = 0.9 / HEAD_DIM**0.5  # not the default, so a dropped scale shows
 
 
 def window_causal_mask(length: int, window: int | None, device: torch.device | None = None) -> torch.Tensor:
@@ -88,32 +96,40 @@ def check_varlen_against_reference(
     seed: int = 0,
     length_mixes: Sequence[tuple[str, list[int]]] = LENGTH_MIXES,
 ) -> list[CheckResult]:
-    """PASS/FAIL rows as described in the module docstring; needs a CUDA device of sm80+."""
+    """PASS/FAIL/SKIP rows as described in the module docstring; needs a CUDA device of sm80+."""
     device = device or torch.device("cuda", torch.cuda.current_device())
-    scale = 0.9 / HEAD_DIM**0.5  # not the default, so a dropped scale shows
     results = []
     for name, real, padded, label in padding_cases(length_mixes):
-        cu_real, cu_padded = (
-            torch.tensor([0, *lens]).cumsum(0).to(device=device, dtype=torch.int32) for lens in (real, padded)
-        )
-        pad = padding_rows(real, padded).to(device)
         for (h, h_kv), window in ((heads, w) for heads in HEADS for w in WINDOWS):
-            q, k, v, dout = (x.to(device) for x in random_inputs(sum(padded), h, h_kv, seed))
-            dout = dout.view(-1, h, HEAD_DIM)
-            dout[pad] = 0  # the loss reads real tokens only
-            got = _forward_backward(
-                varlen_attention, q, k, v, dout, torch.bfloat16,
-                cu_seqlens=cu_padded, max_seqlen=max(padded), scale=scale, window=window,
-            )  # fmt: skip
-            q, k, v = (x.bfloat16().float() for x in (q, k, v))
-            want = _forward_backward(
-                reference_varlen_attention, q, k, v, dout, torch.float32,
-                cu_seqlens=cu_real, cu_seqlens_padded=cu_padded, scale=scale, window=window,
-            )  # fmt: skip
-            got["out"], want["out"] = got["out"][~pad], want["out"][~pad]
             case = f"{name}, {label}, heads {h}/{h_kv}, window {window}, T={sum(padded)}"
-            results.append(compare("varlen vs sdpa", case, got, want, bf16_tolerance(h, h_kv)))
+            refusal = window_refusal(installed_varlen_kernel(), window, max(padded))
+            if refusal is not None:
+                results.append(skip("varlen vs sdpa", case, refusal))
+                continue
+            run = functools.partial(_varlen_vs_sdpa, device, seed, real, padded, h, h_kv, window, case)
+            results.append(guarded("varlen vs sdpa", case, run))
     return results
+
+
+def _varlen_vs_sdpa(device, seed, real, padded, h, h_kv, window, case) -> CheckResult:
+    cu_real, cu_padded = (
+        torch.tensor([0, *lens]).cumsum(0).to(device=device, dtype=torch.int32) for lens in (real, padded)
+    )
+    pad = padding_rows(real, padded).to(device)
+    q, k, v, dout = (x.to(device) for x in random_inputs(sum(padded), h, h_kv, seed))
+    dout = dout.view(-1, h, HEAD_DIM)
+    dout[pad] = 0  # the loss reads real tokens only
+    got = _forward_backward(
+        varlen_attention, q, k, v, dout, torch.bfloat16,
+        cu_seqlens=cu_padded, max_seqlen=max(padded), scale=SCALE, window=window,
+    )  # fmt: skip
+    q, k, v = (x.bfloat16().float() for x in (q, k, v))
+    want = _forward_backward(
+        reference_varlen_attention, q, k, v, dout, torch.float32,
+        cu_seqlens=cu_real, cu_seqlens_padded=cu_padded, scale=SCALE, window=window,
+    )  # fmt: skip
+    got["out"], want["out"] = got["out"][~pad], want["out"][~pad]
+    return compare("varlen vs sdpa", case, got, want, bf16_tolerance(h, h_kv))
 
 
 def varlen_cp_vs_varlen(
@@ -128,36 +144,44 @@ def varlen_cp_vs_varlen(
     dv summed over the ranks (what the all-gather's backward reduce-scatters), in bf16, with and
     without padding, MHA and GQA, with and without a window."""
     device = device or torch.device("cuda", torch.cuda.current_device())
-    scale = 0.9 / HEAD_DIM**0.5
     results = []
     for name, real in length_mixes:
         padded = round_up(real, 2 * cp_size)
-        cu_padded = torch.tensor([0, *padded]).cumsum(0).to(torch.int32)
         for label, real_lens in (("padded", real), ("no padding", padded)):
-            pad = padding_rows(real_lens, padded).to(device)
             for (h, h_kv), window in ((heads, w) for heads in HEADS for w in WINDOWS[:2]):
-                q, k, v, dout = (x.to(device) for x in random_inputs(sum(padded), h, h_kv, seed))
-                dout = dout.view(-1, h, HEAD_DIM)
-                dout[pad] = 0  # the loss reads real tokens only
-                want = _forward_backward(
-                    varlen_attention, q, k, v, dout, torch.bfloat16,
-                    cu_seqlens=cu_padded.to(device), max_seqlen=max(padded), scale=scale, window=window,
-                )  # fmt: skip
-                leaves = [x.to(torch.bfloat16).requires_grad_() for x in (q, k, v)]
-                out = torch.empty_like(leaves[0])
-                for rank in range(cp_size):
-                    idx = thd_get_partitioned_indices(cu_padded, sum(padded), cp_size, rank).long().to(device)
-                    layout = varlen_cp_layout(padded, cp_size, rank).to(device)
-                    local = varlen_local_queries(
-                        leaves[0][idx], leaves[1], leaves[2], layout, scale=scale, window=window
-                    )
-                    local.backward(dout[idx].to(torch.bfloat16))
-                    out[idx] = local.detach()
-                got = dict(out=out[~pad], dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad)
-                want["out"] = want["out"][~pad]
                 case = f"{name}, {label}, cp {cp_size} simulated, heads {h}/{h_kv}, window {window}, T={sum(padded)}"
-                results.append(compare("varlen cp vs varlen", case, got, want, bf16_tolerance(h, h_kv)))
+                refusal = window_refusal(installed_varlen_kernel(), window, max(padded))
+                if refusal is not None:
+                    results.append(skip("varlen cp vs varlen", case, refusal))
+                    continue
+                run = functools.partial(
+                    _varlen_cp_case, device, seed, cp_size, real_lens, padded, h, h_kv, window, case
+                )
+                results.append(guarded("varlen cp vs varlen", case, run))
     return results
+
+
+def _varlen_cp_case(device, seed, cp_size, real, padded, h, h_kv, window, case) -> CheckResult:
+    cu_padded = torch.tensor([0, *padded]).cumsum(0).to(torch.int32)
+    pad = padding_rows(real, padded).to(device)
+    q, k, v, dout = (x.to(device) for x in random_inputs(sum(padded), h, h_kv, seed))
+    dout = dout.view(-1, h, HEAD_DIM)
+    dout[pad] = 0  # the loss reads real tokens only
+    want = _forward_backward(
+        varlen_attention, q, k, v, dout, torch.bfloat16,
+        cu_seqlens=cu_padded.to(device), max_seqlen=max(padded), scale=SCALE, window=window,
+    )  # fmt: skip
+    leaves = [x.to(torch.bfloat16).requires_grad_() for x in (q, k, v)]
+    out = torch.empty_like(leaves[0])
+    for rank in range(cp_size):
+        idx = thd_get_partitioned_indices(cu_padded, sum(padded), cp_size, rank).long().to(device)
+        layout = varlen_cp_layout(padded, cp_size, rank).to(device)
+        local = varlen_local_queries(leaves[0][idx], leaves[1], leaves[2], layout, scale=SCALE, window=window)
+        local.backward(dout[idx].to(torch.bfloat16))
+        out[idx] = local.detach()
+    got = dict(out=out[~pad], dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad)
+    want["out"] = want["out"][~pad]
+    return compare("varlen cp vs varlen", case, got, want, bf16_tolerance(h, h_kv))
 
 
 def varlen_reason() -> str | None:

@@ -67,6 +67,46 @@ def te_version() -> str:
     return str(getattr(importlib.import_module("transformer_engine"), "__version__", "unknown"))
 
 
+def te_cudnn_version() -> str:
+    """The cuDNN version Transformer Engine runs with (its ``get_cudnn_version()``), as text; call
+    only after TE imported."""
+    get = getattr(te_pytorch(), "get_cudnn_version", None)
+    return ".".join(map(str, get())) if get is not None else "unknown"
+
+
+def te_selected_backend() -> str:
+    """The attention backend TE selected for its last ``DotProductAttention`` forward, from TE's own
+    selection state (``dot_product_attention._attention_backends``, set by ``get_attention_backend``):
+    ``FlashAttention <version>``, ``FusedAttention (sub-backend N)`` (cuDNN) or
+    ``UnfusedDotProductAttention``, named as TE's log names them."""
+    try:
+        module = importlib.import_module(
+            "transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention"
+        )
+        chosen = module._attention_backends
+    except (ImportError, AttributeError):
+        return "unknown (this TE keeps no _attention_backends)"
+    if chosen.get("use_flash_attention"):
+        return f"FlashAttention {chosen.get('flash_attention_backend')}"
+    if chosen.get("use_fused_attention"):
+        return f"FusedAttention (sub-backend {int(chosen.get('fused_attention_backend'))})"
+    if chosen.get("use_unfused_attention"):
+        return "UnfusedDotProductAttention"
+    return "none selected yet"
+
+
+def te_comm_refusal(cp_comm_type: str) -> str | None:
+    """Why the installed TE cannot run THD context parallelism with ``cp_comm_type``, or None."""
+    version = _te_major_minor()
+    needed = _MIN_TE_VERSION[cp_comm_type]
+    if version is None or version >= needed:
+        return None
+    return (
+        f"cp_comm_type={cp_comm_type!r} with THD needs Transformer Engine >= {'.'.join(map(str, needed))}, "
+        f"found {'.'.join(map(str, version))}; upgrade TE or use cp_comm_type='p2p'"
+    )
+
+
 def _te_major_minor() -> tuple[int, int] | None:
     try:
         major, minor = te_version().split(".")[:2]
@@ -108,13 +148,9 @@ class TransformerEngineAttention(nn.Module):
         self._cpu_ok = _runs_on_cpu(te)
         if not (self._cpu_ok or torch.cuda.is_available()):
             raise RuntimeError("attention backend 'te' needs a CUDA device; use 'portable' (or 'auto') here")
-        version = _te_major_minor()
-        if version is not None and version < _MIN_TE_VERSION[cp_comm_type]:
-            raise ValueError(
-                f"cp_comm_type={cp_comm_type!r} with THD needs Transformer Engine >= "
-                f"{'.'.join(map(str, _MIN_TE_VERSION[cp_comm_type]))}, found {'.'.join(map(str, version))}; "
-                "upgrade TE or use cp_comm_type='p2p'"
-            )
+        refusal = te_comm_refusal(cp_comm_type)
+        if refusal is not None:
+            raise ValueError(refusal)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.cp_comm_type = cp_comm_type
         self.core_attention = te.DotProductAttention(

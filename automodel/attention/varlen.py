@@ -13,14 +13,22 @@ grew since (read once with ``inspect.signature``, :class:`VarlenKernel`):
 torch   keywords after ``max_q, max_k``                             adapted here
 ======  ==========================================================  =============================
 <2.10   no ``torch.nn.attention.varlen``                            backend unavailable
-2.10    ``is_causal, return_aux``                                   q pre-scaled, k/v heads
-                                                                    repeated, a window refused
-2.11    ``*, return_aux, scale, window_size``                       k/v heads repeated
-2.13    ``*, return_aux, scale, window_size, enable_gqa, ...``      nothing
+2.10    ``is_causal, return_aux``                                   q pre-scaled, a window refused
+2.11    ``*, return_aux, scale, window_size``                       nothing
+2.12+   ``*, return_aux, scale, window_size, enable_gqa, ...``      ``enable_gqa`` for GQA
 ======  ==========================================================  =============================
 
-(read from each release's ``torch/nn/attention/varlen.py``; any other release is adapted the same
-way from what its signature shows.)
+(read from each release's ``torch/nn/attention/varlen.py``: 2.10.0, 2.11.0, 2.12.0 = 2.12.1, 2.13.0,
+2.14.1, 2.15.0; any other release is adapted the same way from what its signature shows.) Fewer
+key/value heads than query heads go to the kernel as they are on every release: 2.10 and 2.11 hand
+k and v straight to FlashAttention-2, which shares each key/value head among ``H / K`` query heads
+natively; from 2.12 ``varlen_attn`` refuses them unless ``enable_gqa=True``. FlashAttention takes
+only bfloat16 and float16 (:data:`FLASH_DTYPES`), which setup checks against the run's compute
+dtype. On 2.14 and 2.15 ``varlen_attn`` may pick cuDNN instead of FlashAttention, never for a
+causal call with different query and key offsets (cuDNN aligns the causal diagonal top-left): 2.14
+uses cuDNN only without any mask (``window_size=(-1, -1)``, never passed here), 2.15 also for a
+causal call whose ``cu_seq_q`` and ``cu_seq_k`` are the same tensor (every query sequence as long
+as its key sequence, where both alignments agree); the context-parallel calls pass different ones.
 
 Sliding window: transformers' ``sliding_window=W`` lets a token see itself and the W - 1 tokens
 before it (``masking_utils.sliding_window_overlay``: ``kv_idx > q_idx - W``; its flash path passes
@@ -74,7 +82,7 @@ class VarlenKernel:
     fn: Callable[..., torch.Tensor]
     takes_scale: bool  # torch >= 2.11
     takes_window_size: bool  # torch >= 2.11; before, ``is_causal``
-    takes_enable_gqa: bool  # torch >= 2.13
+    takes_enable_gqa: bool  # torch >= 2.12; before, fewer key/value heads pass without asking
 
     @classmethod
     def of(cls, fn: Callable[..., torch.Tensor]) -> VarlenKernel:
@@ -163,6 +171,19 @@ def varlen_window_size(window: int | None) -> tuple[int, int]:
     return (window - 1, 0)
 
 
+def window_refusal(kernel: VarlenKernel, window: int | None, max_k: int) -> str | None:
+    """Why ``kernel`` cannot apply transformers' ``sliding_window`` ``window`` to sequences of up to
+    ``max_k`` keys, or None when it can: a torch without ``window_size`` (2.10) computes plain
+    causal attention, which equals the window only where no sequence exceeds it."""
+    if kernel.takes_window_size or window is None or max_k <= window:
+        return None
+    return (
+        f"torch {torch.__version__}'s varlen_attn has no window_size (torch >= 2.11 has it), so it "
+        f"cannot apply sliding_window={window} to sequences of up to {max_k} tokens; upgrade torch, "
+        f"use model.attention_backend=portable, or keep samples within {window} tokens (data.max_length)"
+    )
+
+
 def varlen_call(
     kernel: VarlenKernel,
     q_THD: torch.Tensor,
@@ -177,18 +198,14 @@ def varlen_call(
     window: int | None,
 ) -> tuple[tuple, dict]:
     """``(args, kwargs)`` for ``kernel.fn``: causal attention (bottom-right aligned where a sequence
-    has more keys than queries), grouped-query heads, ``scale`` and ``window``, in what this
-    kernel's signature takes (see the module docstring). S = key tokens.
+    has more keys than queries), grouped-query heads passed as they are, ``scale`` and ``window``,
+    in what this kernel's signature takes (see the module docstring). S = key tokens.
 
-    Raises ValueError for a window the kernel cannot apply: one that some sequence exceeds
-    (``max_k > window``) on a torch without ``window_size``.
+    Raises ValueError for a window the kernel cannot apply (:func:`window_refusal`).
     """
     kwargs: dict = {}
-    groups = q_THD.shape[1] // k_SKD.shape[1]
-    if groups > 1 and kernel.takes_enable_gqa:
+    if q_THD.shape[1] != k_SKD.shape[1] and kernel.takes_enable_gqa:
         kwargs["enable_gqa"] = True
-    elif groups > 1:  # query head j uses key/value head j // groups
-        k_SKD, v_SKD = (x.repeat_interleave(groups, dim=1) for x in (k_SKD, v_SKD))
     default_scale = q_THD.shape[-1] ** -0.5
     if kernel.takes_scale:
         kwargs["scale"] = scale
@@ -197,12 +214,9 @@ def varlen_call(
     if kernel.takes_window_size:
         kwargs["window_size"] = varlen_window_size(window)
     else:
-        if window is not None and max_k > window:
-            raise ValueError(
-                f"torch {torch.__version__}'s varlen_attn has no window_size (torch >= 2.11 has it), so it "
-                f"cannot apply sliding_window={window} to sequences of up to {max_k} tokens; upgrade torch, "
-                f"use model.attention_backend=portable, or keep samples within {window} tokens (data.max_length)"
-            )
+        refusal = window_refusal(kernel, window, max_k)
+        if refusal is not None:
+            raise ValueError(refusal)
         kwargs["is_causal"] = True
     return (q_THD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, max_q, max_k), kwargs
 

@@ -13,11 +13,15 @@ chat SFT data, and prints one table row per case:
 - ``peer``: plain transformers training, the way the HF Trainer / TRL train by default, on the same
   samples: its own SDPA attention, padded batches of 8 rows (to the batch's longest), bf16
   autocast on fp32 weights, fused AdamW; every table ends with the packed/peer ratios of real
-  tokens/s and peak memory, measured side by side;
-- ``lora``: LoRA of rank 16 on every Linear of a Llama 3.1 8B-shaped model (frozen base in bf16,
-  4k packs, the best backend), in real tokens/s per GPU and TFLOP/s counted as NeMo AutoModel
-  counts LoRA: 4 x parameters x tokens (forward and the input-gradient half of the backward over
-  every parameter; the adapters' own weight gradients are negligible);
+  tokens/s and peak memory, measured side by side. It runs last, sized to the device's memory:
+  two probe steps (1 and 2 rows of the longest sample) measure its memory per token, and the batch
+  shrinks to the most rows that fit in 90% of the device (the row and the ratios say how many), or
+  the row is skipped with a line saying why;
+- ``lora`` (only when asked: ``--cases ... lora`` or ``--lora-shape``): LoRA of rank 16 on every
+  Linear of a Llama 3.1 8B-shaped model (frozen base in bf16, 4k packs, the best backend), in real
+  tokens/s per GPU and TFLOP/s counted as NeMo AutoModel counts LoRA: 4 x parameters x tokens
+  (forward and the input-gradient half of the backward over every parameter; the adapters' own
+  weight gradients are negligible);
 - the loss alone: the chunked cross-entropy against full ``[T, V]`` logits (peak memory above
   the inputs, :mod:`automodel.benchmarks.loss_memory`).
 
@@ -29,14 +33,19 @@ over the samples, taken per token from the data set), peak memory
 the device in one training step, from ``torch.cuda.set_sync_debug_mode`` (each one's source line
 goes to the log and the JSON).
 
+``--cases`` picks the kinds of rows (packed padded ac peer lora; default all but lora). Each row is
+printed, and ``--json PATH`` rewritten, as soon as its case finishes: a call cut short keeps every
+finished row.
+
 On a machine without CUDA the same command runs tiny shapes with the portable backend in float32
-(CI keeps it working; MFU and syncs are then not measured). ``--json PATH`` writes every figure.
+(CI keeps it working; MFU and syncs are then not measured); ``--tiny`` runs them anywhere.
 ``--profile`` runs one more step of each case under ``torch.profiler`` and adds its breakdown to
 the JSON (top kernels and CPU operators by time, the device's idle share:
 :mod:`automodel.benchmarks.step_profile`); ``--trace DIR`` keeps each case's Chrome trace there.
 
-    automodel bench gpu                      # the full table (under 8 minutes on one H100)
-    automodel bench gpu --tiny --steps 2     # the CPU smoke run
+    automodel bench gpu                      # the full table without the 8B LoRA row
+    automodel bench gpu --cases packed lora  # packed rows and the 8B LoRA row
+    automodel bench gpu --tiny --steps 2     # the smoke run (tiny shapes, on any machine)
     automodel bench gpu --shapes llama3.2-1b --pack-sizes 8192 --profile --trace traces
     automodel bench gpu --overrides model.compile=true optim.fused=true   # the speed options, to compare
 """
@@ -100,6 +109,9 @@ PEAK_BF16 = {"H100 SXM": 989e12, "H100 80GB HBM3": 989e12, "H100 PCIe": 756e12, 
              "H200": 989e12, "GH200": 989e12, "A100": 312e12, "L40S": 362e12, "B200": 2250e12}  # fmt: skip
 TOKENIZER_SIZE = 512  # the shipped tiny tokenizer: token ids of the synthetic samples stay below it
 PEER_ROWS = 8  # the HF Trainer's and TRL's default per-device batch size
+PEER_MEMORY_SHARE = 0.9  # of the device's memory, for the peer's padded batches
+KINDS = ("packed", "padded", "ac", "peer", "lora")
+DEFAULT_KINDS = ("packed", "padded", "ac", "peer")
 
 
 @dataclass
@@ -254,7 +266,7 @@ def summarize(records: list[dict], parameters: int, warmup: int) -> dict:
 
 def peer_batch(samples: list[dict]) -> dict[str, torch.Tensor]:
     """Token-format samples -> a padded transformers batch ``[B, L]`` (L = the longest sample):
-    ``input_ids`` (0 on padding), ``attention_mask``, ``labels`` (-100 on prompt and padding)."""
+    ``input_ids`` (0 on padding), ``attention_mask``, ``labels`` (the ignore index on prompt and padding)."""
     width = max(len(s["input_ids"]) for s in samples)
     ids = torch.zeros(len(samples), width, dtype=torch.long)
     labels = torch.full((len(samples), width), CROSS_ENTROPY_IGNORE_INDEX, dtype=torch.long)
@@ -263,14 +275,18 @@ def peer_batch(samples: list[dict]) -> dict[str, torch.Tensor]:
         n = len(sample["input_ids"])
         ids[row, :n] = torch.tensor(sample["input_ids"])
         mask[row, :n] = 1
-        labels[row, :n] = ids[row, :n].masked_fill(torch.tensor(sample["loss_mask"]) == 0, -100)
+        labels[row, :n] = ids[row, :n].masked_fill(
+            torch.tensor(sample["loss_mask"]) == 0, CROSS_ENTROPY_IGNORE_INDEX
+        )
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
 def run_peer(case: Case, data: Path, args: argparse.Namespace) -> dict:
     """Time ``args.warmup + args.steps`` steps of plain transformers training (see the module
-    docstring) on consecutive batches of ``PEER_ROWS`` samples of ``data``; the figures of
-    :func:`run_case`. Autocast and peak memory on CUDA only, as the recipe's."""
+    docstring) on consecutive batches of ``PEER_ROWS`` samples of ``data``, fewer where the
+    device's memory holds fewer (:func:`size_peer`); the figures of :func:`run_case` and ``rows``.
+    Autocast and peak memory on CUDA only, as the recipe's. Raises :class:`PeerDoesNotFit` when not
+    one row fits."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cuda = torch.cuda.is_available()
@@ -283,12 +299,15 @@ def run_peer(case: Case, data: Path, args: argparse.Namespace) -> dict:
     model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     samples = [json.loads(line) for line in data.read_text().splitlines()]
+    steps = args.warmup + args.steps
     records = []
     try:
-        for step in range(args.warmup + args.steps):
-            batch = peer_batch(samples[step * PEER_ROWS : (step + 1) * PEER_ROWS])
+        rows = peer_rows(model, samples, steps, CudaMemory(device) if cuda else None)
+        for step in range(steps):
+            batch = peer_batch(samples[step * rows : (step + 1) * rows])
             batch = {key: x.to(device) for key, x in batch.items()}
-            real, labels = int(batch["attention_mask"].sum()), int((batch["labels"][:, 1:] != -100).sum())
+            real = int(batch["attention_mask"].sum())
+            labels = int((batch["labels"][:, 1:] != CROSS_ENTROPY_IGNORE_INDEX).sum())
             start = time.perf_counter()
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
                 loss = model(**batch).loss
@@ -309,7 +328,103 @@ def run_peer(case: Case, data: Path, args: argparse.Namespace) -> dict:
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-    return summarize(records, parameters, args.warmup)
+    return {**summarize(records, parameters, args.warmup), "rows": rows}
+
+
+class PeerDoesNotFit(RuntimeError):
+    """Not one padded row of the peer fits in the device's memory: the row is skipped, saying so."""
+
+
+class CudaMemory:
+    """The CUDA allocator's figures :func:`size_peer` reads (a CPU test gives it a stand-in)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def reset_peak(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def total(self) -> int:
+        return torch.cuda.get_device_properties(self.device).total_memory
+
+
+def padded_tokens(lengths: list[int], rows: int, steps: int) -> int:
+    """The most slots one padded batch of ``rows`` consecutive samples takes over ``steps`` steps:
+    rows x the batch's longest sample."""
+    return max(rows * max(lengths[step * rows : (step + 1) * rows], default=0) for step in range(steps))
+
+
+def fit_peer_rows(budget: float, fixed: float, per_token: float, lengths: list[int], steps: int) -> int:
+    """The most rows (at most ``PEER_ROWS``) whose largest padded batch fits:
+    ``fixed + per_token x padded_tokens <= budget``; 0 when one row does not fit."""
+    fits = [
+        r for r in range(1, PEER_ROWS + 1) if fixed + per_token * padded_tokens(lengths, r, steps) <= budget
+    ]
+    return max(fits, default=0)
+
+
+def peer_rows(model, samples: list[dict], steps: int, memory: CudaMemory | None) -> int:
+    """``PEER_ROWS`` where memory is not measured (CPU), else :func:`size_peer`'s rows, the peak
+    statistics then reset so that the steps' peak is not the probes'."""
+    if memory is None:
+        return PEER_ROWS
+    rows = size_peer(model, samples, steps, memory)
+    memory.reset_peak()
+    return rows
+
+
+def size_peer(model, samples: list[dict], steps: int, memory: CudaMemory) -> int:
+    """How many padded rows the peer's batches get on this device: two probe forward/backward
+    passes (1 and 2 rows of the run's longest sample, under the peer's autocast) give its memory per
+    token and the part that does not grow with tokens (weights, gradients, autocast's bf16 copies);
+    AdamW's two states (8 bytes per parameter) come on top at the first step. Logs the outcome."""
+    log = logging.getLogger(__name__)
+    device = next(model.parameters()).device
+    lengths = [len(s["input_ids"]) for s in samples]
+    longest = max(lengths[: steps * PEER_ROWS])
+    probe = samples[lengths.index(longest)]
+    peaks = []
+    for rows in (1, 2):
+        batch = {key: x.to(device) for key, x in peer_batch([probe] * rows).items()}
+        memory.reset_peak()
+        try:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                loss = model(**batch).loss
+            loss.backward()
+        except torch.cuda.OutOfMemoryError:
+            del batch
+            model.zero_grad(set_to_none=True)
+            if rows == 1:
+                raise PeerDoesNotFit(
+                    f"one padded row of {longest} tokens does not fit in {memory.total() / 2**30:.0f} GiB"
+                ) from None
+            break
+        model.zero_grad(set_to_none=True)
+        peaks.append(memory.peak())
+        del batch, loss
+    if len(peaks) == 1:  # two rows did not fit
+        return 1
+    per_token = (peaks[1] - peaks[0]) / longest
+    adam = 8 * sum(p.numel() for p in model.parameters())
+    fixed = peaks[0] - per_token * longest + adam
+    budget = PEER_MEMORY_SHARE * memory.total()
+    rows = fit_peer_rows(budget, fixed, per_token, lengths, steps)
+    need = fixed + per_token * padded_tokens(lengths, PEER_ROWS, steps)
+    log.info(
+        "peer: %.0f KiB per padded token, %.1f GiB fixed; %d rows of %d need %.1f GiB of %.1f GiB (%.0f%%)",
+        per_token / 2**10, fixed / 2**30, PEER_ROWS, PEER_ROWS, need / 2**30, budget / 2**30,
+        100 * PEER_MEMORY_SHARE,
+    )  # fmt: skip
+    if rows == 0:
+        raise PeerDoesNotFit(
+            f"one padded row needs {(fixed + per_token * padded_tokens(lengths, 1, steps)) / 2**30:.1f} GiB, "
+            f"{100 * PEER_MEMORY_SHARE:.0f}% of the device is {budget / 2**30:.1f} GiB"
+        )
+    return rows
 
 
 def peak_flops(args: argparse.Namespace) -> float | None:
@@ -322,34 +437,48 @@ def peak_flops(args: argparse.Namespace) -> float | None:
 
 
 def cases_for(args: argparse.Namespace, backends: list[str]) -> list[Case]:
+    """The cases of ``args.cases`` (kinds), in the order they run: the recipe's rows, the LoRA row,
+    then the peer rows (the largest memory, last)."""
     best = backends[0]
-    cases = [Case(s, p, b) for s in args.shapes for p in args.pack_sizes for b in backends]
-    cases += [Case(s, args.pack_sizes[0], best, batching="padded") for s in args.shapes]
-    cases += [Case(args.shapes[0], p, best, activation_checkpointing=True) for p in args.pack_sizes]
-    cases += [Case(s, args.pack_sizes[0], "sdpa", batching="peer") for s in args.shapes]
-    cases.append(Case(args.lora_shape, args.lora_pack_size, best, lora=True))
+    cases = []
+    if "packed" in args.cases:
+        cases += [Case(s, p, b) for s in args.shapes for p in args.pack_sizes for b in backends]
+    if "padded" in args.cases:
+        cases += [Case(s, args.pack_sizes[0], best, batching="padded") for s in args.shapes]
+    if "ac" in args.cases:
+        cases += [Case(args.shapes[0], p, best, activation_checkpointing=True) for p in args.pack_sizes]
+    if "lora" in args.cases:
+        cases.append(Case(args.lora_shape, args.lora_pack_size, best, lora=True))
+    if "peer" in args.cases:
+        cases += [Case(s, args.pack_sizes[0], "sdpa", batching="peer") for s in args.shapes]
     return cases
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line with the defaults of this machine filled in (tiny shapes without CUDA)."""
     parser = argparse.ArgumentParser(
         prog="automodel bench gpu", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--tiny", action="store_true", help="tiny shapes and packs (the default without CUDA)"
+        "--tiny", action="store_true", help="tiny shapes and packs on any machine (the default without CUDA)"
     )
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), help="default: llama3.2-1b qwen3-1.7b")
     parser.add_argument("--pack-sizes", nargs="+", type=int, help="default: 8192 16384 (tiny: 256 512)")
+    parser.add_argument(
+        "--cases", nargs="+", choices=KINDS,
+        help=f"the kinds of rows (default: {' '.join(DEFAULT_KINDS)}; lora only when named, or with --lora-shape)",
+    )  # fmt: skip
     parser.add_argument("--max-length", type=int, help="longest sample (default: 4096; tiny: 128)")
     parser.add_argument("--steps", type=int, default=6, help="measured optimizer steps per case")
     parser.add_argument(
         "--warmup", type=int, default=2, help="steps before them (the last one traces host syncs)"
     )
     parser.add_argument("--peak-tflops", type=float, help="the device's peak dense bf16 TFLOP/s, for MFU")
-    parser.add_argument("--json", type=Path, help="write every figure here")
+    parser.add_argument("--json", type=Path, help="write every figure here (rewritten after each case)")
     parser.add_argument(
-        "--lora-shape", choices=sorted(SHAPES), help="the LoRA row's shape (default: llama3.1-8b; tiny: tiny)"
-    )
+        "--lora-shape", choices=sorted(SHAPES), help="the LoRA row's shape, which asks for the row "
+        "(default: llama3.1-8b; tiny: tiny)",
+    )  # fmt: skip
     parser.add_argument(
         "--lora-pack-size",
         type=int,
@@ -364,56 +493,97 @@ def main(argv: list[str] | None = None) -> int:
         "--trace", type=Path, help="with --profile: keep each case's Chrome trace in this directory"
     )
     args = parser.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    tiny = args.tiny or device.type != "cuda"
+    args.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tiny = args.tiny or args.device.type != "cuda"
+    args.cases = args.cases or [*DEFAULT_KINDS, *(["lora"] if args.lora_shape else [])]
     args.shapes = args.shapes or (["tiny"] if tiny else ["llama3.2-1b", "qwen3-1.7b"])
     args.pack_sizes = args.pack_sizes or ([256, 512] if tiny else [8192, 16384])
-    max_length = args.max_length or (128 if tiny else 4096)
+    args.max_length = args.max_length or (128 if tiny else 4096)
     args.lora_shape = args.lora_shape or ("tiny" if tiny else "llama3.1-8b")
     args.lora_pack_size = args.lora_pack_size or (args.pack_sizes[0] if tiny else 4096)
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must be at least 1")
     if args.trace and not args.profile:
         parser.error("--trace keeps the traces of --profile; add --profile")
+    return args
 
-    backends = available_backends(device)
-    peak = peak_flops(args)
+
+class Report:
+    """The table and the JSON, each row as its case finishes (a call cut short keeps them all)."""
+
+    def __init__(self, args: argparse.Namespace, peak: float | None):
+        self.args, self.peak, self.results, self.loss_rows = args, peak, [], []
+        name = torch.cuda.get_device_name() if args.device.type == "cuda" else "cpu"
+        self.meta = {
+            "device": name,
+            "torch": torch.__version__,
+            "peak_flops": peak,
+            "overrides": args.overrides,
+        }
+        print(f"\nautomodel bench gpu: {name}, torch {torch.__version__}, peak bf16 "
+              f"{f'{peak / 1e12:.0f} TFLOP/s' if peak else 'unknown (MFU not computed)'}"
+              f"{'; overrides ' + ' '.join(args.overrides) if args.overrides else ''}")  # fmt: skip
+        print(f"{'case':<36} {'real tok/s':>11} {'MFU':>6} {'peak mem':>9} {'fill':>6} {'syncs':>6} {'step':>8}",
+              flush=True)  # fmt: skip
+
+    def add(self, result: dict) -> None:
+        self.results.append(result)
+        print(row_line(result), flush=True)
+        self.write()
+
+    def write(self) -> None:
+        if self.args.json:
+            report = {**self.meta, "cases": self.results, "loss": self.loss_rows}
+            partial = self.args.json.with_name(self.args.json.name + ".partial")
+            partial.write_text(json.dumps(report, indent=1, default=str))
+            partial.replace(self.args.json)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    backends = available_backends(args.device)
+    report = Report(args, peak_flops(args))
     # enough samples for the longest case's steps, the same samples for every case
     longest = max([*args.pack_sizes, args.lora_pack_size])
-    lengths = length_mix(max(200, 24 * (args.warmup + args.steps + 1) * longest // max_length), max_length)
-    results = []
+    lengths = length_mix(
+        max(200, 24 * (args.warmup + args.steps + 1) * longest // args.max_length), args.max_length
+    )
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "samples.jsonl"
         write_samples(data, lengths)
         for case in cases_for(args, backends):
-            start = time.perf_counter()
-            try:
-                if case.batching == "peer":
-                    figures = run_peer(case, data, args)
-                else:
-                    figures = run_case(case, data, max_length, args, Path(tmp))
-            except Exception as error:  # one failing backend must not hide the other figures
-                logging.getLogger(__name__).exception("%s failed", case.name)
-                results.append(
-                    {**asdict(case), "name": case.name, "error": f"{type(error).__name__}: {error}"}
-                )
-                continue
-            flops = step_flops(case, figures, lengths)
-            figures["tflops"] = (
-                statistics.median(f / r["step_time_s"] for f, r in zip(flops, figures["records"])) / 1e12
-            )
-            figures["mfu"] = figures["tflops"] * 1e12 / peak if peak else None
-            figures["seconds"] = time.perf_counter() - start
-            results.append({**asdict(case), "name": case.name, **figures})
-        loss_rows = loss_comparison(args, device, max(args.pack_sizes))
+            report.add(run_and_measure(case, data, lengths, args, report.peak, Path(tmp)))
+        report.loss_rows = loss_comparison(args, args.device, max(args.pack_sizes))
+        report.write()
+    print_summary(report.results, report.loss_rows)
+    return 1 if any("error" in r for r in report.results) else 0
 
-    print_table(results, loss_rows, device, peak, args.overrides)
-    if args.json:
-        report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                  "torch": torch.__version__, "peak_flops": peak, "overrides": args.overrides, "cases": results,
-                  "loss": loss_rows}  # fmt: skip
-        args.json.write_text(json.dumps(report, indent=1, default=str))
-    return 1 if any("error" in r for r in results) else 0
+
+def run_and_measure(
+    case: Case, data: Path, lengths: np.ndarray, args: argparse.Namespace, peak: float | None, workdir: Path
+) -> dict:
+    """One case's row: its figures, ``skipped`` (the peer that does not fit, and why) or ``error``
+    (one failing case must not hide the other figures)."""
+    start = time.perf_counter()
+    row = {**asdict(case), "name": case.name}
+    try:
+        if case.batching == "peer":
+            figures = run_peer(case, data, args)
+        else:
+            figures = run_case(case, data, args.max_length, args, workdir)
+    except PeerDoesNotFit as reason:
+        logging.getLogger(__name__).warning("%s skipped: %s", case.name, reason)
+        return {**row, "skipped": str(reason)}
+    except Exception as error:
+        logging.getLogger(__name__).exception("%s failed", case.name)
+        return {**row, "error": f"{type(error).__name__}: {error}"}
+    flops = step_flops(case, figures, lengths)
+    figures["tflops"] = (
+        statistics.median(f / r["step_time_s"] for f, r in zip(flops, figures["records"])) / 1e12
+    )
+    figures["mfu"] = figures["tflops"] * 1e12 / peak if peak else None
+    figures["seconds"] = time.perf_counter() - start
+    return {**row, **figures}
 
 
 def step_flops(case: Case, figures: dict, lengths: np.ndarray) -> list[float]:
@@ -444,40 +614,36 @@ def loss_comparison(args: argparse.Namespace, device: torch.device, tokens: int)
     ]
 
 
-def print_table(
-    results: list[dict], loss_rows: list[dict], device: torch.device, peak: float | None, overrides: list[str]
-) -> None:
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    print(f"\nautomodel bench gpu: {name}, torch {torch.__version__}, peak bf16 "
-          f"{f'{peak / 1e12:.0f} TFLOP/s' if peak else 'unknown (MFU not computed)'}"
-          f"{'; overrides ' + ' '.join(overrides) if overrides else ''}")  # fmt: skip
-    print(f"{'case':<36} {'real tok/s':>11} {'MFU':>6} {'peak mem':>9} {'fill':>6} {'syncs':>6} {'step':>8}")
-    for r in results:
-        if "error" in r:
-            print(f"{r['name']:<36} FAILED: {r['error'][:80]}")
-            continue
-        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
-        memory = f"{r['peak_memory_gb']:.1f} GB" if r["peak_memory_gb"] == r["peak_memory_gb"] else "-"
-        syncs = "-" if r["host_syncs"] is None else str(r["host_syncs"])
-        print(f"{r['name']:<36} {r['tokens_per_s']:>11,.0f} {mfu:>6} {memory:>9} {r['fill']:>6.1%} {syncs:>6} "
-              f"{r['step_time_s']:>7.3f}s")  # fmt: skip
+def row_line(r: dict) -> str:
+    """A row of the table: the figures, or why there are none."""
+    if "skipped" in r:
+        return f"{r['name']:<36} SKIPPED: {r['skipped']}"
+    if "error" in r:
+        return f"{r['name']:<36} FAILED: {r['error'][:80]}"
+    name = f"{r['name']} x{r['rows']}" if r["batching"] == "peer" else r["name"]
+    mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
+    memory = f"{r['peak_memory_gb']:.1f} GB" if r["peak_memory_gb"] == r["peak_memory_gb"] else "-"
+    syncs = "-" if r["host_syncs"] is None else str(r["host_syncs"])
+    return (f"{name:<36} {r['tokens_per_s']:>11,.0f} {mfu:>6} {memory:>9} {r['fill']:>6.1%} {syncs:>6} "
+            f"{r['step_time_s']:>7.3f}s")  # fmt: skip
+
+
+def print_summary(results: list[dict], loss_rows: list[dict]) -> None:
+    """After the rows: packed/padded and packed/peer ratios, the LoRA row's count, profiles, the loss."""
+    measured = [r for r in results if "error" not in r and "skipped" not in r]
     best_packed = {}  # the best backend's packed row (cases run best backend first)
-    for r in results:
-        if (
-            r["batching"] == "packed"
-            and not (r["activation_checkpointing"] or r["lora"])
-            and "error" not in r
-        ):
+    for r in measured:
+        if r["batching"] == "packed" and not (r["activation_checkpointing"] or r["lora"]):
             best_packed.setdefault((r["shape"], r["pack_size"]), r)
-    for r in results:
-        if r["batching"] == "padded" and "error" not in r and (r["shape"], r["pack_size"]) in best_packed:
+    for r in measured:
+        if r["batching"] == "padded" and (r["shape"], r["pack_size"]) in best_packed:
             best = best_packed[(r["shape"], r["pack_size"])]
             print(f"{r['shape']} {tokens_label(r['pack_size'])} {r['backend']}: packed {best['tokens_per_s'] / r['tokens_per_s']:.2f}x "
                   "padded real tokens/s")  # fmt: skip
     for line in peer_ratios(results):
         print(line)
-    for r in results:
-        if r["lora"] and "error" not in r:
+    for r in measured:
+        if r["lora"]:
             print(f"{r['name']}: {r['tokens_per_s']:,.0f} real tokens/s/GPU, {r['tflops']:.3g} TFLOP/s "
                   f"= {LORA_FLOPS} / step time, {r['parameters']:,} parameters")  # fmt: skip
         if "profile" in r:
@@ -493,16 +659,24 @@ def print_table(
 def peer_ratios(results: list[dict]) -> list[str]:
     """One line per packed case without activation checkpointing, for each shape with a peer row:
     packed/peer real tokens/s and peak memory (``-`` where memory is not measured)."""
-    peers = {r["shape"]: r for r in results if r["batching"] == "peer" and "error" not in r}
+    peers = {
+        r["shape"]: r for r in results if r["batching"] == "peer" and "error" not in r and "skipped" not in r
+    }
     lines = []
     for r in results:
         peer = peers.get(r["shape"])
-        if peer is None or r["batching"] != "packed" or r["activation_checkpointing"] or "error" in r:
+        if (
+            peer is None
+            or r["batching"] != "packed"
+            or r["activation_checkpointing"]
+            or "error" in r
+            or "skipped" in r
+        ):
             continue
         memory = r["peak_memory_gb"] / peer["peak_memory_gb"]
         lines.append(
             f"{r['shape']} {tokens_label(r['pack_size'])} {r['backend']} packed / peer (transformers sdpa, "
-            f"padded batches of {PEER_ROWS}): {r['tokens_per_s'] / peer['tokens_per_s']:.2f}x real tokens/s, "
+            f"padded batches of {peer['rows']}): {r['tokens_per_s'] / peer['tokens_per_s']:.2f}x real tokens/s, "
             f"{'-' if memory != memory else f'{memory:.2f}x'} peak memory"
         )
     return lines

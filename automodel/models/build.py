@@ -274,6 +274,7 @@ def build_model(
     lora: LoraConfig | None = None,
     dense_mask: bool = False,
     frozen: bool = False,
+    compute_dtype: torch.dtype | None = None,
 ) -> CausalLMForTraining:
     """The training model with its weights: meta build, LoRA adapters when ``lora`` is given,
     ``shard(model)`` (FSDP2), materialize on ``device``, then each rank reads its own shards of a local
@@ -282,7 +283,9 @@ def build_model(
     ``dense_mask``: run the type's own attention code under a block-diagonal mask instead of the
     registered THD attention (the differential check's verdict: ``families.uses_dense_mask``).
     ``frozen``: a model that is never trained (a distillation teacher): no parameter requires a
-    gradient, all are stored in the compute dtype (``spec.dtype``), and it is in eval mode."""
+    gradient, all are stored in the compute dtype (``spec.dtype``), and it is in eval mode.
+    ``compute_dtype``: what attention computes in, which ``auto`` resolves against as setup did
+    (:func:`automodel.models.setup.config_checks`); None is ``model.dtype``."""
     register_thd_attention()
     implementation = own_attention_implementation(config) if dense_mask else THD_ATTENTION
     with torch.device("meta"):
@@ -294,7 +297,10 @@ def build_model(
         )
     model = CausalLMForTraining(hf, dense_mask=dense_mask).train()
     if not dense_mask:
-        attach_thd_attention(hf, resolve_attention_backend(spec.attention_backend), cp_comm_type)
+        backend = resolve_attention_backend(
+            spec.attention_backend, compute_dtype=compute_dtype or spec.torch_dtype
+        )
+        attach_thd_attention(hf, backend, cp_comm_type)
     if spec.activation_checkpointing:
         hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if lora is not None:

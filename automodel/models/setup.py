@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from automodel.attention import resolve_attention_backend
 from automodel.attention.hf import FEATURES
-from automodel.attention.varlen import varlen_missing
+from automodel.attention.varlen import FLASH_DTYPES, varlen_missing
 from automodel.config import ConfigError
 from automodel.models.lora import LoraConfig
 from automodel.models.spec import ModelSpec, check_sizes
@@ -42,24 +42,35 @@ def setup_checks(
     max_sample_tokens: int | None,
     row_tokens: int | None = None,
     lora: LoraConfig | None = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> tuple[PretrainedConfig, dict]:
     """Every check of the model that needs no weights: :func:`config_checks`, then
     :func:`checkpoint_checks`. Returns what :func:`config_checks` returns."""
     config, entry = config_checks(
-        spec, cp_size=cp_size, max_sample_tokens=max_sample_tokens, row_tokens=row_tokens
+        spec,
+        cp_size=cp_size,
+        max_sample_tokens=max_sample_tokens,
+        row_tokens=row_tokens,
+        compute_dtype=compute_dtype,
     )
     checkpoint_checks(spec, config, vocab_needed=vocab_needed, lora=lora)
     return config, entry
 
 
 def config_checks(
-    spec: ModelSpec, *, cp_size: int, max_sample_tokens: int | None, row_tokens: int | None = None
+    spec: ModelSpec,
+    *,
+    cp_size: int,
+    max_sample_tokens: int | None,
+    row_tokens: int | None = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> tuple[PretrainedConfig, dict]:
     """The checks that need only the recipe, in the first seconds of a run, before the run directory
     is written: config readable (and no model class of its own: :meth:`ModelSpec.hf_config`), its
     fields, the differential check on this config (``model.verify``; else the table's verdict on the
     type's default config), features vs backend, cp_size, windows vs sample length, the backend on
-    this machine.
+    this machine and in ``compute_dtype`` (what attention computes in: bf16 under the run's autocast,
+    else ``model.dtype``, the default).
 
     Returns:
         The config and the verdict (a table entry: status, features, backends), whose
@@ -68,12 +79,13 @@ def config_checks(
     check_model_sanity(
         config, max_sample_tokens=max_sample_tokens, exceed_max_positions=spec.exceed_max_positions
     )
-    backend = resolve_attention_backend(spec.attention_backend)
+    compute_dtype = compute_dtype or spec.torch_dtype
+    backend = resolve_attention_backend(spec.attention_backend, compute_dtype=compute_dtype)
     check_config_fields(config)
     entry = model_verdict(spec, config, max_sample_tokens=max_sample_tokens, row_tokens=row_tokens)
     check_model_config(config, backend, entry, cp_size=cp_size, max_sample_tokens=max_sample_tokens)
     # after the features: a feature no backend computes is the first thing to fix
-    check_backend_device(backend)
+    check_backend_device(backend, compute_dtype)
     return config, entry
 
 
@@ -310,17 +322,20 @@ def check_max_positions(
         )
 
 
-def check_backend_device(backend: str) -> None:
-    """ValueError at setup for ``te`` where Transformer Engine cannot be imported, and ``varlen``
-    (torch's CUDA-only ``varlen_attn``) on a torch without it or a machine without CUDA: either
-    would otherwise fail at the first forward, after all the data work."""
+def check_backend_device(backend: str, compute_dtype: torch.dtype) -> None:
+    """ValueError at setup for ``te`` where Transformer Engine cannot be imported, ``varlen``
+    (torch's CUDA-only ``varlen_attn``) on a torch without it or a machine without CUDA, and either
+    in a ``compute_dtype`` its kernels do not take (float32: TE finds no kernel for packed rows,
+    FlashAttention takes bf16 and fp16 only): each would otherwise fail at the first forward,
+    after all the data work."""
     if backend == "te":
-        from automodel.attention.te import require_te
+        from automodel.attention.te import TE_DTYPES, require_te
 
         try:
             require_te()
         except ImportError as error:
             raise ValueError(f"model.attention_backend='te': {error}") from None
+        _check_compute_dtype(backend, compute_dtype, TE_DTYPES)
     if backend != "varlen":
         return
     missing = varlen_missing()
@@ -330,6 +345,18 @@ def check_backend_device(backend: str) -> None:
         raise ValueError(
             "model.attention_backend='varlen' runs torch's varlen_attn, which needs a CUDA GPU, and this machine "
             "has none; use model.attention_backend=auto or portable"
+        )
+    _check_compute_dtype(backend, compute_dtype, FLASH_DTYPES)
+
+
+def _check_compute_dtype(backend: str, compute_dtype: torch.dtype, dtypes: tuple[torch.dtype, ...]) -> None:
+    if compute_dtype not in dtypes:
+        kernels = "Transformer Engine's THD kernels" if backend == "te" else "FlashAttention (varlen_attn)"
+        raise ValueError(
+            f"model.attention_backend={backend!r}: attention would compute in {compute_dtype} (trainer.bf16_autocast "
+            f"off or not on CUDA, model.dtype as it is), which {kernels} cannot take: it needs "
+            f"{' or '.join(str(d) for d in dtypes)}; set trainer.bf16_autocast=true or model.dtype=bfloat16, or "
+            "model.attention_backend=portable (auto picks it for float32)"
         )
 
 

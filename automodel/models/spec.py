@@ -30,7 +30,9 @@ class ModelSpec:
         config: keyword arguments of a transformers config, with ``model_type`` (e.g. ``llama``);
             the model is randomly initialized with transformers' own init.
         attention_backend: ``auto`` (TE on CUDA when importable, else torch varlen on CUDA, else
-            portable), ``te``, ``varlen`` or ``portable``.
+            portable; TE and varlen only where attention computes in bf16/fp16, the run's compute
+            dtype: bf16 under ``trainer.bf16_autocast`` on CUDA, else this ``dtype``), ``te``,
+            ``varlen`` or ``portable``.
         dtype: compute dtype. ``bfloat16`` keeps float32 master weights and optimizer state and
             computes in bf16 through FSDP2's MixedPrecisionPolicy (gradients reduced in float32);
             under LoRA the frozen base is stored in this dtype (models/frozen_base.py).

@@ -30,6 +30,7 @@ from automodel.models import CausalLMForTraining, build_model, export_model
 from automodel.models.inputs import model_inputs
 from automodel.models.parallelize import apply_fsdp
 from automodel.models.setup import check_max_positions, checkpoint_checks, config_checks
+from automodel.models.spec import ModelSpec
 from automodel.models.support import uses_dense_mask
 from automodel.training.checkpoint import Checkpointer, NonFiniteError
 from automodel.training.host_syncs import record_host_syncs
@@ -158,6 +159,7 @@ class FinetuneRecipe:
                 cp_size=self.dims.cp_size,
                 max_sample_tokens=self._longest_sample(),
                 row_tokens=self._row_tokens(),
+                compute_dtype=self._compute_dtype(),
             )
 
     def _check_checkpoint(self) -> None:
@@ -211,6 +213,7 @@ class FinetuneRecipe:
             is_main=self.dims.is_main,
             lora=self.lora,
             dense_mask=uses_dense_mask(self.model_verdict),
+            compute_dtype=self._compute_dtype(),
         )
         parameters = sum(p.numel() for p in model.parameters())
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -456,10 +459,16 @@ class FinetuneRecipe:
         dist.all_reduce(values)
         return values
 
+    def _autocasts(self) -> bool:
+        return self.dims.device.type == "cuda" and self.trainer.bf16_autocast
+
     def _autocast(self):
-        if self.dims.device.type == "cuda" and self.trainer.bf16_autocast:
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        return torch.autocast("cuda", dtype=torch.bfloat16) if self._autocasts() else contextlib.nullcontext()
+
+    def _compute_dtype(self, spec: ModelSpec | None = None) -> torch.dtype:
+        """What attention computes in (README: "Every backend gets q, k and v in one compute dtype"):
+        bf16 under the run's autocast, else ``spec``'s dtype (FSDP2's compute dtype; the model's)."""
+        return torch.bfloat16 if self._autocasts() else (spec or self.model_spec).torch_dtype
 
     def _finish(self) -> None:
         if self.trainer.export_hf:

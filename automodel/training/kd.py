@@ -173,6 +173,7 @@ class KDRecipe(FinetuneRecipe):
                 cp_size=self.dims.cp_size,
                 max_sample_tokens=self._longest_sample(),
                 row_tokens=self._row_tokens(),
+                compute_dtype=self._compute_dtype(self.teacher_spec),
             )
         ours, theirs = (
             self.hf_config.get_text_config().vocab_size,
@@ -233,6 +234,7 @@ class KDRecipe(FinetuneRecipe):
             is_main=self.dims.is_main,
             dense_mask=uses_dense_mask(self.teacher_verdict),
             frozen=True,
+            compute_dtype=self._compute_dtype(self.teacher_spec),
         )
 
     @torch.no_grad()

@@ -14,6 +14,24 @@ from automodel.te_support import te_extension, te_pytorch
 TE_STANDIN_PATH = Path(__file__).resolve().parents[1] / "te_standin"
 
 
+@pytest.fixture(autouse=True)
+def no_gpu_sized_bench_case(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing GPU-sized in tests/unit, whatever the machine: a ``bench gpu`` case of any shape but
+    ``tiny`` fails the test that runs it (on a GPU, the full shapes take minutes and tens of GB)."""
+    from automodel.benchmarks import gpu
+
+    for name in ("run_case", "run_peer"):
+        monkeypatch.setattr(gpu, name, _tiny_only(getattr(gpu, name)))
+
+
+def _tiny_only(run):
+    def tiny_only(case, *args, **kwargs):
+        assert case.shape == "tiny", f"tests/unit ran bench gpu's {case.name!r}: use --tiny"
+        return run(case, *args, **kwargs)
+
+    return tiny_only
+
+
 @pytest.fixture
 def one_process_group():
     """A one-rank gloo process group on a free port for one test; yields its 1-rank CPU mesh. A test
@@ -83,15 +101,18 @@ def llama3_like_tokenizer():
 
 @pytest.fixture
 def varlen_kernel(monkeypatch: pytest.MonkeyPatch):
-    """``install(version)`` makes torch's ``varlen_attn`` the stand-in with that release's signature
-    (``varlen_standin.BY_VERSION``), or for ``"2.9"`` removes the module as torch 2.9 lacks it;
-    returns the stand-in's call records. automodel's cached kernel lookup is reset around the test."""
+    """``install(version, exact=False)`` makes torch's ``varlen_attn`` the stand-in with that release's
+    signature and checks (``varlen_standin.BY_VERSION``), or for ``"2.9"`` removes the module as torch
+    2.9 lacks it; returns the stand-in's call records. ``exact=True`` admits float64 inputs (for exact
+    comparisons; float32 stays refused, as by the kernel). automodel's cached kernel lookup is reset
+    around the test."""
     import torch
     import varlen_standin
 
     from automodel.attention.varlen import installed_varlen_kernel
 
-    def install(version: str) -> list[dict]:
+    def install(version: str, exact: bool = False) -> list[dict]:
+        monkeypatch.setitem(varlen_standin.EXACT, "on", exact)
         if version == "2.9":
             monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", None)
             monkeypatch.setattr(torch, "__version__", "2.9.0")

@@ -222,8 +222,12 @@ def test_te_standin_through_a_transformers_model_matches_portable(te_standin):
     losses = {}
     for backend, dtype in (("te", torch.bfloat16), ("portable", torch.float32)):
         model_spec = ModelSpec(attention_backend=backend, **spec)
-        cfg, _ = setup_checks(model_spec, cp_size=1, vocab_needed=None, max_sample_tokens=None)
-        model = build_model(model_spec, cfg, device=torch.device("cpu"), shard=lambda m: None, seed=0)
+        cfg, _ = setup_checks(
+            model_spec, cp_size=1, vocab_needed=None, max_sample_tokens=None, compute_dtype=dtype
+        )
+        model = build_model(
+            model_spec, cfg, device=torch.device("cpu"), shard=lambda m: None, seed=0, compute_dtype=dtype
+        )
         with torch.no_grad():
             losses[backend] = float(model.to(dtype)(ids, positions, labels, meta))
         if backend == "te":

@@ -234,10 +234,11 @@ def test_bad_head_config(args, message):
 
 
 def test_build_attention_choices():
-    assert resolve_attention_backend("portable") == "portable"
+    assert resolve_attention_backend("portable", compute_dtype=torch.float32) == "portable"
     if not torch.cuda.is_available():
-        assert resolve_attention_backend("auto") == "portable"
-        assert isinstance(build_attention("auto", 4, 2, 8), PortableAttention)
+        assert resolve_attention_backend("auto", compute_dtype=torch.bfloat16) == "portable"
+    with pytest.raises(ValueError, match="'auto' is resolved first"):
+        build_attention("auto", 4, 2, 8)
     with pytest.raises(ValueError, match="attention backend must be one of"):
         build_attention("flash", 4, 2, 8)
     with pytest.raises(ValueError, match="cp_comm_type must be one of"):

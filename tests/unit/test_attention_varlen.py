@@ -94,10 +94,9 @@ def test_arguments_reach_torch_varlen_op(heads, window):
     assert (call["max_q"], call["max_k"], call["scale"]) == (6, 6, 0.3)
     assert list(call["window_size"]) == list(varlen_window_size(window))
     assert call["is_causal"] == (window is None)
+    assert [call["key"], call["value"]] == [k, v]  # fewer key/value heads passed as they are, no repeat
     if kernel.takes_enable_gqa:
-        assert [call["key"], call["value"]] == [k, v] and call["enable_gqa"] == (h != h_kv)
-    else:
-        assert call["key"].shape == call["value"].shape == (10, h, 64)
+        assert call["enable_gqa"] == (h != h_kv)
     (call_backward,) = backward.calls
     assert list(call_backward["window_size"]) == list(call["window_size"])
     assert (call_backward["scale"], call_backward["is_causal"]) == (0.3, call["is_causal"])
@@ -214,6 +213,8 @@ def test_bad_arguments_are_refused_before_the_kernel(change, named):
 
 
 def test_each_releases_signature_is_read():
+    import inspect
+
     import varlen_standin
 
     flags = {
@@ -221,25 +222,30 @@ def test_each_releases_signature_is_read():
         for version, fn in varlen_standin.BY_VERSION.items()
         for kernel in [VarlenKernel.of(fn)]
     }
-    assert flags == {"2.10": (False, False, False), "2.11": (True, True, False), "2.13": (True, True, True)}
-    if torch.__version__.startswith("2.13"):  # the stand-in's signature is the installed release's
-        import inspect
-
+    gqa = (True, True, True)
+    assert flags == {"2.10": (False, False, False), "2.11": (True, True, False), "2.12": gqa, "2.13": gqa,
+                     "2.14": gqa, "2.15": gqa}  # fmt: skip
+    installed = ".".join(torch.__version__.split(".")[:2])
+    if installed in varlen_standin.BY_VERSION:  # the stand-in's signature is the installed release's
         from torch.nn.attention.varlen import varlen_attn
 
-        assert list(inspect.signature(varlen_standin.varlen_attn_2_13).parameters) == list(
+        assert list(inspect.signature(varlen_standin.BY_VERSION[installed]).parameters) == list(
             inspect.signature(varlen_attn).parameters
         )
 
 
-@pytest.mark.parametrize("version", ["2.10", "2.11", "2.13"])
+VERSIONS = ["2.10", "2.11", "2.12", "2.13", "2.14", "2.15"]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize(
     ("heads", "window", "scale"), [((4, 4), None, None), ((4, 2), None, 0.3), ((6, 2), 3, 0.3)]
 )
 def test_varlen_attention_through_each_signature(varlen_kernel, version, heads, window, scale):
     """Against the stand-in of each release: the per-sequence reference, forward and backward, or,
-    where the release cannot apply the window, a refusal naming the torch version."""
-    calls = varlen_kernel(version)
+    where the release cannot apply the window, a refusal naming the torch version. Fewer key/value
+    heads reach every release as they are (2.10 and 2.11: FlashAttention-2 takes them natively)."""
+    calls = varlen_kernel(version, exact=True)
     h, h_kv = heads
     real, padded = [5, 2, 7], [6, 2, 8]
     cu_real, cu_padded = cumsum(real), cumsum(padded)
@@ -263,9 +269,63 @@ def test_varlen_attention_through_each_signature(varlen_kernel, version, heads, 
     for a, b in zip(got[1:], want[1:], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     (call,) = calls
-    gqa = version == "2.13"
-    assert call["heads"] == (h, h_kv if gqa else h) and call["enable_gqa"] == (gqa and h != h_kv)
+    takes_gqa = version not in ("2.10", "2.11")
+    assert call["heads"] == (h, h_kv) and call["enable_gqa"] == ((h != h_kv) if takes_gqa else None)
     assert call["scale"] == (scale if version != "2.10" else None)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_standins_refuse_what_the_kernels_refuse(varlen_kernel, version):
+    """float32 (FlashAttention: fp16 and bf16 only), mixed dtypes, int64 offsets; from 2.12 fewer
+    key/value heads without enable_gqa, in varlen_attn's own words; 2.15 a scale <= 0."""
+    import varlen_standin
+
+    varlen_kernel(version)
+    fn = varlen_standin.BY_VERSION[version]
+    cu = cumsum([3, 5])
+    q, k, v = (torch.zeros(8, n, 16, dtype=torch.bfloat16) for n in (4, 2, 2))
+    gqa = {} if version in ("2.10", "2.11") else {"enable_gqa": True}
+    with pytest.raises(RuntimeError, match="^FlashAttention only support fp16 and bf16 data type$"):
+        fn(q.float(), k.float(), v.float(), cu, cu, 5, 5, **gqa)
+    with pytest.raises(RuntimeError, match="query and key must have the same dtype"):
+        fn(q, k.half(), v, cu, cu, 5, 5, **gqa)
+    with pytest.raises(RuntimeError, match="cu_seqlens_q must have dtype int32"):
+        fn(q, k, v, cu.long(), cu, 5, 5, **gqa)
+    if version in ("2.10", "2.11"):  # FlashAttention-2 shares key/value heads natively
+        assert fn(q, k, v, cu, cu, 5, 5).shape == q.shape
+        with pytest.raises(RuntimeError, match="Number of heads in key/value must divide"):
+            fn(q, k[:, :1].expand(8, 3, 16), v[:, :1].expand(8, 3, 16), cu, cu, 5, 5)
+        return
+    with pytest.raises(ValueError, match=r"Hq=4 and Hkv=2\. Try setting enable_gqa=True"):
+        fn(q, k, v, cu, cu, 5, 5)
+    assert fn(q, k, v, cu, cu, 5, 5, enable_gqa=True).shape == q.shape
+    if version == "2.15":
+        with pytest.raises(ValueError, match="scale must be greater than 0, got 0.0"):
+            fn(q, k, v, cu, cu, 5, 5, enable_gqa=True, scale=0.0)
+
+
+def test_float32_reaches_flash_and_fails_there(varlen_kernel):
+    """Why setup refuses varlen in float32: the kernel fails at the first forward."""
+    varlen_kernel("2.11")
+    q, k, v = (torch.randn(8, n, 16) for n in (4, 2, 2))
+    with pytest.raises(RuntimeError, match="FlashAttention only support fp16 and bf16"):
+        varlen_attention(q, k, v, cumsum([3, 5]), 5, scale=None)
+
+
+def test_torch_2_15_runs_cudnn_only_where_both_alignments_agree(varlen_kernel):
+    """2.15 prefers cuDNN (top-left causal) for a causal call with one offsets tensor for q and k:
+    the one-process call, where every query sequence is as long as its keys; the context-parallel
+    calls (query chunks against longer key prefixes) pass two and stay on FlashAttention."""
+    calls = varlen_kernel("2.15")
+    real = [5, 2, 7]
+    cu = cumsum(real)
+    q, k, v = (x.bfloat16() for x in random_qkv(sum(real), 4, 2, d=16))
+    out = varlen_attention(q, k, v, cu, max(real), scale=0.3)
+    want = reference_varlen_attention(*(x.double() for x in (q, k, v)), cu, cu, scale=0.3)
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+    layout = varlen_cp_layout([8], 2, 0)
+    varlen_local_queries(q[:4], k[:8], v[:8], layout, scale=0.3)
+    assert [c["kernel"] for c in calls] == ["cudnn", "flash"]
 
 
 def test_torch_without_varlen_reports_the_backend_unavailable(varlen_kernel, monkeypatch):
@@ -275,12 +335,12 @@ def test_torch_without_varlen_reports_the_backend_unavailable(varlen_kernel, mon
     args = dict(device="cuda", dtype=torch.bfloat16, softcap=None, sinks=False, head_dim=64)
     assert varlen_unsupported(**args) == reason
     with pytest.raises(ValueError, match=r"model.attention_backend='varlen'.*torch >= 2.10.*torch 2.9.0"):
-        check_backend_device("varlen")
+        check_backend_device("varlen", torch.bfloat16)
     import automodel.attention.backends as backends
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(backends, "te_pytorch", lambda: None)
-    assert backends.resolve_attention_backend("auto") == "portable"
+    assert backends.resolve_attention_backend("auto", compute_dtype=torch.bfloat16) == "portable"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,13 +361,13 @@ def test_cp_layout_by_hand():
     assert two.cu_seqlens_q.tolist() == [0, 1, 2, 3, 4]
 
 
-@pytest.mark.parametrize("version", ["2.11", "2.13"])
+@pytest.mark.parametrize("version", ["2.11", "2.13", "2.15"])
 @pytest.mark.parametrize(("cp_size", "window"), [(2, None), (3, None), (2, 3)])
 def test_varlen_cp_equals_the_portable_cp_path_and_one_process(varlen_kernel, version, cp_size, window):
     """Every rank's queries through the varlen CP layout (the stand-in honouring cu_seqlens_q/k
     bottom-right) against the portable backend's CP path on the same global keys, and the sum of
     the ranks' key/value gradients against one process: real rows of out, all of dq, dk, dv."""
-    varlen_kernel(version)
+    varlen_kernel(version, exact=True)
     real = [5, 1, 9, 3]
     padded = [-(-n // (2 * cp_size)) * (2 * cp_size) for n in real]
     cu_real, cu_padded = cumsum(real), cumsum(padded)
@@ -342,7 +402,7 @@ def test_varlen_cp_equals_the_portable_cp_path_and_one_process(varlen_kernel, ve
 
 def test_te_backend_is_checked_at_setup_where_transformer_engine_imports_or_not(te_standin, monkeypatch):
     """With TE importable (the stand-in) the check passes; without, it names the key before any data work."""
-    check_backend_device("te")
+    check_backend_device("te", torch.bfloat16)
     import automodel.attention.te as te_module
 
     monkeypatch.setattr(te_module, "te_pytorch", lambda: None)
@@ -351,4 +411,60 @@ def test_te_backend_is_checked_at_setup_where_transformer_engine_imports_or_not(
         match=r"^model.attention_backend='te': attention backend 'te' needs Transformer "
         r"Engine, which cannot be imported here",
     ):
-        check_backend_device("te")
+        check_backend_device("te", torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------
+# the run's compute dtype: auto picks a backend that takes it, setup refuses one that cannot
+
+
+@pytest.mark.parametrize(
+    ("te", "dtype", "picked"),
+    [(True, torch.bfloat16, "te"), (True, torch.float16, "te"), (True, torch.float32, "portable"),
+     (False, torch.bfloat16, "varlen"), (False, torch.float32, "portable"), (False, torch.float64, "portable")],
+)  # fmt: skip
+def test_auto_picks_a_backend_that_takes_the_compute_dtype(varlen_kernel, monkeypatch, te, dtype, picked):
+    """On CUDA (reported present), ``trainer.bf16_autocast=false`` with a float32 model makes the
+    compute dtype float32: neither TE's THD kernels nor FlashAttention take it, portable does."""
+    import automodel.attention.backends as backends
+
+    varlen_kernel("2.11")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(backends, "te_pytorch", (lambda: object()) if te else (lambda: None))
+    assert backends.resolve_attention_backend("auto", compute_dtype=dtype) == picked
+
+
+@pytest.mark.parametrize("backend", ["varlen", "te"])
+def test_setup_refuses_a_backend_that_cannot_take_the_compute_dtype(te_standin, monkeypatch, backend):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    check_backend_device(backend, torch.bfloat16)
+    with pytest.raises(
+        ValueError,
+        match=rf"^model.attention_backend='{backend}': attention would compute in torch.float32 .*cannot take: it "
+        r"needs torch.bfloat16 or torch.float16; set trainer.bf16_autocast=true or model.dtype=bfloat16, or "
+        r"model.attention_backend=portable",
+    ):
+        check_backend_device(backend, torch.float32)
+
+
+def test_the_recipe_s_compute_dtype_is_the_autocast_s_or_the_model_s(tmp_path):
+    """What setup checks the backend against: bf16 under the run's autocast (CUDA, trainer.bf16_autocast),
+    else model.dtype; the same rule the step's autocast follows."""
+    from types import SimpleNamespace
+
+    from automodel.config import load_recipe
+    from automodel.training.finetune import FinetuneRecipe
+
+    def dtype(device: str, autocast: bool, model_dtype: str) -> torch.dtype:
+        cfg = load_recipe("tiny_llama_sft", [f"trainer.bf16_autocast={autocast}", f"model.dtype={model_dtype}",
+                                             f"trainer.output_dir={tmp_path}"])  # fmt: skip
+        recipe = FinetuneRecipe(cfg)
+        recipe.dims = SimpleNamespace(device=torch.device(device))
+        return recipe._compute_dtype()
+
+    assert dtype("cuda", True, "float32") == torch.bfloat16
+    assert (
+        dtype("cuda", False, "float32") == torch.float32
+    )  # the issue's case: varlen was picked, step 1 failed
+    assert dtype("cuda", False, "bfloat16") == torch.bfloat16
+    assert dtype("cpu", True, "float32") == torch.float32  # autocast is CUDA's only

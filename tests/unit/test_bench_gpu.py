@@ -1,15 +1,131 @@
-"""``automodel bench gpu``'s peer row (plain transformers training on the same samples) and the
-packed/peer ratios its table states, on CPU with the tiny shape."""
+"""``automodel bench gpu``: the tiny run end to end (the unit suite's only run of it, tiny on any
+machine), what it picks when CUDA is present, rows written as they finish, the peer row (plain
+transformers training on the same samples) sized to the device's memory, and the packed/peer
+ratios its table states."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from automodel.benchmarks import gpu
+from automodel.cli import main as cli_main
+
+# The suite's run of the bench: tiny shapes whatever the machine (CUDA present or not).
+BENCH_ARGV = ["bench", "gpu", "--tiny", "--steps", "1", "--warmup", "1", "--pack-sizes", "256",
+              "--cases", *gpu.KINDS]  # fmt: skip
+
+
+def cuda_reported(monkeypatch: pytest.MonkeyPatch, memory_gib: float = 80) -> None:
+    """CUDA reported present, an H100's name, capability and memory (nothing runs on it)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    props = argparse.Namespace(name="NVIDIA H100 80GB HBM3", total_memory=int(memory_gib * 2**30))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+
+
+def test_the_unit_suite_picks_no_gpu_sized_case_when_cuda_is_present(monkeypatch):
+    """With CUDA reported present, the suite's bench run (BENCH_ARGV, below) still picks the tiny
+    shapes only; without --tiny the same machine picks the full shapes, and the 8B LoRA row only
+    when asked. (On the code before, the suite's run had no --tiny: nine 1.2-1.7B cases and an 8B
+    LoRA model on a GPU.) tests/unit/conftest.py also fails any unit test that runs a case of
+    another shape, on any machine."""
+    cuda_reported(monkeypatch)
+    args = gpu.parse_args(BENCH_ARGV[2:])
+    backends = gpu.available_backends(args.device)
+    assert args.device.type == "cuda" and len(backends) > 1  # what a GPU machine sees: te or varlen too
+    cases = gpu.cases_for(args, backends)
+    assert {c.shape for c in cases} == {"tiny"} and {c.pack_size for c in cases} == {256}
+    assert args.max_length == 128 and {c.batching for c in cases} == {"packed", "padded", "peer"}
+    full = gpu.parse_args([])
+    full_cases = gpu.cases_for(full, backends)
+    assert {c.shape for c in full_cases} == {"llama3.2-1b", "qwen3-1.7b"} and not any(
+        c.lora for c in full_cases
+    )
+    asked = gpu.cases_for(gpu.parse_args(["--cases", "packed", "lora"]), backends)
+    assert [c.name for c in asked if c.lora] == [f"llama3.1-8b 4k {backends[0]} packed lora r16"]
+    by_shape = gpu.cases_for(
+        gpu.parse_args(["--lora-shape", "llama3.2-1b", "--lora-pack-size", "8192"]), backends
+    )
+    assert [c.name for c in by_shape if c.lora] == [f"llama3.2-1b 8k {backends[0]} packed lora r16"]
+    assert [c.batching for c in by_shape][-2:] == ["peer", "peer"]  # the peer rows run last
+
+
+def test_bench_gpu_runs_tiny(tmp_path, capsys):
+    out, traces = tmp_path / "gpu.json", tmp_path / "traces"
+    assert cli_main([*BENCH_ARGV, "--json", str(out), "--profile", "--trace", str(traces)]) == 0
+    report = json.loads(out.read_text())
+    cases = {c["name"]: c for c in report["cases"]}
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    best = gpu.available_backends(device)[0]
+    expected = {c.name for c in gpu.cases_for(gpu.parse_args(BENCH_ARGV[2:]), gpu.available_backends(device))}
+    assert set(cases) == expected and f"tiny 256 {best} packed lora r16" in expected
+    for name, case in cases.items():
+        assert "error" not in case and len(case["records"]) == 2  # the profiled step is not a measured one
+        slots = 8 * 128 if name.endswith("peer") else 256  # the peer: 8 rows of at most max_length
+        assert all(
+            0 < r["real_tokens"] <= slots and r["label_tokens"] < r["real_tokens"] for r in case["records"]
+        )
+        if device.type == "cpu":
+            assert case["mfu"] is None and case["host_syncs"] is None  # neither is measured without CUDA
+        if name.endswith("peer"):  # plain transformers' loop: not profiled
+            continue
+        profile = case["profile"]
+        assert 0 < profile["device_idle_share"] < 1 and profile["top_cpu_ops"]
+        assert device.type != "cpu" or profile["top_kernels"] == []
+        assert profile["trace"] == str(traces / f"{case['name'].replace(' ', '_')}.trace.json")
+        assert json.loads(Path(profile["trace"]).read_text())["traceEvents"]
+    # the LoRA row: its adapters train, its TFLOP/s are 4 x parameters x real tokens / step time
+    lora = cases[f"tiny 256 {best} packed lora r16"]
+    assert lora["parameters"] > cases[f"tiny 256 {best} packed"]["parameters"]  # the adapters on top
+    by_hand = [4 * lora["parameters"] * r["real_tokens"] / r["step_time_s"] / 1e12 for r in lora["records"]]
+    assert lora["tflops"] == pytest.approx(statistics.median(by_hand))
+    # activation checkpointing recomputes, it does not change the numbers
+    plain, checkpointed = cases[f"tiny 256 {best} packed"], cases[f"tiny 256 {best} packed +ac"]
+    assert [r["loss"] for r in plain["records"]] == pytest.approx(
+        [r["loss"] for r in checkpointed["records"]], abs=1e-6
+    )
+    assert [row["case"] for row in report["loss"]] == ["chunked", "naive"]
+    assert cases["tiny 256 sdpa peer"]["rows"] == 8
+    table = capsys.readouterr().out
+    assert f"tiny 256 {best}: packed" in table and "x padded real tokens/s" in table
+    assert f"tiny 256 {best} packed / peer (transformers sdpa, padded batches of 8): " in table
+    assert (
+        f"tiny 256 {best} packed lora r16: {lora['tokens_per_s']:,.0f} real tokens/s/GPU, "
+        f"{lora['tflops']:.3g} TFLOP/s = 4 x parameters x real tokens (NeMo AutoModel's LoRA count) / step time, "
+        f"{lora['parameters']:,} parameters"
+    ) in table
+    assert f"profile tiny 256 {best} packed: device idle" in table
+
+
+def test_each_row_is_written_as_its_case_finishes(tmp_path, monkeypatch, capsys):
+    """A call cut short (here: the second case interrupted, as a timeout would) keeps the first
+    row in the JSON and on the console."""
+    real_run_case = gpu.run_case
+    finished = []
+
+    def second_case_interrupted(case, *args):
+        if finished:
+            raise KeyboardInterrupt
+        finished.append(case.name)
+        return real_run_case(case, *args)
+
+    monkeypatch.setattr(gpu, "run_case", second_case_interrupted)
+    out = tmp_path / "gpu.json"
+    argv = ["--tiny", "--steps", "1", "--warmup", "1", "--pack-sizes", "256", "--cases", "packed", "padded"]
+    with pytest.raises(KeyboardInterrupt):
+        gpu.main([*argv, "--json", str(out)])
+    (row,) = json.loads(out.read_text())["cases"]
+    assert row["name"] == finished[0] and row["tokens_per_s"] > 0
+    assert f"\n{finished[0]} " in capsys.readouterr().out
+    assert not (tmp_path / "gpu.json.partial").exists()
 
 
 def test_peer_batch_pads_to_the_longest_and_learns_only_the_loss_mask():
@@ -41,7 +157,11 @@ def test_peer_row_trains_the_tiny_shape_on_cpu(tmp_path):
 
 def test_every_shape_gets_a_peer_row():
     args = argparse.Namespace(
-        shapes=["tiny", "llama3.2-1b"], pack_sizes=[256, 512], lora_shape="tiny", lora_pack_size=256
+        shapes=["tiny", "llama3.2-1b"],
+        pack_sizes=[256, 512],
+        lora_shape="tiny",
+        lora_pack_size=256,
+        cases=list(gpu.KINDS),
     )
     peers = [c for c in gpu.cases_for(args, ["varlen", "portable"]) if c.batching == "peer"]
     assert [(c.shape, c.backend) for c in peers] == [("tiny", "sdpa"), ("llama3.2-1b", "sdpa")]
@@ -51,7 +171,7 @@ def test_peer_ratios_by_hand(capsys):
     def row(batching, tokens_per_s, memory, backend="varlen", ac=False, pack_size=8192):
         case = gpu.Case("llama3.2-1b", pack_size, backend, batching, ac)
         return dict(vars(case), name=case.name, tokens_per_s=tokens_per_s, peak_memory_gb=memory, mfu=None,
-                    fill=1.0, host_syncs=None, step_time_s=1.0)  # fmt: skip
+                    fill=1.0, host_syncs=None, step_time_s=1.0, rows=8)  # fmt: skip
 
     results = [
         row("packed", 36000.0, 30.0),
@@ -66,8 +186,111 @@ def test_peer_ratios_by_hand(capsys):
         "llama3.2-1b 16k varlen packed / peer (transformers sdpa, padded batches of 8): 2.50x real tokens/s, "
         "0.38x peak memory",
     ]
-    gpu.print_table(results, [], torch.device("cpu"), None, [])
-    table = capsys.readouterr().out
-    assert "llama3.2-1b 8k sdpa peer" in table and gpu.peer_ratios(results)[1] in table
+    assert gpu.row_line(results[-1]).startswith("llama3.2-1b 8k sdpa peer x8 ")
+    gpu.print_summary(results, [])
+    assert gpu.peer_ratios(results)[1] in capsys.readouterr().out
     results[-1]["peak_memory_gb"] = float("nan")  # CPU: no memory figure
     assert gpu.peer_ratios(results[:1] + results[-1:])[0].endswith("3.00x real tokens/s, - peak memory")
+    results[-1]["rows"] = 3  # sized down to the device's memory: the ratio says so
+    assert "padded batches of 3): 3.00x" in gpu.peer_ratios(results)[0]
+    skipped = {**results[-1], "skipped": "one padded row needs 90.0 GiB"}
+    assert gpu.peer_ratios([*results[:-1], skipped]) == []
+    assert gpu.row_line(skipped) == f"{'llama3.2-1b 8k sdpa peer':<36} SKIPPED: one padded row needs 90.0 GiB"
+
+
+def test_padded_tokens_and_fitting_rows_by_hand():
+    lengths = [100, 300, 200, 50] * 4
+    # 2 steps of 2 rows: [100, 300] and [200, 50], the widest 2 x 300 slots
+    assert gpu.padded_tokens(lengths, 2, 2) == 600
+    assert [gpu.padded_tokens(lengths, r, 2) for r in range(1, 9)] == [300 * r for r in range(1, 9)]
+    # fixed 1000 bytes, budget 7000: 2 bytes per token fits all 8 rows, 5 bytes 4 rows, 30 none
+    assert gpu.fit_peer_rows(7000, 1000, 2, lengths, 2) == 8
+    assert gpu.fit_peer_rows(7000, 1000, 5, lengths, 2) == 4
+    assert gpu.fit_peer_rows(7000, 1000, 30, lengths, 2) == 0
+
+
+class StandinMemory:
+    """The allocator's figures scripted: the peaks the two probe passes read, a device's total."""
+
+    def __init__(self, peaks: list[int], total: int):
+        self.peaks, self.total_bytes, self.resets = list(peaks), total, 0
+
+    def reset_peak(self) -> None:
+        self.resets += 1
+
+    def peak(self) -> int:
+        return self.peaks.pop(0)
+
+    def total(self) -> int:
+        return self.total_bytes
+
+
+def tiny_peer_model():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shape = dict(gpu.TINY)
+    return AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(shape.pop("model_type"), **shape), attn_implementation="sdpa"
+    )
+
+
+def test_size_peer_from_two_probe_passes():
+    """Probe peaks 1 row -> P1, 2 rows -> P2 of the longest sample (30 tokens): 1000 bytes per token,
+    the rest fixed, plus AdamW's 8 bytes per parameter; the rows that fit 90% of the device."""
+    model = tiny_peer_model()
+    parameters = sum(p.numel() for p in model.parameters())
+    lengths = [10, 30, 20, 5] * 8
+    samples = [{"input_ids": [1] * n, "loss_mask": [1] * n} for n in lengths]
+    fixed = 1_000_000 + 8 * parameters
+    total = int((fixed + 1000 * 30 * 5) / gpu.PEER_MEMORY_SHARE) + 1  # room for 5 rows of 30 slots
+    memory = StandinMemory([1_000_000 + 30_000, 1_000_000 + 60_000], total)
+    assert gpu.peer_rows(model, samples, 2, memory) == 5
+    # two probes, then the peak reset for the steps; the probes leave no gradient
+    assert memory.resets == 3 and all(p.grad is None for p in model.parameters())
+    assert gpu.peer_rows(model, samples, 2, None) == gpu.PEER_ROWS  # CPU: not measured
+    small = StandinMemory([1_000_000 + 30_000, 1_000_000 + 60_000], int(fixed / gpu.PEER_MEMORY_SHARE))
+    with pytest.raises(gpu.PeerDoesNotFit, match=r"one padded row needs .* GiB, 90% of the device is"):
+        gpu.size_peer(model, samples, 2, small)
+
+
+@pytest.mark.parametrize("oom_rows", [1, 2])
+def test_size_peer_when_a_probe_runs_out_of_memory(oom_rows):
+    model = tiny_peer_model()
+
+    def out_of_memory(module, args, kwargs):
+        if kwargs["input_ids"].shape[0] == oom_rows:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (stand-in)")
+
+    model.register_forward_pre_hook(out_of_memory, with_kwargs=True)
+    samples = [{"input_ids": [1] * n, "loss_mask": [1] * n} for n in [10, 30, 20, 5] * 8]
+    memory = StandinMemory([2_000_000], 80 * 2**30)
+    if oom_rows == 1:
+        with pytest.raises(gpu.PeerDoesNotFit, match="one padded row of 30 tokens does not fit in 80 GiB"):
+            gpu.size_peer(model, samples, 2, memory)
+    else:
+        assert gpu.size_peer(model, samples, 2, memory) == 1
+
+
+def test_cuda_memory_reads_the_allocator(monkeypatch):
+    cuda_reported(monkeypatch, memory_gib=80)
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("sync"))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: calls.append("reset"))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 7)
+    memory = gpu.CudaMemory(torch.device("cuda", 0))
+    memory.reset_peak()
+    assert calls == ["sync", "reset"] and (memory.peak(), memory.total()) == (7, 80 * 2**30)
+
+
+def test_a_peer_that_does_not_fit_is_a_skipped_row_and_the_others_stay(tmp_path, monkeypatch):
+    def does_not_fit(case, data, args):
+        raise gpu.PeerDoesNotFit("one padded row of 4096 tokens does not fit in 80 GiB")
+
+    monkeypatch.setattr(gpu, "run_peer", does_not_fit)
+    out = tmp_path / "gpu.json"
+    argv = ["--tiny", "--steps", "1", "--warmup", "1", "--pack-sizes", "256", "--cases", "packed", "peer"]
+    assert gpu.main([*argv, "--json", str(out)]) == 0  # a skip is no failure
+    rows = {r["name"]: r for r in json.loads(out.read_text())["cases"]}
+    assert rows["tiny 256 sdpa peer"]["skipped"] == "one padded row of 4096 tokens does not fit in 80 GiB"
+    best = gpu.available_backends(torch.device("cuda" if torch.cuda.is_available() else "cpu"))[0]
+    assert rows[f"tiny 256 {best} packed"]["tokens_per_s"] > 0

@@ -43,14 +43,79 @@ def test_compare_fails_outside_tolerance_and_on_nan():
     assert not check_kit.compare("c", "case", {"out": nan}, want, 2.5e-2).passed
 
 
-def test_table_marks_failures():
+def test_table_marks_failures_and_skips():
     results = [
         check_kit.CheckResult("te vs portable", "a", True, "ok"),
         check_kit.CheckResult("cp indices", "b", False, "mismatched ranks [1]"),
+        check_kit.skip("varlen vs sdpa", "c", "torch 2.10.0's varlen_attn has no window_size"),
     ]
     table = check_kit.format_table(results)
     assert "PASS  te vs portable" in table and "FAIL  cp indices" in table
-    assert table.endswith("1 passed, 1 failed")
+    assert "SKIP  varlen vs sdpa       c  torch 2.10.0's varlen_attn has no window_size" in table
+    assert table.endswith("1 passed, 1 failed, 1 skipped")
+    assert not check_kit.all_passed(results) and check_kit.all_passed([results[0], results[2]])
+
+
+def test_a_case_that_raises_is_a_fail_row_not_a_traceback():
+    def boom() -> check_kit.CheckResult:
+        raise RuntimeError("FlashAttention only support fp16 and bf16 data type")
+
+    row = check_kit.guarded("varlen vs sdpa", "x", boom)
+    assert (row.status, row.detail) == (
+        "FAIL",
+        "raised RuntimeError: FlashAttention only support fp16 and bf16 data type",
+    )
+
+
+def test_varlen_rows_on_torch_2_10_skip_the_window_they_cannot_apply(varlen_kernel, monkeypatch):
+    """torch 2.10's varlen_attn has no window_size: check-gpu's window rows are SKIP rows naming
+    why (they raised a ValueError out of check-gpu before), the other rows run and pass."""
+    from automodel.attention.check_varlen import check_varlen_against_reference, varlen_cp_vs_varlen
+
+    calls = varlen_kernel("2.10")
+    monkeypatch.setattr(torch, "__version__", "2.10.0")
+    cpu = torch.device("cpu")
+    mixes = [("length mix", [7, 60, 1, 19])]  # 60 tokens: past the window of 48
+    rows = check_varlen_against_reference(cpu, 0, mixes) + varlen_cp_vs_varlen(cpu, 0, length_mixes=mixes)
+    assert len(rows) == 2 * 2 * 3 + 2 * 2 * 2, check_kit.format_table(rows)  # padding x heads x windows
+    skipped = [r for r in rows if r.skipped]
+    assert {r.case.split("window ")[1].split(",")[0] for r in skipped} == {"48", "1"}
+    assert all("window None" in r.case and r.passed for r in rows if not r.skipped), check_kit.format_table(
+        rows
+    )
+    assert all(
+        r.detail.startswith("torch 2.10.0's varlen_attn has no window_size (torch >= 2.11 has it), so it cannot "
+                            "apply sliding_window=") for r in skipped
+    )  # fmt: skip
+    assert calls and all(c["heads"][1] in (8, 2) for c in calls)  # GQA's 2 key/value heads passed natively
+
+
+def test_te_rows_name_the_backend_te_selected_and_the_header_its_cudnn(te_standin, monkeypatch):
+    cpu = torch.device("cpu")
+    rows = check_gpu.te_vs_portable(cpu, seed=0, length_mixes=[("length mix", [7, 30, 1, 19])])
+    assert all(r.passed and r.detail.endswith("; FusedAttention (sub-backend 1)") for r in rows)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    header = check_gpu.header(torch.device("cuda", 0), None, rows)
+    assert header.startswith(f"check-gpu on NVIDIA H100 80GB HBM3, torch {torch.__version__} (CUDA ")
+    assert header.endswith(
+        "Transformer Engine 2.20.0+standin (attention FusedAttention (sub-backend 1); cuDNN 9.18.1)"
+    )
+    assert check_gpu.header(torch.device("cuda", 0), "no TE", []).endswith("Transformer Engine not installed")
+
+
+def test_te_cp_rows_skip_a_comm_type_older_than_the_installed_te(te_standin, one_process_group, monkeypatch):
+    import transformer_engine
+
+    monkeypatch.setattr(transformer_engine, "__version__", "2.17.1")
+    rows = check_kit.cp_vs_one_process(
+        torch.device("cpu"), 0, torch.distributed.group.WORLD, "te", [("length mix", [7, 30, 1, 19])]
+    )
+    by_comm = {r.case.split("cp 1 ")[1].split(",")[0]: r for r in rows}
+    assert (
+        by_comm["all_gather"].skipped
+        and "needs Transformer Engine >= 2.18, found 2.17" in by_comm["all_gather"].detail
+    )
+    assert all(r.passed for comm, r in by_comm.items() if comm != "all_gather"), check_kit.format_table(rows)
 
 
 def test_tolerances_are_tes():

@@ -41,7 +41,7 @@ def test_installed_kernel_aligns_the_causal_diagonal_bottom_right():
         got = kernel.fn(*args, **kwargs)
         want = reference(
             *(x.float() for x in (q, k, v)), layout.cu_seqlens_q, layout.cu_seqlens_k, layout.max_q, layout.max_k,
-            scale=0.1, window_size=(-1, 0) if window is None else (window - 1, 0), enable_gqa=True,
+            scale=0.1, window_size=(-1, 0) if window is None else (window - 1, 0),
         )  # fmt: skip
         torch.testing.assert_close(got.float(), want, atol=3.5e-2, rtol=3.5e-2)
 

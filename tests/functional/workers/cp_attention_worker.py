@@ -173,7 +173,7 @@ def use_varlen_standin() -> None:
 
     from automodel.attention.varlen import installed_varlen_kernel
 
-    torch_varlen.varlen_attn = varlen_standin.varlen_attn_2_13
+    torch_varlen.varlen_attn = varlen_standin.BY_VERSION["2.13"]
     installed_varlen_kernel.cache_clear()
 
 

@@ -24,6 +24,12 @@ no sliding window is implemented; anything else raises NotImplementedError. Ever
 ``forward_calls``) for tests to inspect.
 
 Output rows of padding slots are zero (TE's fused backend zero-fills THD outputs).
+
+Each forward records its backend choice where TE keeps it
+(``attention.dot_product_attention.dot_product_attention._attention_backends``): FusedAttention
+(sub-backend 1, ``F16_arbitrary_seqlen``) for bf16/fp16, the unfused backend for float32.
+``get_cudnn_version()`` returns (9, 18, 1): there is no cuDNN on CPU, so the value only carries
+TE's format (major, minor, patch) to check-gpu's header.
 """
 
 from __future__ import annotations
@@ -35,9 +41,18 @@ import torch
 import torch.distributed as dist
 import transformer_engine_torch as tex
 
+from transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention import (
+    _attention_backends,
+)
+
 AUTOMODEL_CPU_STANDIN = True
 _FAST_DTYPES = (torch.bfloat16, torch.float16)
 _COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+
+
+def get_cudnn_version() -> tuple[int, int, int]:
+    """TE's ``get_cudnn_version()`` format: (major, minor, patch); a fixed value on CPU."""
+    return (9, 18, 1)
 
 
 class TeAssertion(AssertionError):
@@ -272,6 +287,14 @@ class DotProductAttention(torch.nn.Module):
                 " run with NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 to find out the reasons for"
                 " disabling all backends."
             )
+        fused = q.dtype in _FAST_DTYPES
+        _attention_backends.update(
+            use_flash_attention=False,
+            flash_attention_backend=None,
+            use_fused_attention=fused,
+            fused_attention_backend=1 if fused else None,
+            use_unfused_attention=not fused,
+        )
 
         # Documented requirements TE does not check on the host.
         _contract(

@@ -1,0 +1,1 @@
+"""Stand-in for ``transformer_engine.pytorch.attention.dot_product_attention`` (only what automodel reads)."""
