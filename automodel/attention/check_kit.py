@@ -86,7 +86,7 @@ def compare(
         a, b = a.float(), want[name].float()
         passed &= bool(((a - b).abs() <= tol + tol * b.abs()).all())
         errors.append(f"{name} {(a - b).abs().max().item():.1e}")
-    return CheckResult(check, case, passed, f"max abs err {', '.join(errors)} (tol {tol:.1e})")
+    return CheckResult(check, case, passed, f"max abs err {', '.join(errors)} (atol = rtol = {tol:.1e})")
 
 
 def make_meta(

@@ -657,8 +657,9 @@ def print_summary(results: list[dict], loss_rows: list[dict]) -> None:
 
 
 def peer_ratios(results: list[dict]) -> list[str]:
-    """One line per packed case without activation checkpointing, for each shape with a peer row:
-    packed/peer real tokens/s and peak memory (``-`` where memory is not measured)."""
+    """One line per full-training packed case without activation checkpointing, for each shape with a
+    peer row: packed/peer real tokens/s and peak memory (``-`` where memory is not measured). LoRA rows
+    have none: the peer trains every weight."""
     peers = {
         r["shape"]: r for r in results if r["batching"] == "peer" and "error" not in r and "skipped" not in r
     }
@@ -669,6 +670,7 @@ def peer_ratios(results: list[dict]) -> list[str]:
             peer is None
             or r["batching"] != "packed"
             or r["activation_checkpointing"]
+            or r["lora"]
             or "error" in r
             or "skipped" in r
         ):

@@ -168,8 +168,8 @@ def test_every_shape_gets_a_peer_row():
 
 
 def test_peer_ratios_by_hand(capsys):
-    def row(batching, tokens_per_s, memory, backend="varlen", ac=False, pack_size=8192):
-        case = gpu.Case("llama3.2-1b", pack_size, backend, batching, ac)
+    def row(batching, tokens_per_s, memory, backend="varlen", ac=False, pack_size=8192, lora=False):
+        case = gpu.Case("llama3.2-1b", pack_size, backend, batching, ac, lora)
         return dict(vars(case), name=case.name, tokens_per_s=tokens_per_s, peak_memory_gb=memory, mfu=None,
                     fill=1.0, host_syncs=None, step_time_s=1.0, rows=8)  # fmt: skip
 
@@ -177,6 +177,7 @@ def test_peer_ratios_by_hand(capsys):
         row("packed", 36000.0, 30.0),
         row("packed", 30000.0, 45.0, pack_size=16384),
         row("packed", 20000.0, 20.0, ac=True),
+        {**row("packed", 34000.0, 15.0, lora=True), "tflops": 160.0, "parameters": 1_247_086_592},  # no ratio
         row("padded", 18000.0, 40.0),
         row("peer", 12000.0, 120.0, backend="sdpa"),
     ]

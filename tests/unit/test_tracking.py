@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -36,7 +37,7 @@ def test_metric_names():
     ]  # fmt: skip
 
 
-def test_tensorboard_shows_the_jsonl_numbers(tmp_path):
+def test_tensorboard_shows_the_jsonl_numbers(tmp_path, monkeypatch):
     log = MetricsLog(tmp_path / "metrics.jsonl")
     for step in (1, 2, 3):
         log.write(record(step, **({"val_loss": 2.0 / 7, "val_perplexity": 1.3} if step == 2 else {})))
@@ -49,7 +50,13 @@ def test_tensorboard_shows_the_jsonl_numbers(tmp_path):
         assert scalars[metric_name(key)] == as_float32(jsonl, key), key
     assert scalars["train/loss"][0] == (1, float(np.float32(5.0 / 1.3)))  # worked by hand: 3.8461538...
 
+    # The resumed run is a later process: its event file's name (seconds first) sorts after the first
+    # run's, which TensorBoard reads in name order. Within one second (a fast machine) the names would
+    # sort by the writers' counter, "...9" after "...10", and the purge would undo the new run.
+    now = time.time()
+    monkeypatch.setattr(time, "time", lambda: now + 60)
     log = MetricsLog(tmp_path / "metrics.jsonl", resumed_step=2)  # the run resumes from step 2's checkpoint
+    monkeypatch.undo()
     log.write(record(3, loss=0.5))
     log.close()
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
