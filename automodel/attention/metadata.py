@@ -23,6 +23,14 @@ from automodel.distributed.cp_sharding import thd_get_partitioned_indices
 from automodel.distributed.thd_checks import check_cu_seqlens_padded
 
 
+def mark_sequence_count_dynamic(*cu_seqlens: torch.Tensor) -> None:
+    """A compiled decoder layer (``model.compile``) takes the layout among its inputs, and the number
+    of sequences changes from pack to pack: dynamic from the first compile, not after a recompile
+    (torch 2.11 guards on the first pack's count and compiles every layer a second time)."""
+    for tensor in cu_seqlens:
+        torch._dynamo.maybe_mark_dynamic(tensor, 0)
+
+
 @dataclass(frozen=True)
 class ThdAttentionMetadata:
     """Layout of a packed THD batch.
@@ -76,6 +84,7 @@ class ThdAttentionMetadata:
             )
         if self.cp_size > 1 and self.cp_group is None:
             raise ValueError(f"cp_size={self.cp_size} needs a cp_group")
+        mark_sequence_count_dynamic(self.cu_seqlens, self.cu_seqlens_padded)
 
     def on_device(self, name: str, device: torch.device) -> torch.Tensor:
         """``cu_seqlens`` or ``cu_seqlens_padded`` on ``device``, copied once per batch (a layer per
@@ -83,6 +92,7 @@ class ThdAttentionMetadata:
         key = (name, torch.device(device))
         if key not in self.device_copies:
             self.device_copies[key] = getattr(self, name).to(device, non_blocking=True)
+            mark_sequence_count_dynamic(self.device_copies[key])
         return self.device_copies[key]
 
     def prefetch(self, device: torch.device) -> ThdAttentionMetadata:
