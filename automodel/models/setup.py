@@ -362,6 +362,27 @@ def _check_compute_dtype(backend: str, compute_dtype: torch.dtype, dtypes: tuple
 
 # Config numbers a model divides by or raises to a power: zero or negative makes step 1 NaN.
 _POSITIVE = re.compile(r"(^|\.)(rope_theta|factor|partial_rotary_factor|\w*_eps|\w*epsilon)$")
+_NORM_EPSILON = re.compile(r"(^|\.)(\w*_eps|\w*epsilon)$")
+
+
+def norm_gradient_scale(config: PretrainedConfig) -> tuple[float, str] | None:
+    """How much the config's largest norm epsilon shrinks every gradient at init, with the setting
+    named, for :func:`automodel.training.config.learning_checks`: a norm divides by
+    ``sqrt(mean(x^2) + eps)``, and hidden states start at ``initializer_range`` (0.02), so an epsilon
+    far above ``initializer_range^2`` scales the final norm's output, and every gradient through it,
+    by ``initializer_range / sqrt(eps)``. None when no epsilon exceeds that variance."""
+    spread = getattr(config, "initializer_range", None) or 0.02
+    epsilons = [(value, name) for name, value in _numbers(config.to_dict()) if _NORM_EPSILON.search(name)]
+    if not epsilons:
+        return None
+    eps, name = max(epsilons)
+    if eps <= spread**2:
+        return None
+    factor = spread / math.sqrt(eps)
+    return factor, (
+        f"{name}={eps:g} in the model config, which scales the norms' output and every gradient by about "
+        f"{factor:.1e} (1e-6 is common)"
+    )
 
 
 def _numbers(node: Any, prefix: str = ""):

@@ -29,14 +29,16 @@ from automodel.errors import ConfigError, DataError, ModelError, UserError
 from automodel.models import CausalLMForTraining, build_model, export_model
 from automodel.models.inputs import model_inputs
 from automodel.models.parallelize import apply_fsdp
-from automodel.models.setup import check_max_positions, checkpoint_checks, config_checks
+from automodel.models.setup import check_max_positions, checkpoint_checks, config_checks, norm_gradient_scale
 from automodel.models.spec import ModelSpec
 from automodel.models.support import uses_dense_mask
 from automodel.training.checkpoint import Checkpointer, NonFiniteError
+from automodel.training.config import learning_checks
 from automodel.training.host_syncs import record_host_syncs
 from automodel.training.metrics import open_metrics_log, plot_loss_curve, read_metrics
 from automodel.training.model_card import write_adapter_card
 from automodel.training.run_dir import RECIPE, RunDirectory, check_ranks_agree
+from automodel.training.signals import StopOnSignal, TrainingStopped
 from automodel.training.validation import evaluate
 
 logger = logging.getLogger("automodel")
@@ -76,6 +78,11 @@ class FinetuneRecipe:
         configure_console(self.dims.is_main)
         self._warn_no_validation_data()
         self._check_model_config()
+        with _as_user_error(ConfigError):  # settings under which no weight can move: refused, or a warning
+            for warning in learning_checks(
+                self.optim_config, self.trainer.max_steps, self._gradient_scales()
+            ):
+                logger.warning("%s", warning)
         # Lock, resume checks and the saved recipe: all before any data or model work.
         self.run_dir = RunDirectory(self.output_dir, self.dims.rank)
         run_id, resume_from = self.run_dir.prepare(
@@ -170,6 +177,17 @@ class FinetuneRecipe:
                 self.model_spec, self.hf_config, vocab_needed=len(self.tokenizer), lora=self.lora
             )
 
+    def _gradient_scales(self) -> list[tuple[float, str]]:
+        """The settings that scale every gradient of the objective (:func:`learning_checks`): the model
+        norms' epsilon, LoRA's ``alpha / rank``."""
+        scales = [scale] if (scale := norm_gradient_scale(self.hf_config)) else []
+        if self.lora is not None:
+            scales.append((
+                self.lora.alpha / self.lora.rank,
+                f"peft.alpha={self.lora.alpha:g} / peft.rank={self.lora.rank} (alpha = 2 x rank is common)",
+            ))  # fmt: skip
+        return scales
+
     def _warn_no_validation_data(self) -> None:
         """Say so when ``trainer.eval_every`` will never evaluate (a warning: a recipe's own
         ``eval_every`` stays when an override drops its validation set)."""
@@ -245,38 +263,46 @@ class FinetuneRecipe:
             unit="step",
             disable=not (self.dims.is_main and self.trainer.progress_bar and on_terminal()),
         )
-        while self.step < last_step:
-            record = self.train_step(list_host_syncs=self.step + 1 == self.trainer.sync_debug_step)
-            progress.update(1)
-            progress.set_postfix(loss=f"{record['loss']:.4f}")
-            validated = self._validation_due()
-            if validated:
-                record.update(self._validate())
-            if self.metrics is not None and (
-                self.step % self.trainer.log_every == 0 or self.step == last_step or validated
-            ):
-                self.metrics.write(record)
-                logger.info(
-                    "step %d/%d  loss %.4f  lr %.3g  grad_norm %.3f  %.0f real tok/s  fill %.1f%%",
-                    self.step,
-                    self.trainer.max_steps,
-                    record["loss"],
-                    record["lr"],
-                    record["grad_norm"],
-                    record["tokens_per_s"],
-                    100 * record["fill"],
-                )
-            every = self.trainer.checkpoint_every
-            if (every and self.step % every == 0) or self.step == last_step:
-                self.checkpointer.save(
-                    self.step,
-                    self.model,
-                    self.optimizer,
-                    self.scheduler,
-                    self.stream,
-                    self.dims.dp_size * self.trainer.grad_accum_steps,
-                    (self.dims.dp_size, self.dims.cp_size),
-                )
+        with StopOnSignal(self.trainer.checkpoint_on_signal) as stop:
+            while self.step < last_step:
+                record = self.train_step(list_host_syncs=self.step + 1 == self.trainer.sync_debug_step)
+                progress.update(1)
+                progress.set_postfix(loss=f"{record['loss']:.4f}")
+                validated = self._validation_due()
+                if validated:
+                    record.update(self._validate())
+                if self.metrics is not None and (
+                    self.step % self.trainer.log_every == 0 or self.step == last_step or validated
+                ):
+                    self.metrics.write(record)
+                    logger.info(
+                        "step %d/%d  loss %.4f  lr %.3g  grad_norm %.3f  %.0f real tok/s  fill %.1f%%",
+                        self.step,
+                        self.trainer.max_steps,
+                        record["loss"],
+                        record["lr"],
+                        record["grad_norm"],
+                        record["tokens_per_s"],
+                        100 * record["fill"],
+                    )
+                signalled = stop.agreed()  # every rank, every step: all stop after the same one
+                every = self.trainer.checkpoint_every
+                if (every and self.step % every == 0) or self.step == last_step or signalled:
+                    checkpoint = self.checkpointer.save(
+                        self.step,
+                        self.model,
+                        self.optimizer,
+                        self.scheduler,
+                        self.stream,
+                        self.dims.dp_size * self.trainer.grad_accum_steps,
+                        (self.dims.dp_size, self.dims.cp_size),
+                    )
+                    signalled = signalled or stop.agreed()  # one that came during the write: stop on it
+                if signalled:
+                    progress.close()
+                    stopped = TrainingStopped(signalled, self.step, checkpoint)
+                    logger.warning("%s", stopped)
+                    raise stopped
         progress.close()
         if self.step == self.trainer.max_steps:
             self._finish()

@@ -196,6 +196,13 @@ RECIPE_CASES = [
         ["+model.config.rope_parameters={rope_type: nonexistent, rope_theta: 10000.0}"],
         "rope_type ['nonexistent'] is not a RoPE type transformers knows",
     ),
+    # runs that learned nothing and ended with exit 0 (issue 39): every update below float32's resolution
+    (["optim.eps=1e30"], "nothing can be learned: over trainer.max_steps=2 steps AdamW can move a weight"),
+    (["model.config.rms_norm_eps=1e30"], "rms_norm_eps=1e+30 in the model config, which scales"),
+    (["optim.warmup_steps=1000000000000"], "optim.warmup_steps=1000000000000 > trainer.max_steps=2"),
+    (["+peft=lora", "peft.alpha=1e-30"], "peft.alpha=1e-30 / peft.rank=8"),
+    # the NaN at step 1 was blamed on optim.lr
+    (["optim.weight_decay=1e9"], "optim.weight_decay=1000000000.0 with optim.lr=0.002: AdamW multiplies"),
     # model types the differential check refused, and a feature the backend lacks (supported.json)
     (["model.config.model_type=bart"], "model_type 'bart' (model.pretrained_path / model.config) is refused"),
     (["model.config.model_type=bloom"], "AttentionInterface"),
@@ -303,6 +310,10 @@ FILE_CASES = {
     "integer weight tensor": (lambda t: _checkpoint(t, "integer"), "'model.norm.weight' in model.safetensors is stored as I8"),
     "quantization_config in config.json": (
         lambda t: _checkpoint(t, "good", quantization_config={"quant_method": "fp8"}), "quant_method 'fp8'"),
+    # trained as Gemma (step-1 loss 6.0630, not 5.7807): Llama's names and shapes, another norm and embedding scale
+    "model_type gemma over Llama weights": (
+        lambda t: _checkpoint(t, "good", model_type="gemma"),
+        "says model_type 'gemma' but architectures ['LlamaForCausalLM'] (the class that saved the weights)"),
 }  # fmt: skip
 
 
@@ -567,6 +578,15 @@ DPO_FAST = [
 def test_a_dpo_beta_that_overflows_step_1_is_refused_at_setup(tmp_path):
     with pytest.raises(ConfigError, match=r"dpo.beta must be a positive number up to 1000 .*got 1e\+30"):
         run(load_recipe("tiny_llama_dpo", [*DPO_FAST, f"trainer.output_dir={tmp_path}", "dpo.beta=1e30"]))
+
+
+def test_a_dpo_beta_under_which_nothing_is_learned_is_refused_at_setup(tmp_path):
+    """dpo.beta=1e-30 trained 2 steps with exit 0: every gradient 1e-30 of its size, below AdamW's eps."""
+    with pytest.raises(
+        ConfigError, match=r"nothing can be learned: .* because of: dpo.beta=1e-30 \(0.1 is common\)"
+    ):
+        run(load_recipe("tiny_llama_dpo", [*DPO_FAST, f"trainer.output_dir={tmp_path}", "dpo.beta=1e-30"]))
+    assert not (tmp_path / "metrics.jsonl").exists()
 
 
 def test_dpo_samples_longer_than_max_position_embeddings_are_refused_before_the_model(tmp_path):
