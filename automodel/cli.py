@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import signal
 import sys
 
 from automodel.benchmarks import BENCHMARKS
@@ -60,6 +61,13 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"automodel {command}: {error.kind} error: {_one_line(error)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as error:  # Ctrl-C (a second one while training): no traceback to read through
+        if debug:
+            raise
+        done = f" ({error})" if str(error) else ""
+        print(f"automodel {command}: interrupted{done}; a run resumes from its newest checkpoint when the same "
+              "command runs again", file=sys.stderr)  # fmt: skip
+        return 128 + signal.SIGINT
     except WriteError as error:  # a checkpoint or the export, with the bytes needed and free
         if debug:
             raise
@@ -158,12 +166,15 @@ def _finetune(argv: list[str]) -> int:
 
     from automodel.training.checkpoint import NonFiniteError
     from automodel.training.run import run
+    from automodel.training.signals import TrainingStopped
 
     try:
         run(cfg)
     except NonFiniteError as error:
         print(f"automodel finetune: {error}", file=sys.stderr)
         return 1
+    except TrainingStopped as stopped:  # logged with its checkpoint; the shell's code for the signal
+        return stopped.exit_code
     return 0
 
 
