@@ -105,6 +105,10 @@ class BadRow(ValueError):
         self.field, self.reason = field, reason
 
 
+# The files a tokenizer's vocabulary comes from: the fast tokenizer's, sentencepiece's, BPE's or WordPiece's.
+TOKENIZER_FILES = ("tokenizer.json", "*.model", "vocab.json", "vocab.txt", "merges.txt", "*.tiktoken")
+
+
 def load_tokenizer(
     path_or_name: str | os.PathLike, *, trust_remote_code: bool = False
 ) -> PreTrainedTokenizerBase:
@@ -129,6 +133,11 @@ def load_tokenizer(
     if path.is_file():
         raise ValueError(f"tokenizer path {name!r} is a file; pass the directory that holds tokenizer.json")
     refuse_remote_code(path, "data.tokenizer", trust_remote_code)
+    if path.is_dir() and not any(next(path.glob(pattern), None) for pattern in TOKENIZER_FILES):
+        raise ValueError(  # transformers would fall back to a slow class and ask for sentencepiece
+            f"data.tokenizer={name!r}: the directory holds no tokenizer file ({', '.join(TOKENIZER_FILES)}); copy "
+            "tokenizer.json (or the vocabulary files) beside tokenizer_config.json, as save_pretrained writes them"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             str(path) if path.is_dir() else name, local_files_only=True, trust_remote_code=trust_remote_code

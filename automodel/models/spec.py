@@ -98,6 +98,13 @@ class ModelSpec:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
+    def config_fields(self) -> dict[str, Any] | None:
+        """The config as given, before transformers builds anything from it: ``model.config``, or a
+        local checkpoint's config.json read as JSON; None for a hub id (or no readable config.json)."""
+        if self.config is not None:
+            return dict(self.config)
+        return _config_document(Path(self.pretrained_path) / "config.json")
+
     def hf_config(self) -> PretrainedConfig:
         """The transformers config; a checkpoint's unreadable config.json is a ValueError naming it."""
         if self.config is not None:
@@ -105,10 +112,16 @@ class ModelSpec:
             check_sizes(fields, "model.config")
             try:
                 return AutoConfig.for_model(fields.pop("model_type"), **fields)
-            except StrictDataclassError as error:  # transformers' typed fields: an int where a float goes...
-                raise ValueError(
-                    f"model.config: {' '.join(str(error).split())}; write it as that type (1.0 for a float)"
-                ) from None
+            except (StrictDataclassError, ValueError, TypeError, KeyError, AttributeError) as error:
+                # transformers' typed fields and validators, and what its config code raises on a bad value
+                text = " ".join(str(error).split())
+                fix = (
+                    "write it as that type (1.0 for a float)"
+                    if isinstance(error, StrictDataclassError) and "TypeError:" in text
+                    else "fix that value in model.config"
+                )
+                kind = "" if isinstance(error, StrictDataclassError) else f"{type(error).__name__}: "
+                raise ValueError(f"model.config: {kind}{text}; {fix}") from None
         path = Path(self.pretrained_path)
         if path.is_dir() and not (path / "config.json").is_file():
             raise ValueError(f"model.pretrained_path={self.pretrained_path!r} holds no config.json")
@@ -195,6 +208,7 @@ _SIZES = (
     "num_attention_heads",
     "num_key_value_heads",
     "head_dim",
+    "max_position_embeddings",
 )
 
 

@@ -28,6 +28,7 @@ from automodel.distributed.parallel import init_distributed
 from automodel.errors import ConfigError, DataError, ModelError, UserError
 from automodel.models import CausalLMForTraining, build_model, export_model
 from automodel.models.inputs import model_inputs
+from automodel.models.memory import available_memory, check_memory, memory_terms, model_sizes
 from automodel.models.parallelize import apply_fsdp
 from automodel.models.setup import check_max_positions, checkpoint_checks, config_checks, norm_gradient_scale
 from automodel.models.spec import ModelSpec
@@ -77,6 +78,10 @@ class FinetuneRecipe:
             raise ConfigError(str(error)) from None
         configure_console(self.dims.is_main)
         self._warn_no_validation_data()
+        # Before anything is written or built: sizes no machine holds, the model config, and the
+        # differential check on it (model.verify, cached)
+        with _as_user_error(ModelError):
+            self._check_memory()
         self._check_model_config()
         with _as_user_error(ConfigError):  # settings under which no weight can move: refused, or a warning
             for warning in learning_checks(
@@ -112,6 +117,22 @@ class FinetuneRecipe:
         with _as_user_error(ConfigError):  # data.tokenizer: a path or name the recipe gives
             self.tokenizer = self.data.load_tokenizer(trust_remote_code=self.model_spec.trust_remote_code)
         self._check_checkpoint()
+        padding_idx = self.tokenizer.pad_token_id
+        env = LoaderEnv(
+            dp_rank=self.dims.dp_rank,
+            dp_size=self.dims.dp_size,
+            cp_size=self.dims.cp_size,
+            seed=self.trainer.seed,
+            padding_idx=padding_idx if padding_idx is not None else 0,
+        )
+        with _as_user_error(
+            ConfigError
+        ):  # the packing section against this run: pack size vs cp_size, cache_dir
+            self.batching.check_run(env)
+        # The model before the data work: a checkpoint's weights (NaN, tensors it has no place for), LoRA's
+        # targets and allocations fail before minutes of tokenizing and packing, not after
+        with _as_user_error(ModelError, (ValueError, OSError)):
+            self.model = self._build_model()
         # rank 0 fills the datasets cache, the others read it; a bad row raised in a worker process
         # of datasets.map arrives here as the worker's ValueError
         with _main_rank_first(self.dims.is_main), _as_user_error(DataError):
@@ -124,14 +145,6 @@ class FinetuneRecipe:
                     "the longest tokenized sample",
                     self.model_spec.exceed_max_positions,
                 )
-        padding_idx = self.tokenizer.pad_token_id
-        env = LoaderEnv(
-            dp_rank=self.dims.dp_rank,
-            dp_size=self.dims.dp_size,
-            cp_size=self.dims.cp_size,
-            seed=self.trainer.seed,
-            padding_idx=padding_idx if padding_idx is not None else 0,
-        )
         # No collective is open while packing: with packing.cache_dir one rank packs and the others
         # wait on the filesystem, so a long pack cannot trip the collective timeout.
         try:
@@ -143,9 +156,6 @@ class FinetuneRecipe:
             None if self.val_dataset is None else self.batching.build_eval(self.val_dataset, env)
         )
 
-        # a checkpoint without weights or not matching its config, bad LoRA targets
-        with _as_user_error(ModelError, (ValueError, OSError)):
-            self.model = self._build_model()
         self.optimizer, self.scheduler = self.optim_config.build(self.model, self.trainer.max_steps)
         self.checkpointer = Checkpointer(
             self.output_dir, self.trainer.keep_last, self.dims.rank, self.dims.world_size, run_id
@@ -176,6 +186,28 @@ class FinetuneRecipe:
             checkpoint_checks(
                 self.model_spec, self.hf_config, vocab_needed=len(self.tokenizer), lora=self.lora
             )
+
+    def _check_memory(self) -> None:
+        """The least memory this run needs per rank (:mod:`automodel.models.memory`) against the
+        machine's, from the config's sizes as given: before transformers builds anything from them."""
+        fields = self.model_spec.config_fields()
+        if fields is None:
+            return
+        row = self._row_tokens()
+        terms = memory_terms(
+            model_sizes(fields),
+            dtype_bytes=self.model_spec.torch_dtype.itemsize,
+            shards=self.dims.world_size,
+            tokens=row * getattr(self.batching, "micro_batch_size", 1) if row else None,
+            micro_batches=self.trainer.grad_accum_steps,
+            lora=self.lora,
+        )
+        check_memory(
+            terms,
+            available_memory(self.dims.device),
+            "lower the sizes it names (model.config or config.json of model.pretrained_path, packing, "
+            "trainer.grad_accum_steps, peft.rank), or spread the run over more ranks (FSDP2 shards the state)",
+        )
 
     def _gradient_scales(self) -> list[tuple[float, str]]:
         """The settings that scale every gradient of the objective (:func:`learning_checks`): the model
