@@ -83,10 +83,10 @@ class FinetuneRecipe:
         with _as_user_error(ModelError):
             self._check_memory()
         self._check_model_config()
-        with _as_user_error(ConfigError):  # settings under which no weight can move: refused, or a warning
-            for warning in learning_checks(
-                self.optim_config, self.trainer.max_steps, self._gradient_scales()
-            ):
+        # settings under which no weight can move are refused; ones that shrink every update, a warning
+        with _as_user_error(ConfigError):
+            scales = self._gradient_scales()
+            for warning in learning_checks(self.optim_config, self.trainer.max_steps, scales):
                 logger.warning("%s", warning)
         # Lock, resume checks and the saved recipe: all before any data or model work.
         self.run_dir = RunDirectory(self.output_dir, self.dims.rank)
@@ -125,9 +125,8 @@ class FinetuneRecipe:
             seed=self.trainer.seed,
             padding_idx=padding_idx if padding_idx is not None else 0,
         )
-        with _as_user_error(
-            ConfigError
-        ):  # the packing section against this run: pack size vs cp_size, cache_dir
+        # the packing section against this run (pack size vs cp_size, cache_dir), before tokenizing
+        with _as_user_error(ConfigError):
             self.batching.check_run(env)
         # The model before the data work: a checkpoint's weights (NaN, tensors it has no place for), LoRA's
         # targets and allocations fail before minutes of tokenizing and packing, not after
