@@ -2,7 +2,7 @@
 very check (the checked config, the lengths, the versions, the check's code) and holds a well-formed
 acceptance. A planted verdict, a real one copied under another config's name, a damaged file, a
 planted refusal and a FIFO are each ignored with one warning naming the file, and the check runs
-again: nothing read from the cache accepts a config the check refuses."""
+again: none of them accepts a config the check refuses."""
 
 from __future__ import annotations
 
