@@ -92,7 +92,10 @@ class StopOnSignal:
 
     def agreed(self) -> int | None:
         """The signal any rank received (the largest number if several), the same on every rank; None
-        when no rank was signalled. Called by every rank at the same step boundary."""
+        when no rank was signalled. Called by every rank at the same step boundary; no collective
+        when disabled (every rank runs one recipe: all skip it)."""
+        if not self.enabled:
+            return None
         flag = torch.tensor([self.received or 0])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # a CPU tensor: the gloo group, no device sync
