@@ -9,7 +9,9 @@ first on ``PYTHONPATH``) as a user would, in a scratch directory, and is classif
 - ``silent-wrong``: exit 0 (or lost work) without a word;
 - ``hang``: no answer within the case's timeout.
 
-docs/bad-inputs.md holds the table for 811e2ab (before issue 39) and for the branch after it.
+docs/bad-inputs.md holds the table: each case as the issue reports it on 4c87eea (:data:`REPORTED`)
+and as this script finds it on the branch (``--markdown AFTER.json``; ``--markdown BEFORE.json
+AFTER.json`` compares two runs).
 """
 
 from __future__ import annotations
@@ -60,13 +62,20 @@ class Case:
     judge: Callable[[Outcome], str] | None = None
 
 
+def as_from_a_terminal() -> None:
+    """In the child: Ctrl-C's default action, as a terminal gives it (a battery started in the
+    background has SIGINT ignored, which its children inherit, and a run keeps an ignored signal)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def python(
     tree: Path, args: list[str], work: Path, env: dict | None = None, timeout: float = HANG_S
 ) -> Outcome:
     environment = {**os.environ, "PYTHONPATH": str(tree), "AUTOMODEL_CACHE": str(work / "cache"),
                    "OMP_NUM_THREADS": "1", **(env or {})}  # fmt: skip
     process = subprocess.Popen([sys.executable, *args], cwd=work, env=environment, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                               preexec_fn=as_from_a_terminal)  # fmt: skip
     try:
         output, _ = process.communicate(timeout=timeout)
         return Outcome(process.returncode, output)
@@ -235,7 +244,7 @@ def ctrl_c_while_tokenizing(tree: Path, work: Path) -> Outcome:
         [sys.executable, "-m", "automodel", "finetune", "tiny_llama_sft", "data=text", f"data.source={corpus}",
          "data.tokenizer=tiny", "data.num_proc=2", *FAST[1:], f"trainer.output_dir={work / 'run'}"],
         cwd=work, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        start_new_session=True, preexec_fn=as_from_a_terminal,
     )  # fmt: skip
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)
@@ -469,6 +478,21 @@ CASES = [
 ]  # fmt: skip
 
 
+# Each case as issue 39 reports it on 4c87eea (its battery, before this work): the before column of the table.
+REPORTED = {
+    **dict.fromkeys(["cache-planted", "cache-copied", "gemma-over-llama", "eps", "rms-norm-eps", "warmup",
+                     "dpo-beta", "lora-alpha", "sigterm"], "silent-wrong"),
+    **dict.fromkeys(["cache-fifo", "layers", "pack-1e12", "pack-1e8", "grad-accum"], "hang"),
+    **dict.fromkeys(["lora-target", "extra-tensor", "nan-weight", "cache-dir-file", "cp-alignment"], "late"),
+    **dict.fromkeys(["cache-list", "cache-object", "cache-string", "cache-refusal", "ctrl-c-checkpoint",
+                     "ctrl-c-tokenizing", "size-vocab_size", "size-hidden_size", "size-intermediate_size",
+                     "size-head_dim", "lora-rank", "max-positions-0", "max-positions--1", "value-error",
+                     "tokenizer-json", "hf-home", "weight-decay", "delete-trainer", "pad-token", "mix-weight", "dtype",
+                     "index", "nested-json", "defaults", "timeout", "never-joins", "frozen-peer",
+                     "torchrun-input-error"], "opaque"),
+}  # fmt: skip
+
+
 def run_case(case: Case, tree: Path) -> tuple[str, str, float]:
     with tempfile.TemporaryDirectory(prefix=f"battery-{case.id}-") as scratch:
         start = time.monotonic()
@@ -509,11 +533,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--only", nargs="*", help="case ids")
     parser.add_argument("--json", type=Path, help="write {case id: [outcome, last line, seconds]}")
-    parser.add_argument("--markdown", nargs=2, type=Path, metavar=("BEFORE", "AFTER"),
-                        help="print the table of two --json results instead of running")  # fmt: skip
+    parser.add_argument("--markdown", nargs="+", type=Path, metavar="JSON",
+                        help="print the table of [BEFORE] AFTER --json results instead of running (before: the "
+                             "issue's report)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.markdown:
-        print(markdown(*(json.loads(path.read_text()) for path in args.markdown)), end="")
+        results = [json.loads(path.read_text()) for path in args.markdown[-2:]]
+        before = results[0] if len(results) == 2 else {case: [outcome] for case, outcome in REPORTED.items()}
+        print(markdown(before, results[-1]), end="")
         return 0
     if args.tree is None:
         parser.error("--tree is required to run the cases")
