@@ -276,18 +276,23 @@ def torchrun(tree: Path, work: Path, args: list[str], launcher: list[str] | None
                          "127.0.0.1:0", *args], work, **kwargs)  # fmt: skip
 
 
+def automodel_under_torchrun(tree: Path, work: Path, args: list[str]) -> Outcome:
+    """``automodel torchrun ... ARGS`` where the tree has it, else ``torchrun ... -m automodel ARGS``
+    (what a user had)."""
+    if "def _torchrun" in (tree / "automodel" / "cli.py").read_text():
+        return torchrun(tree, work, args, launcher=["-m", "automodel", "torchrun"])
+    return torchrun(tree, work, ["-m", "automodel", *args])
+
+
 def cp_alignment(tree: Path, work: Path) -> Outcome:
-    return torchrun(tree, work, ["-m", "automodel", "finetune", "tiny_llama_sft", *FAST, "parallel.cp_size=2",
-                                 "packing.packed_sequence_size=258", f"trainer.output_dir={work / 'run'}"])  # fmt: skip
+    return automodel_under_torchrun(tree, work, ["finetune", "tiny_llama_sft", *FAST, "parallel.cp_size=2",
+                                                 "packing.packed_sequence_size=258",
+                                                 f"trainer.output_dir={work / 'run'}"])  # fmt: skip
 
 
 def input_error_under_torchrun(tree: Path, work: Path) -> Outcome:
-    """``automodel torchrun`` where the tree has it, else torchrun (what a user had)."""
-    has_launcher = "def _torchrun" in (tree / "automodel" / "cli.py").read_text()
     args = ["finetune", "tiny_llama_sft", *FAST, "optim.lr=-1", f"trainer.output_dir={work / 'run'}"]
-    if has_launcher:
-        return torchrun(tree, work, args, launcher=["-m", "automodel", "torchrun"])
-    return torchrun(tree, work, ["-m", "automodel", *args])
+    return automodel_under_torchrun(tree, work, args)
 
 
 def judge_input_error_under_torchrun(outcome: Outcome) -> str:
@@ -437,7 +442,7 @@ CASES = [
          run=with_checkpoint(REWRITE.format("t['model.layers.1.mlp.down_proj.weight'][3, 5] = float('nan')"))),
     Case("cache-dir-file", 6, "packing.cache_dir that is a file", "packing.cache_dir=<a file>", "cache_dir=",
          run=finetune("packing.cache_dir={work}/a_file", setup=lambda work: (work / "a_file").write_text(""))),
-    Case("cp-alignment", 6, "packed_sequence_size=258 with cp_size 2", "torchrun --nproc-per-node 2 ... parallel.cp_size=2 packing.packed_sequence_size=258",
+    Case("cp-alignment", 6, "packed_sequence_size=258 with cp_size 2", "automodel torchrun --nproc-per-node 2 finetune ... parallel.cp_size=2 packing.packed_sequence_size=258 (torchrun -m automodel ... before)",
          "must be a multiple of", run=cp_alignment),
     # 7. wrong fixes
     Case("max-positions-0", 7, "max_position_embeddings=0", "model.config.max_position_embeddings=0", "must be at least 1",
