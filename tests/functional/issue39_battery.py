@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import os
 import shutil
@@ -336,9 +337,10 @@ def frozen_peer(tree: Path, work: Path) -> Outcome:
             started = time.monotonic()
         if frozen is not None and time.monotonic() - started > HANG_S:
             break
-    if frozen is not None:
-        frozen.kill()
-    os.killpg(process.pid, signal.SIGKILL)
+    with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):  # torchrun may have ended them first
+        if frozen is not None:
+            frozen.kill()
+        os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     return Outcome(process.returncode, "".join(lines))
 
@@ -558,13 +560,13 @@ def main(argv: list[str] | None = None) -> int:
             results[case.id] = future.result()
             print(f"{case.id:22} {results[case.id][0]:13} {results[case.id][2]:6.0f} s  {results[case.id][1][:120]}",
                   flush=True)  # fmt: skip
+            if args.json:  # as they finish: a later case that fails keeps the ones before
+                args.json.write_text(json.dumps(results, indent=1))
     counts = {
         k: sum(r[0] == k for r in results.values())
         for k in ("clear", "late", "opaque", "silent-wrong", "hang")
     }
     print(" ".join(f"{k} {v}" for k, v in counts.items()), f"of {len(results)}")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
     return 0
 
 
