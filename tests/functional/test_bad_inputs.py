@@ -1248,23 +1248,6 @@ def test_data_samples_must_not_be_negative(capsys):
 # ---- issue 39: raw tracebacks and wrong fixes left after the second battery ----------------------------
 
 
-@pytest.mark.parametrize(
-    "defaults, named",
-    [
-        ("defaults:\n  - model: tiny_llama\n  - 42\n", "Unsupported type in defaults : int"),
-        ("defaults: 5\n", "defaults must be a list (got int)"),
-        ("defaults:\n  - {model: tiny_llama, data: tiny_sft}\n", "Too many keys in default item"),
-        ("defaults:\n  - model: tiny_llama\n  - data: tiny_sft\n", "has no trainer section"),
-    ],
-)
-def test_a_bad_defaults_list_is_one_line(tmp_path, defaults, named):
-    """Hydra's own ValueError (a traceback), or OmegaConf's 'Interpolation key not found'."""
-    (tmp_path / "recipe.yaml").write_text(defaults)
-    with pytest.raises(ConfigError, match=re.escape(named)) as error:
-        load_recipe(str(tmp_path / "recipe.yaml"))
-    assert "recipe recipe.yaml" in str(error.value)
-
-
 def test_a_mix_weight_that_no_dataset_holds_is_named_before_tokenizing(tmp_path):
     """weight 1e12 tiled the source's rows 1e12 times: an allocator traceback, after tokenizing."""
     recipe = [o for o in FAST if not o.startswith("data.")] + [
