@@ -100,6 +100,7 @@ def test_a_planted_refusal_neither_blocks_a_valid_config_nor_says_verified(tmp_p
     check = functools.partial(verdict, llama(), tmp_path)
     path = cache_file(monkeypatch, check, tmp_path)
     path.write_text(json.dumps({"status": "refused", "reason": "planted"}))
+    caplog.clear()  # the stand-in's own check above logs too where an earlier test left the logger at INFO
     with caplog.at_level(logging.INFO, logger="automodel.models.support"):
         entry = check()
     assert entry["status"] == "verified"
