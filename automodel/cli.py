@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import signal
 import sys
 
 from automodel.benchmarks import BENCHMARKS
-from automodel.errors import UserError, WriteError
+from automodel.errors import PeerLostError, UserError, WriteError
 
 # Writes the filesystem refuses (the user's machine, not a bug): one line naming the file where the
 # error does, with the way out, instead of a traceback.
@@ -42,12 +43,16 @@ USAGE = """automodel <command> [...]    (automodel --version; --debug: traceback
   bench cli_latency [...]          how fast the CLI answers --cfg job, typos and bad values
   check-gpu [...]                  Transformer Engine against the portable attention on this machine's GPUs
   families [--verify [TYPE ...]]   the supported model types; --verify re-runs the differential check
+  torchrun [OPTIONS] COMMAND ...   torchrun's launch of automodel COMMAND on every rank, with automodel's exit
+                                   codes (2: input error, printed once; 143/130: stopped on a signal)
 """
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv or os.environ.get("AUTOMODEL_DEBUG", "") not in ("", "0")
+    if debug:  # for the ranks `automodel torchrun` starts
+        os.environ["AUTOMODEL_DEBUG"] = "1"
     argv = [a for a in argv if a != "--debug"]
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
@@ -58,8 +63,21 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as error:  # the user's input: one line; the project's own bugs keep their traceback
         if debug:
             raise
-        print(f"automodel {command}: {error.kind} error: {_one_line(error)}", file=sys.stderr)
+        if _first_to_report(_one_line(error)):
+            print(f"automodel {command}: {error.kind} error: {_one_line(error)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as error:  # Ctrl-C (a second one while training): no traceback to read through
+        if debug:
+            raise
+        done = f" ({error})" if str(error) else ""
+        print(f"automodel {command}: interrupted{done}; a run resumes from its newest checkpoint when the same "
+              "command runs again", file=sys.stderr)  # fmt: skip
+        return 128 + signal.SIGINT
+    except PeerLostError as error:  # a rank froze or died: the ranks that answer name the ones that do not
+        if debug:
+            raise
+        print(f"automodel {command}: {error}", file=sys.stderr)
+        return 1
     except WriteError as error:  # a checkpoint or the export, with the bytes needed and free
         if debug:
             raise
@@ -69,10 +87,87 @@ def main(argv: list[str] | None = None) -> int:
         if error.errno not in WRITE_FAILURES or debug:
             raise
         where = f"{error.filename}: " if error.filename else ""
-        print(f"automodel {command}: {where}{error.strerror} (--debug shows the traceback): "
-              f"{WRITE_FAILURES[error.errno]}, then run the same command again (a run resumes from its "
-              "newest checkpoint)", file=sys.stderr)  # fmt: skip
+        fix = WRITE_FAILURES[error.errno]
+        cache = _hugging_face_cache(error.filename)
+        if cache is not None:  # datasets' or the hub's cache, not the run's directory
+            fix = f"the Hugging Face cache {cache} is not writable: set HF_HOME (or HF_DATASETS_CACHE) to a writable directory"
+        print(f"automodel {command}: {where}{error.strerror} (--debug shows the traceback): {fix}, then run the "
+              "same command again (a run resumes from its newest checkpoint)", file=sys.stderr)  # fmt: skip
         return 1
+
+
+def _hugging_face_cache(filename: str | None) -> str | None:
+    """The Hugging Face cache directory (HF_HOME, HF_DATASETS_CACHE, HF_HUB_CACHE, else
+    ``~/.cache/huggingface``) that ``filename`` is in, or None."""
+    if not filename:
+        return None
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"
+    )
+    for cache in (home, os.environ.get("HF_DATASETS_CACHE"), os.environ.get("HF_HUB_CACHE")):
+        if cache and os.path.abspath(os.fspath(filename)).startswith(os.path.abspath(cache)):
+            return cache
+    return None
+
+
+def _first_to_report(message: str) -> bool:
+    """Whether this process prints ``message``: under torchrun every rank meets the same input error,
+    and the first to count it in the launch's store prints it (each distinct message once; printed
+    anyway when the store cannot be reached within a few seconds)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "MASTER_ADDR" not in os.environ:
+        return True
+    import datetime
+    import hashlib
+
+    import torch.distributed as dist
+
+    try:
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+            timeout=datetime.timedelta(seconds=5),
+        )  # fmt: skip
+        key = "automodel/input_error/" + hashlib.sha256(message.encode()).hexdigest()[:16]
+        return store.add(key, 1) == 1
+    except (RuntimeError, ValueError, KeyError):  # no store to count in: say it
+        return True
+
+
+def _torchrun(argv: list[str]) -> int:
+    """``automodel torchrun [torchrun options] COMMAND [ARGS...]``: ``torchrun ... -m automodel COMMAND
+    ARGS`` run in this process, with automodel's exit codes: 2 when a rank stopped on an input error
+    (printed once, by the first rank), 143/130 when the ranks stopped on a signal after their
+    checkpoint, else 1 naming the first failed rank (torchrun itself exits 1 with its traceback)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.run import parse_args, run
+
+    if not argv or argv[0] in ("-h", "--help"):
+        print("automodel torchrun [torchrun options] COMMAND [ARGS...]: runs python -m automodel COMMAND ARGS on "
+              "every rank (torchrun --help lists the options)")  # fmt: skip
+        return 0 if argv else 2
+    args = parse_args(argv)
+    args.module, args.no_python = True, False
+    args.training_script_args = [args.training_script, *args.training_script_args]
+    args.training_script = "automodel"
+    try:
+        run(args)
+    except ChildFailedError as error:
+        rank, first = error.get_first_failure()
+        codes = sorted({failure.exitcode for failure in error.failures.values()})
+        if 2 in codes:
+            return 2  # the input error is above, printed by the first rank that met it
+        stopped = [c for c in codes if c in (128 + signal.SIGTERM, 128 + signal.SIGINT)]
+        print(f"automodel torchrun: rank {rank} exited with code {first.exitcode} (all exit codes {codes}); "
+              "its output above says why", file=sys.stderr)  # fmt: skip
+        return stopped[0] if stopped and len(codes) == len(stopped) else 1
+    except SignalException as error:  # torchrun itself was signalled; it has stopped the ranks
+        return 128 + error.sigval
+    except RendezvousError as error:
+        print(f"automodel torchrun: the ranks did not meet: {_one_line(error)}; start the same command on every "
+              "node (--node-rank 0 .. --nnodes - 1) with the same --rdzv-endpoint", file=sys.stderr)  # fmt: skip
+        return 2
+    return 0
 
 
 def _dispatch(command: str, rest: list[str], argv: list[str]) -> int:
@@ -93,6 +188,8 @@ def _dispatch(command: str, rest: list[str], argv: list[str]) -> int:
         from automodel.benchmarks import run_benchmark
 
         return run_benchmark(rest[0], rest[1:])
+    if command == "torchrun":
+        return _torchrun(rest)
     if command == "families":
         from automodel.models.support import main as families
 
@@ -158,12 +255,15 @@ def _finetune(argv: list[str]) -> int:
 
     from automodel.training.checkpoint import NonFiniteError
     from automodel.training.run import run
+    from automodel.training.signals import TrainingStopped
 
     try:
         run(cfg)
     except NonFiniteError as error:
         print(f"automodel finetune: {error}", file=sys.stderr)
         return 1
+    except TrainingStopped as stopped:  # logged with its checkpoint; the shell's code for the signal
+        return stopped.exit_code
     return 0
 
 

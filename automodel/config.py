@@ -129,6 +129,14 @@ def load_recipe(recipe: str, overrides: list[str] | tuple[str, ...] = ()) -> Dic
             "existing directory and run again"
         ) from None
     path = resolve_recipe(recipe)
+    sections = [
+        o.partition("=")[0][1:] for o in overrides if o.partition("=")[0][1:] in SECTIONS and o[0] == "~"
+    ]
+    if sections:  # every other section interpolates from it (${trainer.seed}): Hydra's traceback
+        raise ConfigError(
+            f"override '~{sections[0]}' deletes the {sections[0]} section, which every recipe needs; set its keys "
+            f"instead ({sections[0]}.<key>=<value>), or pick another option of its group ({sections[0]}=<option>)"
+        )
     deleted = [o.partition("=")[0][1:] for o in overrides if o.startswith("~model.config.")]
     if deleted:  # transformers fills the key with its own default: another model, trained without a word
         raise ConfigError(
@@ -166,11 +174,22 @@ def load_recipe(recipe: str, overrides: list[str] | tuple[str, ...] = ()) -> Dic
                 f"letter, [ ] ...); quote the value: \"{key}='{value}'\" (the double quotes keep the single ones "
                 "from the shell)"
             ) from None
+        missing = re.search(r"Interpolation key '(\w+)\.[^']*' not found", str(error))
+        if missing and missing.group(1) in SECTIONS:  # ${trainer.seed} with no trainer section
+            raise ConfigError(
+                f"recipe {path.name} has no {missing.group(1)} section ({error}); add '- {missing.group(1)}: "
+                f"<option>' to its defaults list (configs/{missing.group(1)}/*.yaml)"
+            ) from None
         raise ConfigError(f"recipe {path.name}: {error}") from None
     except (
         yaml.YAMLError
     ) as error:  # the recipe's or a config group's file (the message names it, with the line)
         raise ConfigError(f"recipe {path.name}: not valid YAML: {' '.join(str(error).split())}") from None
+    except ValueError as error:  # Hydra's own defaults-list checks (an int entry, a mapping, two keys)
+        raise ConfigError(
+            f"recipe {path.name}: its defaults list: {' '.join(str(error).split())}; a defaults list is a YAML list "
+            "of 'group: option' entries and _self_, e.g. '- model: tiny_llama'"
+        ) from None
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(

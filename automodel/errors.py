@@ -54,3 +54,8 @@ def write_failure(
         f"could not write {what} to {path}{detail}: it needs about {nbytes:,} bytes and {free:,} are free "
         "there; free space, or point trainer.output_dir at a larger disk, then run the same command again"
     )
+
+
+class PeerLostError(RuntimeError):
+    """A collective timed out or a peer's connection closed: a rank froze, stopped or died. The CLI
+    prints it as one line naming the ranks that did not answer, and exits with code 1."""

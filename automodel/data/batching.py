@@ -41,7 +41,7 @@ from automodel.data.collate import (
     padded_sequence_thd_collater,
 )
 from automodel.data.corpus import CorpusPacks, TokenCorpus, corpus_packs
-from automodel.data.pack_cache import cached_pack_dataset
+from automodel.data.pack_cache import cache_root, cached_pack_dataset
 from automodel.data.packing import keep_fitting, pack_dataset, read_lengths
 from automodel.data.planning import (
     PACKING_ALGORITHMS,
@@ -215,6 +215,15 @@ class MicroBatchStream(_Position):
         )
 
 
+def check_pack_alignment(packed_sequence_size: int, cp_size: int) -> None:
+    """ValueError unless ``packed_sequence_size`` is a multiple of ``2 * cp_size`` (TE's CP sharding)."""
+    if packed_sequence_size % cp_multiple(cp_size):
+        raise ValueError(
+            f"packing.packed_sequence_size={packed_sequence_size} must be a multiple of 2*cp_size="
+            f"{cp_multiple(cp_size)} (parallel.cp_size={cp_size}): every sample and the pack's tail are padded to it"
+        )
+
+
 _NOT_IN_PLAN = ("num_workers", "cache_dir")  # settings that change no micro-batch: a resume may change them
 
 
@@ -256,6 +265,9 @@ class _Mode:
             *((env.dp_size,) if self._plan_uses_dp_size else ()),
         )
         return prepared
+
+    def check_run(self, env: LoaderEnv) -> None:
+        """ValueError for settings this run cannot use, before any data work (the modes that have such)."""
 
     def build(self, dataset: datasets.Dataset, env: LoaderEnv) -> MicroBatchStream:
         return MicroBatchStream(self._prepared(dataset, env), env, self.shuffle, self.num_workers)
@@ -333,6 +345,16 @@ class PackedBatching(_Mode):
         super().__post_init__()
         if self.algorithm not in PACKING_ALGORITHMS:
             raise ValueError(f"packing.algorithm must be one of {PACKING_ALGORITHMS}, got {self.algorithm!r}")
+
+    def check_run(self, env: LoaderEnv) -> None:
+        """The pack size against ``parallel.cp_size`` (every CP-padded sample, and the tail, keep TE's
+        alignment) and ``cache_dir`` (created here, or named), before tokenizing."""
+        check_pack_alignment(self.packed_sequence_size, env.cp_size)
+        if self.cache_dir:
+            try:
+                cache_root(self.cache_dir)
+            except ValueError as error:
+                raise ValueError(f"packing.{error}") from None
 
     def prepare(self, dataset: datasets.Dataset | TokenCorpus, env: LoaderEnv) -> Prepared:
         if isinstance(dataset, TokenCorpus):  # packs built as they are read, from the memory-mapped tokens

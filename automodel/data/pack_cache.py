@@ -83,6 +83,20 @@ def pack_cache_key(dataset, split, *args, **kwargs) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
+def cache_root(cache_dir: str | os.PathLike) -> Path:
+    """``cache_dir`` (a leading ``~`` is the home directory), created if needed; ValueError naming
+    it when it cannot be: read-only, a file, a parent that is a file."""
+    root = Path(cache_dir).expanduser()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(
+            f"cache_dir={os.fspath(cache_dir)!r}: cannot create it ({error.strerror}: {error.filename}); point it at "
+            "a writable directory"
+        ) from None
+    return root
+
+
 def cached_pack_dataset(
     dataset, split, *args, cache_dir: str | os.PathLike, wait_timeout_s: float = 4 * 3600.0, **kwargs
 ) -> datasets.Dataset:
@@ -119,14 +133,7 @@ def cached_entry(
     """
     if not wait_timeout_s > 0:
         raise ValueError(f"wait_timeout_s must be positive, got {wait_timeout_s!r}")
-    root = Path(cache_dir).expanduser()
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as error:  # read-only, a parent that is a file
-        raise ValueError(
-            f"cache_dir={os.fspath(cache_dir)!r}: cannot create it ({error.strerror}: {error.filename}); point it at "
-            "a writable directory"
-        ) from None
+    root = cache_root(cache_dir)
     entry = root / name
     _remove_dead_staging(root)
     with _entry_lock(root, name, wait_timeout_s):

@@ -105,6 +105,10 @@ class BadRow(ValueError):
         self.field, self.reason = field, reason
 
 
+# The files a tokenizer's vocabulary comes from: the fast tokenizer's, sentencepiece's, BPE's or WordPiece's.
+TOKENIZER_FILES = ("tokenizer.json", "*.model", "vocab.json", "vocab.txt", "merges.txt", "*.tiktoken")
+
+
 def load_tokenizer(
     path_or_name: str | os.PathLike, *, trust_remote_code: bool = False
 ) -> PreTrainedTokenizerBase:
@@ -129,6 +133,11 @@ def load_tokenizer(
     if path.is_file():
         raise ValueError(f"tokenizer path {name!r} is a file; pass the directory that holds tokenizer.json")
     refuse_remote_code(path, "data.tokenizer", trust_remote_code)
+    if path.is_dir() and not any(next(path.glob(pattern), None) for pattern in TOKENIZER_FILES):
+        raise ValueError(  # transformers would fall back to a slow class and ask for sentencepiece
+            f"data.tokenizer={name!r}: the directory holds no tokenizer file ({', '.join(TOKENIZER_FILES)}); copy "
+            "tokenizer.json (or the vocabulary files) beside tokenizer_config.json, as save_pretrained writes them"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             str(path) if path.is_dir() else name, local_files_only=True, trust_remote_code=trust_remote_code
@@ -324,21 +333,31 @@ def _workers_die_with_this_process():
     """Within the block, every process forked here gets SIGTERM from the kernel when this one exits,
     however it exits: a ``kill -9`` of the run during tokenizing left the ``num_proc`` workers
     tokenizing their shards, and the queue manager running, with nobody to read the result.
-    Linux only (``prctl``); elsewhere the block does nothing."""
+    Linux only (``prctl``); elsewhere the block does nothing.
+
+    A Ctrl-C reaches the whole process group: the workers ignore it (each printed a
+    KeyboardInterrupt traceback) and this process stops the pool, as a KeyboardInterrupt (datasets'
+    cleanup raised a ``multiprocess`` TimeoutError over it)."""
     global _workers_parent
     _workers_parent = os.getpid()
     try:
         yield
+    except Exception as error:
+        if isinstance(error.__context__, KeyboardInterrupt):
+            raise KeyboardInterrupt("while tokenizing") from None
+        raise
     finally:
         _workers_parent = None
 
 
 def _die_with_parent() -> None:
-    """After a fork, in the child: ask for SIGTERM when the parent dies (within the block above)."""
+    """After a fork, in the child: ask for SIGTERM when the parent dies, and ignore the terminal's
+    Ctrl-C, which the parent handles (within the block above)."""
     global _workers_parent
     parent, _workers_parent = _workers_parent, None  # the child's own children are not covered
     if parent is None:
         return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != parent:  # the parent died before the request took effect
         os._exit(1)

@@ -62,6 +62,11 @@ class DataSource:
 
     def tokenize(self, tokenizer: PreTrainedTokenizerBase, **options) -> datasets.Dataset:
         rows, origin = load_sft_source(self.source, self.split, txt_samples=self.txt_samples)
+        if len(rows) * self.weight > MAX_SAMPLES:  # before tokenizing: weight_rows would index them all
+            raise ValueError(
+                f"data.weight={self.weight:g} for source {self.source!r}: {len(rows)} rows x {self.weight:g} = "
+                f"{len(rows) * self.weight:.3g} samples an epoch, more than {MAX_SAMPLES:,} (2**31); lower the weight"
+            )
         return tokenize_sft_dataset(
             rows, tokenizer, format=self.format, columns=self.columns, origin=origin, **options
         )
@@ -170,6 +175,10 @@ def auto_num_proc(cap: int = 8) -> int:
     """The cores this process may use (its CPU affinity: a SLURM or container share), at most ``cap``."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(cores, cap))
+
+
+# The most samples one source may give an epoch: its weighted index alone is 8 bytes a sample (16 GiB).
+MAX_SAMPLES = 2**31
 
 
 def weight_rows(rows: datasets.Dataset, weight: float, rng: np.random.Generator) -> datasets.Dataset:

@@ -292,7 +292,22 @@ def txt_rows(file: str, samples: str = "lines") -> list[tuple[int, str]]:
         after_blank = blank
     if not rows:
         raise ValueError(f"data file {file} has no text (only blank lines); give a file with text")
-    return [(number, "\n".join(lines)) for number, lines in rows]
+    samples = [(number, "\n".join(lines)) for number, lines in rows]
+    longest = max(samples, key=lambda sample: len(sample[1]))
+    if (
+        len(longest[1]) > MAX_SAMPLE_CHARS
+    ):  # a worker tokenizing it died of memory ("subprocess abruptly died")
+        raise ValueError(
+            f"data file {file} line {longest[0]}: a sample of {len(longest[1]):,} characters, more than "
+            f"{MAX_SAMPLE_CHARS:,}: the tokenizer holds a sample whole (about 200 bytes a character); split it "
+            "into lines (or blocks between blank lines with data.txt_samples=blocks)"
+        )
+    return samples
+
+
+# The longest text sample tokenized: 2**24 characters took 3.0 GB above the process (the tiny tokenizer,
+# 16M characters, measured); a 200 MB line took a num_proc worker down.
+MAX_SAMPLE_CHARS = 2**24
 
 
 def _json_rows(file: str) -> list[tuple[int, Any]]:
@@ -307,15 +322,43 @@ def _json_rows(file: str) -> list[tuple[int, Any]]:
             items = json.loads(text)
         except json.JSONDecodeError as error:
             raise ValueError(f"data file {file} line {error.lineno}: not valid JSON ({error.msg})") from None
-        return [(i + 1, item) for i, item in enumerate(items)] if isinstance(items, list) else [(1, items)]
+        except RecursionError:
+            raise ValueError(
+                f"data file {file}: nested deeper than Python's JSON parser reads; a row of chat or text data is a "
+                f"few levels deep (at most {MAX_JSON_DEPTH})"
+            ) from None
+        rows = [(i + 1, item) for i, item in enumerate(items)] if isinstance(items, list) else [(1, items)]
+        return [(number, _shallow(value)) for number, value in rows]
     rows = []
     for number, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
-                rows.append((number, json.loads(line)))
+                rows.append((number, _shallow(json.loads(line))))
             except json.JSONDecodeError as error:
                 rows.append((number, f"<not valid JSON: {error.msg}>"))
+            except RecursionError:
+                rows.append((number, f"<nested deeper than {MAX_JSON_DEPTH} levels>"))
     return rows
+
+
+# Objects and lists within objects and lists: a chat row is 4 deep (row, messages, message, content parts).
+# Deeper rows would overflow the recursion of the type scan, json.dumps and Arrow's conversion.
+MAX_JSON_DEPTH = 64
+
+
+def _shallow(value: Any) -> Any:
+    """``value``, or a string row naming its depth (the parser names it) when nested deeper than
+    :data:`MAX_JSON_DEPTH` levels; measured without recursion."""
+    level, depth = [value], 0
+    while level:
+        depth += 1
+        if depth > MAX_JSON_DEPTH:
+            return f"<nested deeper than {MAX_JSON_DEPTH} levels>"
+        level = [
+            item for node in level if isinstance(node, (dict, list))
+            for item in (node.values() if isinstance(node, dict) else node)
+        ]  # fmt: skip
+    return value
 
 
 def _types_of(value: Any, path: str) -> set[tuple[str, str]]:

@@ -29,7 +29,7 @@ import torch
 from datasets.distributed import split_dataset_by_node
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from automodel.data.batching import LoaderEnv, PackedBatching, _fingerprint, _Position
+from automodel.data.batching import LoaderEnv, PackedBatching, _fingerprint, _Position, check_pack_alignment
 from automodel.data.collate import build_row, cp_padded, packed_sequence_thd_collater
 from automodel.data.packing import keep_fitting
 from automodel.data.planning import check_positive_int, plan_packs
@@ -194,10 +194,11 @@ class StreamingPackedBatching:
         ):
             check_positive_int(f"packing.{name}", getattr(self, name))
 
+    def check_run(self, env: LoaderEnv) -> None:
+        check_pack_alignment(self.packed_sequence_size, env.cp_size)
+
     def build(self, dataset: Iterable[Mapping[str, Any]], env: LoaderEnv) -> StreamedMicroBatches:
-        if env.cp_size > 1 and self.packed_sequence_size % (2 * env.cp_size):
-            raise ValueError(f"packing.packed_sequence_size={self.packed_sequence_size} must be a multiple of "
-                             f"2*cp_size={2 * env.cp_size}")  # fmt: skip
+        self.check_run(env)
         if isinstance(dataset, datasets.Dataset):
             dataset = dataset.to_iterable_dataset()
         if not isinstance(dataset, Iterable) or isinstance(dataset, (str, bytes, Mapping)):

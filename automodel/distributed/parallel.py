@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+# The longest collective timeout: a week. The backends hold it in C ints of milliseconds (1e30 minutes
+# was an OverflowError), and a peer silent for longer than any step is lost.
+MAX_TIMEOUT_MINUTES = 7 * 24 * 60
 
 # Transformer Engine's context-parallel exchanges (``parallel.cp_comm_type``).
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
@@ -115,14 +120,32 @@ def init_distributed(config: ParallelConfig, on_group: Callable[[], None] | None
     minutes = config.timeout_minutes
     if minutes is None:
         minutes = 30 if use_cuda else 10
-    if isinstance(minutes, bool) or not isinstance(minutes, (int, float)) or not 0 < minutes < float("inf"):
-        raise ValueError(f"parallel.timeout_minutes must be a positive number or null, got {minutes!r}")
+    if (
+        isinstance(minutes, bool)
+        or not isinstance(minutes, (int, float))
+        or not 0 < minutes <= MAX_TIMEOUT_MINUTES
+    ):
+        raise ValueError(
+            f"parallel.timeout_minutes must be a positive number up to {MAX_TIMEOUT_MINUTES} (a week) or null, got "
+            f"{minutes!r}"
+        )
     if not dist.is_initialized():
         timeout = datetime.timedelta(minutes=minutes)
         # with CUDA, gloo still carries the few CPU-tensor collectives (load and export flags)
         backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
         if launched:
-            dist.init_process_group(backend, timeout=timeout)
+            try:
+                dist.init_process_group(backend, timeout=timeout)
+            except (
+                dist.DistError
+            ) as error:  # a rank never started (another node not launched): was a traceback
+                where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+                raise ValueError(
+                    f"rank {os.environ['RANK']} of WORLD_SIZE={world_size} waited {minutes:g} minute(s) "
+                    f"(parallel.timeout_minutes) at {where} for the other ranks, which did not all join "
+                    f"({' '.join(str(error).split())[:200]}); start every rank (every node's command), or fix "
+                    "WORLD_SIZE / MASTER_ADDR / MASTER_PORT"
+                ) from None
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     if on_group is not None:
@@ -130,3 +153,35 @@ def init_distributed(config: ParallelConfig, on_group: Callable[[], None] | None
     dp_size = world_size // config.cp_size
     mesh = init_device_mesh(device.type, (dp_size, config.cp_size), mesh_dim_names=("dp", "cp"))
     return ParallelDims(dist.get_rank(), world_size, dp_size, config.cp_size, device, mesh)
+
+
+def lost_peer(error: BaseException) -> bool:
+    """Whether ``error`` is gloo's word for a peer that stopped answering (a collective timed out) or
+    went away (its connection closed)."""
+    text = str(error)
+    return isinstance(error, RuntimeError) and (
+        "Timed out waiting" in text or "Connection closed by peer" in text
+    )
+
+
+def unanswered_ranks(incident: str, grace_s: float = 20.0) -> list[int] | None:
+    """The ranks that do not answer, asked through the launch's store (torchrun's agent holds it, so
+    it answers while a rank is frozen): every rank still running writes its key for ``incident`` and
+    waits ``grace_s`` for the others'. None when the store does not answer either (rank 0 hosts it
+    outside torchrun)."""
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+            timeout=datetime.timedelta(seconds=10),
+        )  # fmt: skip
+        key = f"automodel/answered/{incident}/"
+        store.set(key + str(rank), "1")
+        deadline = time.monotonic() + grace_s
+        while True:
+            missing = [r for r in range(world) if not store.check([key + str(r)])]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(0.5)
+    except (KeyError, ValueError, RuntimeError):
+        return None

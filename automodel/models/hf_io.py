@@ -93,9 +93,7 @@ def stored_tensors(path: str | Path) -> dict[str, StoredTensor]:
     directory = Path(path)
     files = sorted(directory.glob("*.safetensors")) if directory.is_dir() else []
     if (directory / INDEX).is_file():  # the files the index names, as from_pretrained reads them
-        files = sorted(
-            {directory / name for name in json.loads((directory / INDEX).read_text())["weight_map"].values()}
-        )
+        files = sorted({directory / name for name in _index_files(directory / INDEX, path)})
     if not files:
         raise UnshardableCheckpoint(f"{path} is not a local directory of safetensors files")
     found = {}
@@ -111,6 +109,22 @@ def stored_tensors(path: str | Path) -> dict[str, StoredTensor]:
                 "truncated or corrupt: copy the checkpoint again"
             ) from None
     return found
+
+
+def _index_files(index: Path, path: str | Path) -> list[str]:
+    """The file names of a safetensors index's ``weight_map``; ValueError naming the index when it is
+    not JSON or has no ``{tensor: file}`` map (was a KeyError)."""
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (ValueError, AttributeError, RecursionError):  # not JSON, or not an object
+        weight_map = None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise ValueError(
+            f"model.pretrained_path={str(path)!r}: {index.name} has no weight_map of tensor names to file names "
+            '({"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors", ...}}); it is '
+            "damaged: copy the checkpoint again"
+        )
+    return list(weight_map.values())
 
 
 def checkpoint_name(name: str) -> str:
@@ -255,6 +269,12 @@ def match_checkpoint(hf: PreTrainedModel, stored: dict[str, StoredTensor], where
     return match
 
 
+def unused_tensors(hf: PreTrainedModel, stored: dict[str, StoredTensor], match: CheckpointMatch) -> list[str]:
+    """The checkpoint's entries ``hf`` has no place for, in either layout (:func:`match_checkpoint`)."""
+    consumed = {checkpoint_name(k) for k in hf.state_dict()} | {k for g in match.converted for k in g.entries}
+    return sorted(set(stored) - consumed)
+
+
 def load_sharded(hf: PreTrainedModel, path: str | Path, where: str) -> None:
     """Fill ``hf``'s parameters and persistent buffers (sharded by FSDP2 or not) from the safetensors
     checkpoint at ``path``, each rank reading only its slices; then its non-persistent buffers.
@@ -280,8 +300,7 @@ def load_sharded(hf: PreTrainedModel, path: str | Path, where: str) -> None:
                 f"{where}: transformers builds the model's {list(group.tensors)[:3]} from "
                 f"{list(group.entries)[:3]} by more than a reordering"
             )
-    consumed = {checkpoint_name(k) for k in hf.state_dict()} | {k for g in match.converted for k in g.entries}
-    unused = sorted(set(stored) - consumed)
+    unused = unused_tensors(hf, stored, match)
     if unused:  # e.g. quantization scales: from_pretrained decides what they mean
         raise UnshardableCheckpoint(
             f"{where}: the checkpoint holds tensors the model has no place for, first {unused[:3]}"

@@ -93,7 +93,7 @@ class LoraConfig:
                 ) from None
 
     def check_model(self, model: torch.nn.Module) -> None:
-        """ValueError before any data work when a target is the output head of ``model`` (the
+        """ValueError before any data work when a target names no module of ``model``, or is the output head of ``model`` (the
         transformers model, on the meta device): the loss reads the head's weight directly, chunk
         by chunk over the vocabulary, and never calls the module, so an adapter there would get no
         gradient; a head tied to the input embeddings is one tensor under two names besides."""
@@ -102,6 +102,16 @@ class LoraConfig:
         targets = (
             [] if self.target_modules == "all-linear" else self.target_modules
         )  # all-linear skips the head
+        names = [n for n, _ in model.named_modules()]
+        unknown = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+        if unknown:  # peft says so too, but only when the model is built: after the data work
+            linear = sorted(
+                {n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+            )
+            raise ValueError(
+                f"peft.target_modules={self.target_modules!r}: no module of {type(model).__name__} is named "
+                f"{unknown} (as a full name or its last part); its Linear modules: {linear}, or all-linear"
+            )
         if name is not None and any(name == t or name.endswith("." + t) for t in targets):
             tied = (
                 ", and this model ties it to its input embeddings"

@@ -296,7 +296,7 @@ def check_model_sanity(
             "unquantized checkpoint (peft.quantize_base=nf4 quantizes the frozen base itself)"
         )
     vocab = fields.get("vocab_size")
-    for name in ("bos_token_id", "eos_token_id"):
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         ids = fields.get(name)
         for token in ids if isinstance(ids, list) else [ids]:
             if token is not None and (not isinstance(token, int) or token < 0 or (vocab and token >= vocab)):
@@ -362,6 +362,27 @@ def _check_compute_dtype(backend: str, compute_dtype: torch.dtype, dtypes: tuple
 
 # Config numbers a model divides by or raises to a power: zero or negative makes step 1 NaN.
 _POSITIVE = re.compile(r"(^|\.)(rope_theta|factor|partial_rotary_factor|\w*_eps|\w*epsilon)$")
+_NORM_EPSILON = re.compile(r"(^|\.)(\w*_eps|\w*epsilon)$")
+
+
+def norm_gradient_scale(config: PretrainedConfig) -> tuple[float, str] | None:
+    """How much the config's largest norm epsilon shrinks every gradient at init, with the setting
+    named, for :func:`automodel.training.config.learning_checks`: a norm divides by
+    ``sqrt(mean(x^2) + eps)``, and hidden states start at ``initializer_range`` (0.02), so an epsilon
+    far above ``initializer_range^2`` scales the final norm's output, and every gradient through it,
+    by ``initializer_range / sqrt(eps)``. None when no epsilon exceeds that variance."""
+    spread = getattr(config, "initializer_range", None) or 0.02
+    epsilons = [(value, name) for name, value in _numbers(config.to_dict()) if _NORM_EPSILON.search(name)]
+    if not epsilons:
+        return None
+    eps, name = max(epsilons)
+    if eps <= spread**2:
+        return None
+    factor = spread / math.sqrt(eps)
+    return factor, (
+        f"{name}={eps:g} in the model config, which scales the norms' output and every gradient by about "
+        f"{factor:.1e} (1e-6 is common)"
+    )
 
 
 def _numbers(node: Any, prefix: str = ""):
@@ -378,7 +399,7 @@ def check_checkpoint_tensors(path: str, meta: PreTrainedModel) -> None:
     on the meta device), reading no tensor data: each model tensor must be stored under its own name
     or in the published layout transformers converts at load (Mixtral's per-expert ``w1``/``w2``/``w3``
     under ``block_sparse_moe``), with the shapes the model needs (:func:`hf_io.match_checkpoint`)."""
-    from automodel.models.hf_io import UnshardableCheckpoint, match_checkpoint, stored_tensors
+    from automodel.models.hf_io import UnshardableCheckpoint, match_checkpoint, stored_tensors, unused_tensors
 
     try:
         stored = stored_tensors(path)
@@ -390,9 +411,20 @@ def check_checkpoint_tensors(path: str, meta: PreTrainedModel) -> None:
                 "them beside its config.json, or give the config as model.config to train from a random init"
             ) from None
         return  # a hub id or another format: from_pretrained checks it at load
-    missing = match_checkpoint(meta, stored, f"model.pretrained_path={path!r}").missing
-    if missing:
+    match = match_checkpoint(meta, stored, f"model.pretrained_path={path!r}")
+    if match.missing:
         raise ValueError(
-            f"model.pretrained_path={path!r}: its safetensors files lack {len(missing)} tensors the model "
-            f"needs, first {missing[:3]}; the checkpoint is incomplete or for another architecture"
+            f"model.pretrained_path={path!r}: its safetensors files lack {len(match.missing)} tensors the model "
+            f"needs, first {match.missing[:3]}; the checkpoint is incomplete or for another architecture"
+        )
+    # what from_pretrained would report as unexpected (it ignores the class's own patterns: old buffers)
+    ignored = [re.compile(p) for p in getattr(meta, "_keys_to_ignore_on_load_unexpected", None) or []]
+    unused = [
+        name for name in unused_tensors(meta, stored, match) if not any(p.search(name) for p in ignored)
+    ]
+    if unused:
+        raise ValueError(
+            f"model.pretrained_path={path!r}: its safetensors files hold {len(unused)} tensors the "
+            f"{meta.config.model_type} model built from its config.json has no place for, first {unused[:3]} "
+            f"({stored[unused[0]].file.name}); the checkpoint is for another architecture or config"
         )

@@ -3,8 +3,10 @@ from scratch. Either way the model is a transformers class."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,7 @@ from typing import Any
 import torch
 from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, PretrainedConfig
+from transformers.models.auto import modeling_auto
 
 from automodel.attention import ATTENTION_BACKENDS
 from automodel.config import refuse_remote_code
@@ -95,6 +98,13 @@ class ModelSpec:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
+    def config_fields(self) -> dict[str, Any] | None:
+        """The config as given, before transformers builds anything from it: ``model.config``, or a
+        local checkpoint's config.json read as JSON; None for a hub id (or no readable config.json)."""
+        if self.config is not None:
+            return dict(self.config)
+        return _config_document(Path(self.pretrained_path) / "config.json")
+
     def hf_config(self) -> PretrainedConfig:
         """The transformers config; a checkpoint's unreadable config.json is a ValueError naming it."""
         if self.config is not None:
@@ -102,15 +112,26 @@ class ModelSpec:
             check_sizes(fields, "model.config")
             try:
                 return AutoConfig.for_model(fields.pop("model_type"), **fields)
-            except StrictDataclassError as error:  # transformers' typed fields: an int where a float goes...
-                raise ValueError(
-                    f"model.config: {' '.join(str(error).split())}; write it as that type (1.0 for a float)"
-                ) from None
+            except (StrictDataclassError, ValueError, TypeError, KeyError, AttributeError) as error:
+                # transformers' typed fields and validators, and what its config code raises on a bad value
+                text = " ".join(str(error).split())
+                fix = (
+                    "write it as that type (1.0 for a float)"
+                    if isinstance(error, StrictDataclassError) and "TypeError:" in text
+                    else "fix that value in model.config"
+                )
+                kind = "" if isinstance(error, StrictDataclassError) else f"{type(error).__name__}: "
+                raise ValueError(f"model.config: {kind}{text}; {fix}") from None
         path = Path(self.pretrained_path)
         if path.is_dir() and not (path / "config.json").is_file():
             raise ValueError(f"model.pretrained_path={self.pretrained_path!r} holds no config.json")
         refuse_remote_code(path, "model.pretrained_path", self.trust_remote_code)
-        _refuse_own_model_class(path / "config.json")
+        document = _config_document(path / "config.json")
+        if document is not None:  # read as JSON, before transformers builds anything from it
+            where = f"config.json of model.pretrained_path={self.pretrained_path!r}"
+            _refuse_own_model_class(document, path / "config.json")
+            check_sizes(document, where)
+            check_architectures(document, where)
         try:
             return AutoConfig.from_pretrained(self.pretrained_path, trust_remote_code=self.trust_remote_code)
         except (OSError, ValueError, ArithmeticError, StrictDataclassError) as error:
@@ -120,14 +141,21 @@ class ModelSpec:
             ) from None
 
 
-def _refuse_own_model_class(file: Path) -> None:
+def _config_document(file: Path) -> dict | None:
+    """A local checkpoint's config.json as a dict; None for no readable local file (a hub id, or one
+    AutoConfig names the problem of)."""
+    try:
+        document = json.loads(file.read_text())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return document if isinstance(document, dict) else None
+
+
+def _refuse_own_model_class(document: dict, file: Path) -> None:
     """ValueError when a checkpoint's config.json maps ``AutoModelForCausalLM`` to its own code
     (``auto_map``, reached with model.trust_remote_code=true): the differential check verifies
     transformers' classes, never that code. Read as JSON, before its configuration code could run."""
-    try:
-        auto_map = json.loads(file.read_text()).get("auto_map") or {}
-    except (OSError, ValueError, AttributeError):
-        return  # no readable local config.json: a hub id, or AutoConfig names the problem
+    auto_map = document.get("auto_map") or {}
     own_class = auto_map.get("AutoModelForCausalLM") if isinstance(auto_map, dict) else None
     if own_class is not None:
         raise ValueError(
@@ -135,6 +163,41 @@ def _refuse_own_model_class(file: Path) -> None:
             "differential check never ran (it verifies transformers' classes); delete AutoModelForCausalLM from "
             "auto_map to train transformers' own class of its model_type"
         )
+
+
+@functools.cache
+def _types_of_classes() -> dict[str, set[str]]:
+    """transformers' model class name -> the ``model_type``s its auto tables map to it."""
+    types: dict[str, set[str]] = {}
+    for name in dir(modeling_auto):
+        table = getattr(modeling_auto, name)
+        if name.endswith("_MAPPING_NAMES") and isinstance(table, dict):
+            for model_type, classes in table.items():
+                for cls in classes if isinstance(classes, (list, tuple)) else [classes]:
+                    types.setdefault(cls, set()).add(model_type)
+    return types
+
+
+def check_architectures(document: dict, where: str) -> None:
+    """ValueError when a checkpoint's config.json names a ``model_type`` that none of its
+    ``architectures`` (the transformers classes that saved the weights) belongs to: Llama weights
+    under ``model_type: gemma`` load by name and shape, then train as Gemma (another norm, scaled
+    embeddings). Classes transformers does not know (a checkpoint's own code) are not judged here."""
+    model_type, architectures = document.get("model_type"), document.get("architectures")
+    if not isinstance(model_type, str) or not isinstance(architectures, list):
+        return
+    for architecture in architectures:
+        owners = _types_of_classes().get(architecture) if isinstance(architecture, str) else None
+        if owners and model_type not in owners:
+            likely = min(
+                owners, key=lambda t: (not architecture.lower().startswith(re.sub(r"[\W_]", "", t)), t)
+            )
+            raise ValueError(
+                f"{where} says model_type {model_type!r} but architectures {architectures} (the class that saved "
+                f"the weights) is transformers' class of {sorted(owners)}, not of {model_type!r}: the weights would "
+                f"load by name and train as another model; set model_type to {likely!r} in config.json (or use the "
+                f"{model_type} checkpoint you meant)"
+            )
 
 
 # Sizes and counts a model divides by or allocates with: 0 is a traceback (or an empty model) later.
@@ -145,6 +208,7 @@ _SIZES = (
     "num_attention_heads",
     "num_key_value_heads",
     "head_dim",
+    "max_position_embeddings",
 )
 
 

@@ -6,7 +6,7 @@ Support is decided by the differential check (:mod:`automodel.models.verify`), n
 ``supported.json`` beside this module: the table users read, and the verdict setup uses when
 ``model.verify=false``. Setup runs the same check on the run's own config (:func:`config_verdict`:
 shrunk in width only, every layer kind and threshold kept, samples as long as the run's longest),
-cached per config, transformers and project version.
+cached, each entry bound to the config, lengths, versions and the check's own code.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import signal
+import stat
 import sys
 import time
 import traceback
@@ -89,35 +90,29 @@ def config_verdict(
     """The differential check on the run's own config (:func:`~automodel.models.verify.width_config`)
     with one packed row of samples as long as the run's longest (:func:`~automodel.models.verify.check_lengths`),
     as a table entry. A verified config is cached in ``cache_dir`` (default :func:`exactness_cache_dir`)
-    by the checked config, the lengths, the transformers and project versions: a second run pays nothing. Under
-    ``torch.distributed`` rank 0 runs it and every rank gets its verdict."""
+    bound to the checked config, the lengths, the versions and the check's own code
+    (:func:`cache_binding`): a second run pays nothing, and an entry that does not match is checked
+    again. Under ``torch.distributed`` rank 0 runs it and every rank gets its verdict."""
     checked = width_config(config)
     lengths = check_lengths(sample_tokens or row_tokens or 64, row_tokens)
-    document = checked.to_dict()
-    document.pop("transformers_version", None)
-    key = hashlib.sha256(
-        json.dumps(
-            [document, lengths, transformers.__version__, automodel.__version__], sort_keys=True, default=str
-        ).encode()
-    ).hexdigest()[:24]
-    path = (cache_dir or exactness_cache_dir()) / f"{config.model_type}-{key}.json"
+    binding = cache_binding(checked, lengths)
+    path = (cache_dir or exactness_cache_dir()) / cache_file_name(checked.model_type, binding)
     entry = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
-        entry[0] = _cached_or_checked(checked, lengths, path)
+        entry[0] = _cached_or_checked(checked, lengths, path, binding)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(entry, src=0)
     return entry[0]
 
 
-def _cached_or_checked(checked: PretrainedConfig, lengths: tuple[int, ...], path: Path) -> dict:
+def _cached_or_checked(
+    checked: PretrainedConfig, lengths: tuple[int, ...], path: Path, binding: dict
+) -> dict:
     what = f"{checked.model_type}, {checked.num_hidden_layers} layers, samples {list(lengths)}"
-    try:
-        entry = json.loads(path.read_text())
-    except (OSError, ValueError):  # absent, or a damaged cache file: checked again and rewritten
-        pass
-    else:
+    cached = read_cached_verdict(path, binding)
+    if cached is not None:
         logger.info("exactness verified for this config (%s; cached %s)", what, path)
-        return entry
+        return cached
     logger.info("checking this config's packed step against each sample alone (%s)", what)
     start = time.perf_counter()
     # the dense-mask fallback (an O(T^2) mask) for a type that needs it, or one the table has not seen
@@ -132,13 +127,7 @@ def _cached_or_checked(checked: PretrainedConfig, lengths: tuple[int, ...], path
         verdict.max_error,
         time.perf_counter() - start,
     )
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        staging = path.with_suffix(f".{os.getpid()}.tmp")
-        staging.write_text(json.dumps(entry))
-        staging.replace(path)  # atomic: a reader sees a whole verdict or none
-    except OSError as error:  # an unwritable cache costs the next run the check, nothing else
-        logger.warning("exactness check not cached (%s): %s", path, error)
+    write_cached_verdict(path, binding, entry)
     return entry
 
 
@@ -146,6 +135,146 @@ def exactness_cache_dir() -> Path:
     """``$AUTOMODEL_CACHE/exactness``, else ``$XDG_CACHE_HOME/automodel/exactness``, else ``~/.cache/...``."""
     return automodel_cache_dir("exactness")
 
+
+# ---------------------------------------------------------------------------------------------
+# The exactness cache: its file format and how an entry is read. Nothing read from it is trusted:
+# an entry is used only when it binds exactly this check (config, lengths, versions, the check's
+# code) and its verdict is a well-formed acceptance; anything else is named in one warning line and
+# the check runs again.
+
+CACHE_FORMAT = 2
+_CACHE_KEYS = {"format", "binding", "verdict"}
+_VERDICT_KEYS = {"status", "features", "backends", "ignores", "max_error"}
+_MAX_ENTRY_BYTES = 1 << 24  # a config document is kilobytes; anything larger is not an entry
+
+
+@cache
+def check_code_version() -> str:
+    """The check's own version: a digest of the package's Python sources (the check runs the
+    project's data path, attention and loss), so any code change checks every config again."""
+    package = Path(automodel.__file__).parent
+    digest = hashlib.sha256()
+    for source in sorted(package.rglob("*.py")):
+        digest.update(source.relative_to(package).as_posix().encode() + b"\0" + source.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def cache_binding(checked: PretrainedConfig, lengths: tuple[int, ...]) -> dict:
+    """What a cached verdict is bound to: the full checked config (as JSON), the sample lengths,
+    the transformers, torch and project versions, and the check's code (:func:`check_code_version`)."""
+    document = checked.to_dict()
+    document.pop("transformers_version", None)
+    return {
+        "config": json.loads(json.dumps(document, sort_keys=True, default=str)),
+        "lengths": list(lengths),
+        "versions": {
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "automodel": automodel.__version__,
+            "check": check_code_version(),
+        },
+    }
+
+
+def cache_file_name(model_type: str, binding: dict) -> str:
+    key = hashlib.sha256(json.dumps(binding, sort_keys=True).encode()).hexdigest()[:24]
+    return f"{model_type}-{key}.json"
+
+
+def read_cached_verdict(path: Path, binding: dict) -> dict | None:
+    """The verified verdict cached at ``path`` for exactly ``binding``; None when there is none (no
+    word) or the file is not one (a warning naming it and why): not a regular file (a FIFO is never
+    waited on), unreadable, not JSON, another format, bound to another config, lengths, version or
+    check code, or a verdict that is not a well-formed acceptance (a cached refusal included)."""
+    try:
+        problem, entry = None, _read_entry(path)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as error:
+        problem, entry = str(error), None
+    if problem is None:
+        problem = _entry_problem(entry, binding)
+    if problem is not None:
+        logger.warning("exactness cache entry %s ignored (%s); checking this config again", path, problem)
+        return None
+    return entry["verdict"]
+
+
+def _read_entry(path: Path) -> object:
+    """The JSON at ``path``, opened without blocking or following a link and read only if it is a
+    regular file of at most ``_MAX_ENTRY_BYTES``."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(descriptor, "rb") as file:
+        mode = os.fstat(descriptor).st_mode
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"not a regular file (mode {stat.filemode(mode)})")
+        data = file.read(_MAX_ENTRY_BYTES + 1)
+    if len(data) > _MAX_ENTRY_BYTES:
+        raise ValueError(f"larger than {_MAX_ENTRY_BYTES} bytes")
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as error:
+        raise ValueError(f"not JSON: {one_line(error)}") from None
+
+
+def _entry_problem(entry: object, binding: dict) -> str | None:
+    """Why ``entry`` is not a cached acceptance of ``binding``, or None."""
+    if not isinstance(entry, dict) or set(entry) != _CACHE_KEYS:
+        return f"not a cache entry of format {CACHE_FORMAT}: {json.dumps(entry, default=str)[:80]}"
+    if entry["format"] != CACHE_FORMAT:
+        return f"format {entry['format']!r}, not {CACHE_FORMAT}"
+    bound = entry["binding"]
+    if not isinstance(bound, dict):
+        return "no binding"
+    for part, other in (
+        ("config", "another config"),
+        ("lengths", "other lengths"),
+        ("versions", "other versions"),
+    ):
+        if bound.get(part) != binding[part]:
+            return f"bound to {other}: {_first_difference(bound.get(part), binding[part])}"
+    verdict = entry["verdict"]
+    if (
+        not isinstance(verdict, dict)
+        or not set(verdict) <= _VERDICT_KEYS
+        or verdict.get("status") != "verified"
+    ):
+        return f"not a verified verdict: {json.dumps(verdict, default=str)[:80]}"
+    features, error = verdict.get("features", []), verdict.get("max_error")
+    if not (isinstance(features, list) and all(isinstance(f, str) for f in features)):
+        return f"features {features!r} are not a list of names"
+    if verdict.get("backends") != backends_for(features):
+        return f"backends {verdict.get('backends')!r} do not follow from features {features}"
+    if verdict.get("ignores", []) not in ([], ["sliding_window"]):
+        return f"ignores {verdict.get('ignores')!r}"
+    if isinstance(error, bool) or not isinstance(error, (int, float)) or not 0 <= error <= RTOL:
+        return f"max_error {error!r} is not within the check's tolerance {RTOL}"
+    return None
+
+
+def _first_difference(stored: object, wanted: object) -> str:
+    if isinstance(stored, dict) and isinstance(wanted, dict):
+        key = next((k for k in sorted(set(stored) | set(wanted)) if stored.get(k) != wanted.get(k)), None)
+        if key is not None:
+            return (
+                f"{key} {json.dumps(stored.get(key))[:40]}, this check's {json.dumps(wanted.get(key))[:40]}"
+            )
+    return f"{json.dumps(stored, default=str)[:40]}, this check's {json.dumps(wanted)[:40]}"
+
+
+def write_cached_verdict(path: Path, binding: dict, verdict: dict) -> None:
+    """``verdict`` (verified) written to ``path`` with its binding, atomically; a failure is a warning."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = path.with_suffix(f".{os.getpid()}.tmp")
+        staging.write_text(json.dumps({"format": CACHE_FORMAT, "binding": binding, "verdict": verdict}))
+        staging.replace(path)  # atomic: a reader sees a whole entry or none
+    except OSError as error:  # an unwritable cache costs the next run the check, nothing else
+        logger.warning("exactness check not cached (%s): %s", path, error)
+
+
+# ---------------------------------------------------------------------------------------------
+# The supported table
 
 SUPPORTED_TABLE = Path(__file__).with_name("supported.json")
 

@@ -356,6 +356,12 @@ class Checkpointer:
         except (Exception, CheckpointException) as error:  # a full disk, in DCP's or torch.save's words
             failed[0] = 1
             cause = _first_failure(error)
+            if isinstance(
+                cause, KeyboardInterrupt
+            ):  # Ctrl-C (DCP wraps it): an interruption, not a full disk
+                if self.rank == 0:
+                    shutil.rmtree(staging, ignore_errors=True)
+                raise KeyboardInterrupt(f"the checkpoint of step {step} was not written") from None
         dist.all_reduce(failed)
         if failed.item():
             needed = self._bytes_needed(model_state, optim_state)

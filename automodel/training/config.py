@@ -73,6 +73,12 @@ class OptimConfig:
             f"optim.weight_decay must be a finite number >= 0, got {self.weight_decay!r}",
         )
         _check(
+            self.lr * self.weight_decay < 1,
+            f"optim.weight_decay={self.weight_decay!r} with optim.lr={self.lr!r}: AdamW multiplies every weight by "
+            f"1 - lr * weight_decay = {1 - self.lr * self.weight_decay:.3g} each step, which zeroes or flips it (the loss "
+            "turns NaN); weight decay of 0.0 to 0.1 is common",
+        )
+        _check(
             isinstance(self.betas, (list, tuple))
             and len(self.betas) == 2
             and all(_is_real(b) and 0 <= b < 1 for b in self.betas),
@@ -141,6 +147,60 @@ class OptimConfig:
         return factor
 
 
+# The least a run must be able to move a weight in total for it to learn anything: about half of
+# float32's step at 0.02 (2**-29 = 1.9e-9; initializer_range, the scale of most weights at init).
+# A smaller move rounds away: the run ends with exit 0 and the weights it started from.
+MIN_MOVE = 1e-9
+
+
+def learning_checks(
+    optim: OptimConfig, max_steps: int, gradient_scales: list[tuple[float, str]]
+) -> list[str]:
+    """Refuse (ValueError) settings under which no weight can move at all, and return warnings for
+    ones that shrink every update or keep the LR schedule from its peak.
+
+    AdamW moves a weight by ``lr_t * m / (sqrt(v) + eps)`` per step: about ``lr_t`` while gradients
+    exceed ``eps``, ``lr_t * g / eps`` below it. Gradients are at most ``optim.max_grad_norm`` (1
+    unclipped) times the factors of ``gradient_scales`` ((factor, the setting and its fix): ``dpo.beta``,
+    ``peft.alpha / peft.rank``, a model norm's epsilon), and the warmup reaches
+    ``lr * max_steps / warmup_steps`` when longer than the run. The total move over the run is
+    bounded by the sum of the schedule times ``min(1, scale * max_grad / eps)``; below
+    :data:`MIN_MOVE` the run is refused naming each factor below 1 and its fix.
+
+    Example: ``optim.eps=1e30``, lr 2e-3, clip 1.0, 3 steps: at most 3 * 2e-3 * 1 / 1e30 = 6e-33."""
+    lr, warmup, eps = optim.lr, optim.warmup_steps, optim.eps
+    largest_gradient = optim.max_grad_norm or 1.0
+    scale = math.prod(factor for factor, _ in gradient_scales)
+    reached = min(1.0, max_steps / warmup) if warmup else 1.0
+    ramp = min(warmup, max_steps)  # schedule factors (t + 1) / warmup for the warmup steps, then at most 1
+    schedule_sum = (ramp * (ramp + 1) / 2 / warmup if warmup else 0.0) + (max_steps - ramp)
+    shrink = min(1.0, scale * largest_gradient / eps)
+    shrinking = [(factor, text) for factor, text in gradient_scales if factor < 1]
+    if largest_gradient / eps < 1:
+        shrinking.append((largest_gradient / eps, f"optim.eps={eps:g} above the gradients (1e-8 is common)"))
+    shrunk_by = "; ".join(text for _, text in sorted(shrinking))
+    late = f"optim.warmup_steps={warmup} > trainer.max_steps={max_steps} (warm up within the run)"
+    total = lr * schedule_sum * shrink
+    if total < MIN_MOVE:
+        causes = "; ".join(filter(None, [shrunk_by, late if reached < 1 else ""])) or f"optim.lr={lr:g}"
+        raise ValueError(
+            f"nothing can be learned: over trainer.max_steps={max_steps} steps AdamW can move a weight by at most "
+            f"{total:.1e} in all, below float32's resolution of a weight of 0.02 ({MIN_MOVE:g}), because of: {causes}"
+        )
+    warnings = []
+    if reached < 1:
+        warnings.append(
+            f"optim.warmup_steps={warmup} > trainer.max_steps={max_steps}: the LR schedule never reaches its peak "
+            f"optim.lr={lr:g} (the last step uses {lr * reached:.3g}); set optim.warmup_steps <= {max_steps}"
+        )
+    if shrink < 1:
+        warnings.append(
+            f"every update is shrunk {1 / shrink:.3g}x below optim.lr (AdamW's step is lr * g / eps once gradients "
+            f"fall below optim.eps={eps:g}) by: {shrunk_by}"
+        )
+    return warnings
+
+
 @dataclass
 class TrainerConfig:
     """Attributes:
@@ -171,6 +231,9 @@ class TrainerConfig:
         ``token`` sum(l_t) / (label tokens); ``sample`` the mean over samples of each sample's token
         mean; ``sum`` sum(l_t) / ``loss_divisor``. DPO's loss is a mean over pairs: refused there.
     loss_divisor: the constant of ``sum`` (e.g. the tokens a global batch holds); only with ``sum``.
+    checkpoint_on_signal: on SIGTERM (a scheduler's preemption) or a first Ctrl-C, finish the
+        step in flight, write a checkpoint and stop (exit code 143 or 130); a second signal stops
+        at once (:mod:`automodel.training.signals`). False: Python's default (killed at once).
     """
 
     max_steps: int = 100
@@ -191,6 +254,7 @@ class TrainerConfig:
     tracking: TrackingConfig | dict | None = None
     loss_normalization: str = "token"
     loss_divisor: float | None = None
+    checkpoint_on_signal: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.tracking, TrackingConfig):
@@ -227,7 +291,7 @@ class TrainerConfig:
         _check(
             self.resume in RESUME_MODES, f"trainer.resume must be one of {RESUME_MODES}, got {self.resume!r}"
         )
-        for name in ("overwrite", "export_hf", "bf16_autocast", "progress_bar"):
+        for name in ("overwrite", "export_hf", "bf16_autocast", "progress_bar", "checkpoint_on_signal"):
             _check(
                 isinstance(getattr(self, name), bool),
                 f"trainer.{name} must be true or false, got {getattr(self, name)!r}",

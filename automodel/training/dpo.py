@@ -118,6 +118,10 @@ class DPORecipe(FinetuneRecipe):
         """Pairs are never split (a piece would lose its prompt): each side is cut by ``data.max_length``."""
         return self.data.build(self.tokenizer)
 
+    def _gradient_scales(self) -> list[tuple[float, str]]:
+        """beta scales the DPO loss's gradient (``0.5 * beta`` times the log-ratio's at the start)."""
+        return [*super()._gradient_scales(), (self.dpo.beta, f"dpo.beta={self.dpo.beta:g} (0.1 is common)")]
+
     @staticmethod
     def _pair_log_probs(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """``[P, 2]`` summed label log-probs of the micro-batch's pairs (chosen, rejected), and label counts."""

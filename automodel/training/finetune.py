@@ -28,15 +28,18 @@ from automodel.distributed.parallel import init_distributed
 from automodel.errors import ConfigError, DataError, ModelError, UserError
 from automodel.models import CausalLMForTraining, build_model, export_model
 from automodel.models.inputs import model_inputs
+from automodel.models.memory import available_memory, check_memory, memory_terms, model_sizes
 from automodel.models.parallelize import apply_fsdp
-from automodel.models.setup import check_max_positions, checkpoint_checks, config_checks
+from automodel.models.setup import check_max_positions, checkpoint_checks, config_checks, norm_gradient_scale
 from automodel.models.spec import ModelSpec
 from automodel.models.support import uses_dense_mask
 from automodel.training.checkpoint import Checkpointer, NonFiniteError
+from automodel.training.config import learning_checks
 from automodel.training.host_syncs import record_host_syncs
 from automodel.training.metrics import open_metrics_log, plot_loss_curve, read_metrics
 from automodel.training.model_card import write_adapter_card
 from automodel.training.run_dir import RECIPE, RunDirectory, check_ranks_agree
+from automodel.training.signals import StopOnSignal, TrainingStopped
 from automodel.training.validation import evaluate
 
 logger = logging.getLogger("automodel")
@@ -75,7 +78,16 @@ class FinetuneRecipe:
             raise ConfigError(str(error)) from None
         configure_console(self.dims.is_main)
         self._warn_no_validation_data()
+        # Before anything is written or built: sizes no machine holds, the model config, and the
+        # differential check on it (model.verify, cached)
+        with _as_user_error(ModelError):
+            self._check_memory()
         self._check_model_config()
+        # settings under which no weight can move are refused; ones that shrink every update, a warning
+        with _as_user_error(ConfigError):
+            scales = self._gradient_scales()
+            for warning in learning_checks(self.optim_config, self.trainer.max_steps, scales):
+                logger.warning("%s", warning)
         # Lock, resume checks and the saved recipe: all before any data or model work.
         self.run_dir = RunDirectory(self.output_dir, self.dims.rank)
         run_id, resume_from = self.run_dir.prepare(
@@ -105,6 +117,21 @@ class FinetuneRecipe:
         with _as_user_error(ConfigError):  # data.tokenizer: a path or name the recipe gives
             self.tokenizer = self.data.load_tokenizer(trust_remote_code=self.model_spec.trust_remote_code)
         self._check_checkpoint()
+        padding_idx = self.tokenizer.pad_token_id
+        env = LoaderEnv(
+            dp_rank=self.dims.dp_rank,
+            dp_size=self.dims.dp_size,
+            cp_size=self.dims.cp_size,
+            seed=self.trainer.seed,
+            padding_idx=padding_idx if padding_idx is not None else 0,
+        )
+        # the packing section against this run (pack size vs cp_size, cache_dir), before tokenizing
+        with _as_user_error(ConfigError):
+            self.batching.check_run(env)
+        # The model before the data work: a checkpoint's weights (NaN, tensors it has no place for), LoRA's
+        # targets and allocations fail before minutes of tokenizing and packing, not after
+        with _as_user_error(ModelError, (ValueError, OSError)):
+            self.model = self._build_model()
         # rank 0 fills the datasets cache, the others read it; a bad row raised in a worker process
         # of datasets.map arrives here as the worker's ValueError
         with _main_rank_first(self.dims.is_main), _as_user_error(DataError):
@@ -117,14 +144,6 @@ class FinetuneRecipe:
                     "the longest tokenized sample",
                     self.model_spec.exceed_max_positions,
                 )
-        padding_idx = self.tokenizer.pad_token_id
-        env = LoaderEnv(
-            dp_rank=self.dims.dp_rank,
-            dp_size=self.dims.dp_size,
-            cp_size=self.dims.cp_size,
-            seed=self.trainer.seed,
-            padding_idx=padding_idx if padding_idx is not None else 0,
-        )
         # No collective is open while packing: with packing.cache_dir one rank packs and the others
         # wait on the filesystem, so a long pack cannot trip the collective timeout.
         try:
@@ -136,9 +155,6 @@ class FinetuneRecipe:
             None if self.val_dataset is None else self.batching.build_eval(self.val_dataset, env)
         )
 
-        # a checkpoint without weights or not matching its config, bad LoRA targets
-        with _as_user_error(ModelError, (ValueError, OSError)):
-            self.model = self._build_model()
         self.optimizer, self.scheduler = self.optim_config.build(self.model, self.trainer.max_steps)
         self.checkpointer = Checkpointer(
             self.output_dir, self.trainer.keep_last, self.dims.rank, self.dims.world_size, run_id
@@ -169,6 +185,39 @@ class FinetuneRecipe:
             checkpoint_checks(
                 self.model_spec, self.hf_config, vocab_needed=len(self.tokenizer), lora=self.lora
             )
+
+    def _check_memory(self) -> None:
+        """The least memory this run needs per rank (:mod:`automodel.models.memory`) against the
+        machine's, from the config's sizes as given: before transformers builds anything from them."""
+        fields = self.model_spec.config_fields()
+        if fields is None:
+            return
+        row = self._row_tokens()
+        terms = memory_terms(
+            model_sizes(fields),
+            dtype_bytes=self.model_spec.torch_dtype.itemsize,
+            shards=self.dims.world_size,
+            tokens=row * getattr(self.batching, "micro_batch_size", 1) if row else None,
+            micro_batches=self.trainer.grad_accum_steps,
+            lora=self.lora,
+        )
+        check_memory(
+            terms,
+            available_memory(self.dims.device),
+            "lower the sizes it names (model.config or config.json of model.pretrained_path, packing, "
+            "trainer.grad_accum_steps, peft.rank), or spread the run over more ranks (FSDP2 shards the state)",
+        )
+
+    def _gradient_scales(self) -> list[tuple[float, str]]:
+        """The settings that scale every gradient of the objective (:func:`learning_checks`): the model
+        norms' epsilon, LoRA's ``alpha / rank``."""
+        scales = [scale] if (scale := norm_gradient_scale(self.hf_config)) else []
+        if self.lora is not None:
+            scales.append((
+                self.lora.alpha / self.lora.rank,
+                f"peft.alpha={self.lora.alpha:g} / peft.rank={self.lora.rank} (alpha = 2 x rank is common)",
+            ))  # fmt: skip
+        return scales
 
     def _warn_no_validation_data(self) -> None:
         """Say so when ``trainer.eval_every`` will never evaluate (a warning: a recipe's own
@@ -245,38 +294,46 @@ class FinetuneRecipe:
             unit="step",
             disable=not (self.dims.is_main and self.trainer.progress_bar and on_terminal()),
         )
-        while self.step < last_step:
-            record = self.train_step(list_host_syncs=self.step + 1 == self.trainer.sync_debug_step)
-            progress.update(1)
-            progress.set_postfix(loss=f"{record['loss']:.4f}")
-            validated = self._validation_due()
-            if validated:
-                record.update(self._validate())
-            if self.metrics is not None and (
-                self.step % self.trainer.log_every == 0 or self.step == last_step or validated
-            ):
-                self.metrics.write(record)
-                logger.info(
-                    "step %d/%d  loss %.4f  lr %.3g  grad_norm %.3f  %.0f real tok/s  fill %.1f%%",
-                    self.step,
-                    self.trainer.max_steps,
-                    record["loss"],
-                    record["lr"],
-                    record["grad_norm"],
-                    record["tokens_per_s"],
-                    100 * record["fill"],
-                )
-            every = self.trainer.checkpoint_every
-            if (every and self.step % every == 0) or self.step == last_step:
-                self.checkpointer.save(
-                    self.step,
-                    self.model,
-                    self.optimizer,
-                    self.scheduler,
-                    self.stream,
-                    self.dims.dp_size * self.trainer.grad_accum_steps,
-                    (self.dims.dp_size, self.dims.cp_size),
-                )
+        with StopOnSignal(self.trainer.checkpoint_on_signal) as stop:
+            while self.step < last_step:
+                record = self.train_step(list_host_syncs=self.step + 1 == self.trainer.sync_debug_step)
+                progress.update(1)
+                progress.set_postfix(loss=f"{record['loss']:.4f}")
+                validated = self._validation_due()
+                if validated:
+                    record.update(self._validate())
+                if self.metrics is not None and (
+                    self.step % self.trainer.log_every == 0 or self.step == last_step or validated
+                ):
+                    self.metrics.write(record)
+                    logger.info(
+                        "step %d/%d  loss %.4f  lr %.3g  grad_norm %.3f  %.0f real tok/s  fill %.1f%%",
+                        self.step,
+                        self.trainer.max_steps,
+                        record["loss"],
+                        record["lr"],
+                        record["grad_norm"],
+                        record["tokens_per_s"],
+                        100 * record["fill"],
+                    )
+                signalled = stop.agreed()  # every rank, every step: all stop after the same one
+                every = self.trainer.checkpoint_every
+                if (every and self.step % every == 0) or self.step == last_step or signalled:
+                    checkpoint = self.checkpointer.save(
+                        self.step,
+                        self.model,
+                        self.optimizer,
+                        self.scheduler,
+                        self.stream,
+                        self.dims.dp_size * self.trainer.grad_accum_steps,
+                        (self.dims.dp_size, self.dims.cp_size),
+                    )
+                    signalled = signalled or stop.agreed()  # one that came during the write: stop on it
+                if signalled:
+                    progress.close()
+                    stopped = TrainingStopped(signalled, self.step, checkpoint)
+                    logger.warning("%s", stopped)
+                    raise stopped
         progress.close()
         if self.step == self.trainer.max_steps:
             self._finish()

@@ -13,7 +13,8 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from automodel.errors import ConfigError
+from automodel.distributed.parallel import lost_peer, unanswered_ranks
+from automodel.errors import ConfigError, PeerLostError
 from automodel.training.dpo import DPORecipe
 from automodel.training.finetune import FinetuneRecipe
 from automodel.training.kd import KDRecipe
@@ -49,6 +50,31 @@ def run(cfg: DictConfig) -> FinetuneRecipe:
             recipe.train()
         dist.barrier()  # rank 0 may still be exporting; gloo aborts ranks whose peers tear down first
         failed = False
+    except RuntimeError as error:
+        if not lost_peer(error):
+            raise
+        raise _peer_lost(recipe, error) from None
     finally:
         recipe.cleanup(failed)
     return recipe
+
+
+def _peer_lost(recipe: FinetuneRecipe, error: RuntimeError) -> PeerLostError:
+    """The ranks that stopped answering, asked through the launch's store, in one line (gloo's own
+    message names a buffer or an address, never a rank)."""
+    step = getattr(recipe, "step", 0)
+    missing = unanswered_ranks(f"step-{step}")
+    parallel = getattr(recipe, "parallel_config", None)
+    minutes = getattr(parallel, "timeout_minutes", None)
+    waited = f" (parallel.timeout_minutes={minutes:g})" if minutes else ""
+    who = (
+        f"rank(s) {missing} did not answer: frozen, stopped or gone"
+        if missing
+        else "every rank answers the store now (a slow rank, or a network fault)"
+        if missing == []
+        else "the store of the launch does not answer either (rank 0 hosts it outside torchrun)"
+    )
+    return PeerLostError(
+        f"a collective after step {step} failed{waited}: {' '.join(str(error).split())[:160]}; {who}; restart "
+        "the job (the same command resumes from the newest checkpoint)"
+    )

@@ -65,6 +65,7 @@ MUTABLE_KEYS = (
     "trainer.export_hf",
     "trainer.progress_bar",
     "trainer.sync_debug_step",
+    "trainer.checkpoint_on_signal",
     "parallel.timeout_minutes",
     "parallel.cp_comm_type",
     "model.attention_backend",

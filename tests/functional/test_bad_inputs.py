@@ -196,6 +196,51 @@ RECIPE_CASES = [
         ["+model.config.rope_parameters={rope_type: nonexistent, rope_theta: 10000.0}"],
         "rope_type ['nonexistent'] is not a RoPE type transformers knows",
     ),
+    # an allocator traceback after tokenizing, packing and building, the field unnamed (issue 39)
+    (["model.config.vocab_size=1000000000000"], "embeddings vocab_size=1000000000000 x hidden_size=128"),
+    (["model.config.hidden_size=1000000000000"], "hidden_size=1000000000000"),
+    (["model.config.intermediate_size=1000000000000"], "intermediate_size=1000000000000"),
+    (["model.config.head_dim=1000000000000"], "x head_dim=1000000000000 x 2: training state"),
+    (["+peft=lora", "peft.rank=1000000000000"], "LoRA adapters peft.rank=1000000000000"),
+    (
+        ["+peft=lora", "peft.target_modules=[qproj]"],
+        "peft.target_modules=['qproj']: no module of LlamaForCausalLM",
+    ),
+    # wrong fixes and raw tracebacks (issue 39): "set data.max_length <= -1", "write it as that type" for a
+    # value, transformers' padding_idx assertion, torch's AttributeError, timedelta's OverflowError, Hydra's
+    # InterpolationKeyError
+    (
+        ["model.config.max_position_embeddings=0"],
+        "max_position_embeddings=0 in model.config: must be at least 1",
+    ),
+    (
+        ["model.config.max_position_embeddings=-1"],
+        "max_position_embeddings=-1 in model.config: must be at least 1",
+    ),
+    (
+        ["+model.config.layer_types=[bogus,bogus,bogus,bogus]"],
+        "but got ['bogus', 'bogus', 'bogus', 'bogus']; fix that value in model.config",
+    ),
+    (
+        ["+model.config.pad_token_id=99999"],
+        "pad_token_id=99999 in the model config: token ids are in [0, vocab_size=512)",
+    ),
+    (
+        ["+model.config.dtype=float8_bogus"],
+        "model.config: AttributeError: module 'torch' has no attribute 'float8_bogus'; fix",
+    ),
+    (
+        ["parallel.timeout_minutes=1e30"],
+        "parallel.timeout_minutes must be a positive number up to 10080 (a week)",
+    ),
+    (["~trainer"], "override '~trainer' deletes the trainer section, which every recipe needs"),
+    # runs that learned nothing and ended with exit 0 (issue 39): every update below float32's resolution
+    (["optim.eps=1e30"], "nothing can be learned: over trainer.max_steps=2 steps AdamW can move a weight"),
+    (["model.config.rms_norm_eps=1e30"], "rms_norm_eps=1e+30 in the model config, which scales"),
+    (["optim.warmup_steps=1000000000000"], "optim.warmup_steps=1000000000000 > trainer.max_steps=2"),
+    (["+peft=lora", "peft.alpha=1e-30"], "peft.alpha=1e-30 / peft.rank=8"),
+    # the NaN at step 1 was blamed on optim.lr
+    (["optim.weight_decay=1e9"], "optim.weight_decay=1000000000.0 with optim.lr=0.002: AdamW multiplies"),
     # model types the differential check refused, and a feature the backend lacks (supported.json)
     (["model.config.model_type=bart"], "model_type 'bart' (model.pretrained_path / model.config) is refused"),
     (["model.config.model_type=bloom"], "AttentionInterface"),
@@ -264,6 +309,16 @@ def _checkpoint_dir(tmp_path: Path, weights: str, **config) -> Path:
         tensors = safetensors.torch.load_file(weights_file)
         tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int8)
         safetensors.torch.save_file(tensors, weights_file, metadata={"format": "pt"})
+    elif weights == "nan":  # one NaN in one weight
+        tensors = safetensors.torch.load_file(weights_file)
+        tensors["model.layers.1.mlp.down_proj.weight"][3, 5] = float("nan")
+        safetensors.torch.save_file(tensors, weights_file, metadata={"format": "pt"})
+    elif weights == "extra":  # a tensor the model has no place for (another architecture's)
+        tensors = safetensors.torch.load_file(weights_file)
+        tensors["model.layers.0.self_attn.q_norm.weight"] = torch.ones(16)
+        safetensors.torch.save_file(tensors, weights_file, metadata={"format": "pt"})
+    elif weights == "index without weight_map":
+        (directory / "model.safetensors.index.json").write_text('{"metadata": {"total_size": 3400000}}')
     if config:
         file = directory / "config.json"
         file.write_text(json.dumps({**json.loads(file.read_text()), **config}))
@@ -273,6 +328,16 @@ def _checkpoint_dir(tmp_path: Path, weights: str, **config) -> Path:
 def _source(tmp_path: Path, content: bytes) -> list[str]:
     (tmp_path / "data.jsonl").write_bytes(content)
     return [f"data.source={tmp_path / 'data.jsonl'}"]
+
+
+def _file(path: Path, content: bytes) -> Path:
+    path.write_bytes(content)
+    return path
+
+
+def _without(directory: Path, name: str) -> Path:
+    (directory / name).unlink()
+    return directory
 
 
 def _checkpoint(tmp_path: Path, weights: str, **config) -> list[str]:
@@ -303,6 +368,26 @@ FILE_CASES = {
     "integer weight tensor": (lambda t: _checkpoint(t, "integer"), "'model.norm.weight' in model.safetensors is stored as I8"),
     "quantization_config in config.json": (
         lambda t: _checkpoint(t, "good", quantization_config={"quant_method": "fp8"}), "quant_method 'fp8'"),
+    # a wrong fix and a KeyError (issue 39): "install sentencepiece"; stored_tensors' KeyError
+    "a tokenizer directory without its vocabulary": (
+        lambda t: [f"data.tokenizer={_without(_tokenizer_dir(t), 'tokenizer.json')}"],
+        "the directory holds no tokenizer file (tokenizer.json, *.model"),
+    "an index json without weight_map": (
+        lambda t: _checkpoint(t, "index without weight_map"),
+        "model.safetensors.index.json has no weight_map of tensor names to file names"),
+    # these fired after tokenizing and packing (issue 39)
+    "a NaN weight in the checkpoint": (
+        lambda t: _checkpoint(t, "nan"), "tensor(s) ['model.layers.1.mlp.down_proj.weight'] hold NaN or inf"),
+    "a tensor the model has no place for": (
+        lambda t: _checkpoint(t, "extra"),
+        "hold 1 tensors the llama model built from its config.json has no place for, first "
+        "['model.layers.0.self_attn.q_norm.weight']"),
+    "packing.cache_dir that is a file": (
+        lambda t: [f"packing.cache_dir={_file(t / 'cache', b'')}"], "packing.cache_dir='"),
+    # trained as Gemma (step-1 loss 6.0630, not 5.7807): Llama's names and shapes, another norm and embedding scale
+    "model_type gemma over Llama weights": (
+        lambda t: _checkpoint(t, "good", model_type="gemma"),
+        "says model_type 'gemma' but architectures ['LlamaForCausalLM'] (the class that saved the weights)"),
 }  # fmt: skip
 
 
@@ -509,12 +594,39 @@ def test_a_bad_input_to_a_public_function_fails_naming_the_field_before_packing(
     assert data_work == []
 
 
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["model.config.num_hidden_layers=1000000000000"], "num_hidden_layers=1000000000000"),
+        (["packing.packed_sequence_size=1000000000000"], "a micro-batch of 1000000000000 tokens"),
+        (["trainer.grad_accum_steps=1000000000000"], "the step's 1000000000000 micro-batches"),
+    ],
+)
+def test_a_size_no_machine_holds_is_named_before_any_work_instead_of_hanging(
+    tmp_path, data_work, overrides, named
+):
+    """These hung: building 1e12 layers, checking a row of 1e12 tokens, a step of 1e12 micro-batches.
+    The memory a run needs at least (automodel.models.memory) is refused against the machine's."""
+    previous = signal.signal(signal.SIGALRM, _hung)
+    signal.alarm(300)
+    try:
+        with pytest.raises(
+            ConfigError, match=r"this run needs at least [\d.e+]+ (PiB|GiB) per rank, more than"
+        ) as error:
+            run(load_recipe("tiny_llama_sft", [*FAST, f"trainer.output_dir={tmp_path / 'run'}", *overrides]))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert named in str(error.value), str(error.value)
+    assert data_work == [] and not (tmp_path / "run").exists()
+
+
 def test_the_battery_has_at_least_40_cases():
     assert len(RECIPE_CASES) + len(FUNCTION_CASES) >= 40
 
 
 def _hung(signum, frame):
-    raise TimeoutError("blocked reading the FIFO")
+    raise TimeoutError("hung: blocked reading a FIFO, or a size no machine holds")
 
 
 def test_a_fifo_as_data_source_is_refused_not_read_forever(tmp_path, data_work):
@@ -567,6 +679,15 @@ DPO_FAST = [
 def test_a_dpo_beta_that_overflows_step_1_is_refused_at_setup(tmp_path):
     with pytest.raises(ConfigError, match=r"dpo.beta must be a positive number up to 1000 .*got 1e\+30"):
         run(load_recipe("tiny_llama_dpo", [*DPO_FAST, f"trainer.output_dir={tmp_path}", "dpo.beta=1e30"]))
+
+
+def test_a_dpo_beta_under_which_nothing_is_learned_is_refused_at_setup(tmp_path):
+    """dpo.beta=1e-30 trained 2 steps with exit 0: every gradient 1e-30 of its size, below AdamW's eps."""
+    with pytest.raises(
+        ConfigError, match=r"nothing can be learned: .* because of: dpo.beta=1e-30 \(0.1 is common\)"
+    ):
+        run(load_recipe("tiny_llama_dpo", [*DPO_FAST, f"trainer.output_dir={tmp_path}", "dpo.beta=1e-30"]))
+    assert not (tmp_path / "metrics.jsonl").exists()
 
 
 def test_dpo_samples_longer_than_max_position_embeddings_are_refused_before_the_model(tmp_path):
@@ -1122,3 +1243,135 @@ def test_data_samples_must_not_be_negative(capsys):
         main(["data", "tiny_llama_sft", "--samples", "-1"])
     assert exit_.value.code == 2
     assert "argument --samples: must be 0 or more, got -1" in capsys.readouterr().err
+
+
+# ---- issue 39: raw tracebacks and wrong fixes left after the second battery ----------------------------
+
+
+def test_a_mix_weight_that_no_dataset_holds_is_named_before_tokenizing(tmp_path):
+    """weight 1e12 tiled the source's rows 1e12 times: an allocator traceback, after tokenizing."""
+    recipe = [o for o in FAST if not o.startswith("data.")] + [
+        f"trainer.output_dir={tmp_path}", "data=mix", "data.tokenizer=tiny",
+        "data.sources=[{source: tiny_sft, weight: 1e12}]",
+    ]  # fmt: skip
+    with pytest.raises(
+        DataError, match=r"data.weight=1e\+12 for source 'tiny_sft': \d+ rows x 1e\+12 = [\d.]+e\+1\d"
+    ):
+        run(load_recipe("tiny_llama_sft", recipe))
+
+
+def test_a_row_nested_too_deep_is_a_bad_row_named_by_its_line(tmp_path):
+    """json's RecursionError was a traceback; now the row is bad like any other (line 2)."""
+    rows = [json.dumps(ROW), "[" * 100_000 + "]" * 100_000, json.dumps(ROW)]
+    (tmp_path / "data.jsonl").write_text("\n".join(rows) + "\n")
+    recipe = [*FAST, f"trainer.output_dir={tmp_path / 'run'}", f"data.source={tmp_path / 'data.jsonl'}"]
+    with pytest.raises(DataError, match=r"data.jsonl line 2: .*nested deeper than 64 levels"):
+        run(load_recipe("tiny_llama_sft", recipe))
+
+
+def test_a_text_line_too_long_to_tokenize_is_named(tmp_path):
+    """A 200 MB one-line .txt ended in datasets' 'subprocess abruptly died' (a worker out of memory)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("short line\n" + "x" * (2**24 + 1) + "\nanother line\n")
+    recipe = ["data=text", f"data.source={corpus}", "data.tokenizer=tiny", "packing.packed_sequence_size=256",
+              "trainer.progress_bar=false", "trainer.export_hf=false", f"trainer.output_dir={tmp_path / 'run'}"]  # fmt: skip
+    with pytest.raises(
+        DataError, match=r"corpus.txt line 2: a sample of 16,777,217 characters, more than 16,777,216"
+    ):
+        run(load_recipe("tiny_llama_sft", recipe))
+
+
+@pytest.mark.skipif(not Path("/sys/kernel").is_dir(), reason="needs a read-only /sys (Linux)")
+def test_a_read_only_hugging_face_cache_names_hf_home_not_the_output_dir(tmp_path):
+    """Was 'fix its permissions or point trainer.output_dir (and packing.cache_dir) elsewhere'. A process
+    of its own: datasets reads HF_HOME when imported."""
+    (tmp_path / "data.csv").write_text(
+        "prompt,completion\n" + "".join(f"{i} plus 1?, {i + 1}\n" for i in range(64))
+    )
+    env = {**os.environ, "HF_HOME": "/sys/kernel/automodel_hf"}  # nothing can be created there, root or not
+    env.pop("HF_DATASETS_CACHE", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "automodel", "finetune", "tiny_llama_sft", *FAST, f"trainer.output_dir={tmp_path / 'run'}",
+         f"data.source={tmp_path / 'data.csv'}"],
+        cwd=Path(__file__).parents[2], env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "the Hugging Face cache /sys/kernel/automodel_hf is not writable: set HF_HOME" in result.stderr
+    assert "trainer.output_dir" not in result.stderr and "Traceback" not in result.stderr
+
+
+AUTOMODEL_TORCHRUN = [sys.executable, "-m", "automodel", "torchrun", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                      "--rdzv-endpoint", "127.0.0.1:0"]  # fmt: skip
+
+
+def test_under_torchrun_an_input_error_prints_once_and_the_launch_exits_2(tmp_path):
+    """Each rank printed it, then torchrun's ChildFailedError traceback, exit 1. The pack size against
+    parallel.cp_size=2 (it fired after tokenizing and packing) is checked before any data work."""
+    result = subprocess.run(
+        [*AUTOMODEL_TORCHRUN, "finetune", "tiny_llama_sft", *FAST, f"trainer.output_dir={tmp_path / 'run'}",
+         "parallel.cp_size=2", "packing.packed_sequence_size=258"],
+        cwd=Path(__file__).parents[2], env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+        timeout=900,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-4000:]
+    message = "packing.packed_sequence_size=258 must be a multiple of 2*cp_size=4 (parallel.cp_size=2)"
+    assert output.count(message) == 1, output[-4000:]
+    assert "Traceback" not in output and "ChildFailedError" not in output, output[-4000:]
+    assert "tokenized" not in output and "pack_dataset" not in output
+
+
+def test_a_rank_that_never_joins_is_one_line(tmp_path):
+    """RANK=0 of WORLD_SIZE=2, and no rank 1: torch's DistStoreError traceback after the timeout."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "automodel", "finetune", "tiny_llama_sft", *FAST, "parallel.timeout_minutes=0.1",
+         f"trainer.output_dir={tmp_path / 'run'}"],
+        cwd=Path(__file__).parents[2], env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert (
+        f"rank 0 of WORLD_SIZE=2 waited 0.1 minute(s) (parallel.timeout_minutes) at 127.0.0.1:{port} for the other "
+        "ranks, which did not all join"
+    ) in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+
+
+def test_a_frozen_rank_is_named_by_the_ranks_that_answer(tmp_path):
+    """SIGSTOP of rank 1 mid-run: gloo's timeout was a traceback naming a buffer, not the rank."""
+    import psutil
+
+    process = subprocess.Popen(
+        [*AUTOMODEL_TORCHRUN, "finetune", "tiny_llama_sft", *FAST, f"trainer.output_dir={tmp_path / 'run'}",
+         "trainer.max_steps=50", "parallel.timeout_minutes=0.5"],
+        cwd=Path(__file__).parents[2], env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    lines, frozen = [], None
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            if "step 3/50" in line and frozen is None:
+                workers = psutil.Process(process.pid).children(recursive=True)
+                (frozen,) = [p for p in workers if p.environ().get("RANK") == "1"]
+                frozen.suspend()
+        process.wait(timeout=600)
+    finally:
+        if frozen is not None:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                frozen.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    output = "".join(lines)
+    assert frozen is not None, output[-4000:]
+    assert process.returncode == 1, output[-4000:]
+    assert re.search(
+        r"automodel finetune: a collective after step \d+ failed \(parallel.timeout_minutes=0.5\): .*; rank\(s\) \[1\] "
+        r"did not answer: frozen, stopped or gone; restart the job",
+        output,
+    ), output[-4000:]
+    assert "Traceback" not in output, output[-4000:]

@@ -133,7 +133,9 @@ def test_a_verified_config_is_cached_and_a_damaged_cache_file_is_checked_again(t
         assert verdict(config, tmp_path, sample_tokens=12) == first
     messages = [r.getMessage() for r in caplog.records]
     assert first["status"] == "verified"
-    assert sum("checking this config" in m for m in messages) == 2  # the first run and the damaged file
+    assert (
+        sum("checking this config's packed step" in m for m in messages) == 2
+    )  # the first run and the damaged file
     assert sum("exactness verified for this config" in m and "cached" in m for m in messages) == 1
     # another sample length is another check; a refusal is not cached (the run stops, and may retry)
     verdict(config, tmp_path, sample_tokens=13)
