@@ -51,15 +51,13 @@ USAGE = """automodel <command> [...]    (automodel --version; --debug: traceback
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv or os.environ.get("AUTOMODEL_DEBUG", "") not in ("", "0")
-    if debug:  # for the ranks `automodel torchrun` starts
-        os.environ["AUTOMODEL_DEBUG"] = "1"
     argv = [a for a in argv if a != "--debug"]
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     try:
-        return _dispatch(command, rest, argv)
+        return _dispatch(command, rest, argv, debug)
     except UserError as error:  # the user's input: one line; the project's own bugs keep their traceback
         if debug:
             raise
@@ -132,7 +130,7 @@ def _first_to_report(message: str) -> bool:
         return True
 
 
-def _torchrun(argv: list[str]) -> int:
+def _torchrun(argv: list[str], debug: bool = False) -> int:
     """``automodel torchrun [torchrun options] COMMAND [ARGS...]``: ``torchrun ... -m automodel COMMAND
     ARGS`` run in this process, with automodel's exit codes: 2 when a rank stopped on an input error
     (printed once, by the first rank), 143/130 when the ranks stopped on a signal after their
@@ -150,6 +148,9 @@ def _torchrun(argv: list[str]) -> int:
     args.module, args.no_python = True, False
     args.training_script_args = [args.training_script, *args.training_script_args]
     args.training_script = "automodel"
+    debug_before = os.environ.get("AUTOMODEL_DEBUG")
+    if debug:  # the ranks inherit the environment: each shows its traceback too
+        os.environ["AUTOMODEL_DEBUG"] = "1"
     try:
         run(args)
     except ChildFailedError as error:
@@ -167,10 +168,15 @@ def _torchrun(argv: list[str]) -> int:
         print(f"automodel torchrun: the ranks did not meet: {_one_line(error)}; start the same command on every "
               "node (--node-rank 0 .. --nnodes - 1) with the same --rdzv-endpoint", file=sys.stderr)  # fmt: skip
         return 2
+    finally:
+        if debug_before is None:
+            os.environ.pop("AUTOMODEL_DEBUG", None)
+        else:
+            os.environ["AUTOMODEL_DEBUG"] = debug_before
     return 0
 
 
-def _dispatch(command: str, rest: list[str], argv: list[str]) -> int:
+def _dispatch(command: str, rest: list[str], argv: list[str], debug: bool = False) -> int:
     if command == "--version":
         from automodel import __version__
 
@@ -189,7 +195,7 @@ def _dispatch(command: str, rest: list[str], argv: list[str]) -> int:
 
         return run_benchmark(rest[0], rest[1:])
     if command == "torchrun":
-        return _torchrun(rest)
+        return _torchrun(rest, debug)
     if command == "families":
         from automodel.models.support import main as families
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto import modeling_auto
@@ -178,6 +179,22 @@ def _types_of_classes() -> dict[str, set[str]]:
     return types
 
 
+def _types_of_class(architecture: str) -> set[str]:
+    """The ``model_type``s a checkpoint saved by transformers' class ``architecture`` may carry: those
+    the auto tables map to it, and its own config class's (a composite model's text part saves
+    ``emu3_text_model`` from ``Emu3ForCausalLM``, which the tables list under ``emu3``); empty for a
+    class transformers does not know."""
+    types = set(_types_of_classes().get(architecture, ()))
+    if types:
+        try:
+            config_class = getattr(getattr(transformers, architecture), "config_class", None)
+        except (AttributeError, ImportError, RuntimeError):  # a class whose module cannot import here
+            config_class = None
+        if isinstance(getattr(config_class, "model_type", None), str) and config_class.model_type:
+            types.add(config_class.model_type)
+    return types
+
+
 def check_architectures(document: dict, where: str) -> None:
     """ValueError when a checkpoint's config.json names a ``model_type`` that none of its
     ``architectures`` (the transformers classes that saved the weights) belongs to: Llama weights
@@ -187,7 +204,7 @@ def check_architectures(document: dict, where: str) -> None:
     if not isinstance(model_type, str) or not isinstance(architectures, list):
         return
     for architecture in architectures:
-        owners = _types_of_classes().get(architecture) if isinstance(architecture, str) else None
+        owners = _types_of_class(architecture) if isinstance(architecture, str) else None
         if owners and model_type not in owners:
             likely = min(
                 owners, key=lambda t: (not architecture.lower().startswith(re.sub(r"[\W_]", "", t)), t)

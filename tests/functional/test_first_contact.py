@@ -73,6 +73,7 @@ def test_an_input_error_is_one_line_with_exit_code_2(tmp_path, capfd, kind):
 def test_debug_shows_the_traceback_of_an_input_error(monkeypatch):
     with pytest.raises(ConfigError, match="optim.lr"):
         main(["finetune", "tiny_llama_sft", "optim.lr=-1", "--debug"])
+    assert "AUTOMODEL_DEBUG" not in os.environ  # --debug is this call's, not every later command's
     monkeypatch.setenv("AUTOMODEL_DEBUG", "1")
     with pytest.raises(ConfigError, match="optim.lr"):
         main(["finetune", "tiny_llama_sft", "optim.lr=-1"])

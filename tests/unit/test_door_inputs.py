@@ -19,6 +19,7 @@ from automodel.data.sft import load_tokenizer, tokenize_sft_dataset
 from automodel.data.sft_data import MAX_SAMPLES, DataSource
 from automodel.data.sources import MAX_JSON_DEPTH, load_sft_source, txt_rows
 from automodel.errors import DataError
+from automodel.models.spec import check_architectures
 
 ROW = {"prompt": "a", "completion": " b"}
 
@@ -143,3 +144,26 @@ def test_automodel_torchrun_without_a_command_is_usage_exit_2(capsys):
     assert main(["torchrun"]) == 2
     assert "automodel torchrun [torchrun options] COMMAND" in capsys.readouterr().out
     assert main(["torchrun", "--help"]) == 0
+
+
+@pytest.mark.parametrize(
+    "model_type, architecture, refused",
+    [
+        ("llama", "LlamaForCausalLM", False),
+        ("gemma", "LlamaForCausalLM", True),  # Llama weights would train as Gemma
+        (
+            "emu3_text_model",
+            "Emu3ForCausalLM",
+            False,
+        ),  # a composite model's text part: its class's own config
+        ("mllama_text_model", "MllamaForCausalLM", False),
+        ("llama", "MyOwnForCausalLM", False),  # a class transformers does not know is not judged here
+    ],
+)
+def test_model_type_against_the_class_that_saved_the_weights(model_type, architecture, refused):
+    document = {"model_type": model_type, "architectures": [architecture]}
+    if refused:
+        with pytest.raises(ValueError, match=rf"says model_type '{model_type}' but architectures"):
+            check_architectures(document, "config.json")
+    else:
+        check_architectures(document, "config.json")
