@@ -14,7 +14,12 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from automodel.data import pack_dataset
-from automodel.data.sft import load_tokenizer, shift_for_next_token, tokenize_sft_dataset
+from automodel.data.sft import (
+    load_tokenizer,
+    shift_for_next_token,
+    tokenize_sft_dataset,
+    tokenizer_disagreements,
+)
 from automodel.data.sources import load_sft_source
 
 # A word-level tokenizer whose ids can be read off by hand.
@@ -234,11 +239,38 @@ def test_fallback_equals_generation_markers_property(tiny, batch):
         assert tiny.decode(learned) == expected
 
 
-def test_fallback_rejects_a_template_that_is_not_prefix_stable():
-    # The message count written up front changes with every prefix of the conversation.
-    template = "{{ messages | length }}" + strip_generation_tags(WORD_TEMPLATE)
+def test_fallback_finds_turns_after_a_block_the_prompt_has_elsewhere():
+    # The template writes the system prompt with the last user message (as Mistral's does): the
+    # prompt of turn 2 holds it where the whole conversation does not, and the turn is still found.
+    template = (
+        "{{ bos_token }}{% set ns = namespace(last=-1) %}"
+        "{% for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+        "{% for m in messages %}{% if m.role != 'system' %} "
+        "{% if loop.index0 == ns.last %}SYSTEM: {{ messages[0].content }} {% endif %}"
+        "{{ m.role | upper }}: {{ m.content }}{% if m.role == 'assistant' %} {{ eos_token }}{% endif %}"
+        "{% endif %}{% endfor %}{% if add_generation_prompt %} ASSISTANT:{% endif %}"
+    )
     dataset = datasets.Dataset.from_dict({"messages": [CONVERSATION]})
-    with pytest.raises(ValueError, match="generation"):
+    (row,) = rows(tokenize_sft_dataset(dataset, word_tokenizer(template), format="messages"))
+    # <s> USER: what is two plus two ASSISTANT: four </s> SYSTEM: be brief USER: thanks ASSISTANT: ok </s>
+    assert row["labels"] == [4, 6, 7, 8, 9, 8, 5, 10, 2, 3, 11, 12, 4, 13, 5, 14, 2]
+    assert row["loss_mask"] == [0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1]
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ messages | length }}"
+        + strip_generation_tags(WORD_TEMPLATE),  # a count that changes with every prefix
+        strip_generation_tags(WORD_TEMPLATE).replace("in messages", "in messages | reverse"),  # last to first
+    ],
+    ids=["count", "reversed"],
+)
+def test_fallback_names_the_row_whose_turns_cannot_be_located(template):
+    dataset = datasets.Dataset.from_dict({"messages": [CONVERSATION[:3], CONVERSATION]})
+    with pytest.raises(
+        ValueError, match=r"row [12]: field 'messages' .*message [24]: .* add \{% generation %\}"
+    ):
         tokenize_sft_dataset(dataset, word_tokenizer(template), format="messages")
 
 
@@ -333,9 +365,8 @@ def chat(*messages) -> list[dict]:
 @pytest.mark.parametrize(
     ("conversations", "match"),
     [
-        ([chat(("user", "what is")), chat(("human", "what is"), ("assistant", "four"))], r"row 2: field 'messages'.*role 'human'"),
         ([chat(("assistant", "four"), ("user", "ok"))], r"row 1: field 'messages'.*starts with an assistant"),
-        ([chat(("user", "what"), ("assistant", "four")), chat(("user", "is"), ("assistant", ""))], r"row 2: field 'messages'.*assistant message is empty"),
+        ([chat(("user", "what"), ("assistant", "four")), chat(("user", "is"), ("assistant", ""))], r"row 2: field 'messages'.*assistant message is empty \(no content, tool_calls or reasoning\)"),
         ([chat(("user", "what"), ("assistant", "four")), []], r"row 2: field 'messages'.*must be a non-empty list"),
         ([chat(("user", "what"), ("assistant", "four")), chat(("user", None), ("assistant", "ok"))], r"row 2: field 'messages'.*message 0 \(user\) has no 'content' \(missing or null\)"),
         (["what is two plus two"], r"row 1: field 'messages'.*must be a non-empty list"),
@@ -345,6 +376,27 @@ def test_bad_messages_input(conversations, match):
     dataset = datasets.Dataset.from_dict({"messages": conversations})
     with pytest.raises(ValueError, match=match):
         tokenize_sft_dataset(dataset, word_tokenizer(), format="messages")
+
+
+def test_a_role_is_used_where_the_template_renders_it():
+    """A role other than system/user/assistant is taken when the template renders it (the word template
+    writes any role), and named with its row where the template fails on it (the tiny one raises) or
+    drops it; a tool's output is never learned."""
+    conversation = [*chat(("user", "what is two plus two"), ("tool", "four"), ("assistant", "four"))]
+    dataset = datasets.Dataset.from_dict({"messages": [conversation]})
+    (row,) = rows(tokenize_sft_dataset(dataset, word_tokenizer(), format="messages"))
+    # <s> USER: what is two plus two TOOL: four ASSISTANT: four </s>  ("TOOL:" is unknown: 15)
+    assert row["input_ids"] == [1, 4, 6, 7, 8, 9, 8, 15, 10, 5, 10]
+    assert row["loss_mask"] == [0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1]  # the tool's "four" is not learned
+    bad = datasets.Dataset.from_dict({"messages": [chat(("user", "hi"), ("assistant", "ok")), conversation]})
+    with pytest.raises(ValueError, match=r"row 2: field 'messages' .*message 1: role 'tool': the chat template "
+                       r"fails on it \(TemplateError: role must be system, user or assistant, got tool\)"):  # fmt: skip
+        tokenize_sft_dataset(bad, load_tokenizer("tiny"), format="messages")
+    dropping = WORD_TEMPLATE.replace("{% for m in messages %}", "{% for m in messages if m.role != 'tool' %}")
+    with pytest.raises(
+        ValueError, match=r"row 2: .*message 1: role 'tool' is not rendered by the chat template"
+    ):
+        tokenize_sft_dataset(bad, word_tokenizer(dropping), format="messages")
 
 
 def test_prompt_completion_needs_an_eos_token():
@@ -404,3 +456,15 @@ def test_tiny_sft_to_packs_learns_only_completions(tiny, tmp_path, format):
         learned = sample_labels[:-1] != -100  # a learned label is the next input token: the shift survived
         assert (sample_labels[:-1][learned] == next_inputs[learned]).all()
     assert (labels[~in_sample] == -100).all()  # padding is never learned
+
+
+def test_tokenizer_disagreements_name_what_a_model_would_read_otherwise(tiny):
+    assert tokenizer_disagreements(tiny, load_tokenizer("tiny")) == []
+    assert tokenizer_disagreements(tiny, load_tokenizer("tiny_tools")) == [
+        "bos_token '<|bos|>' vs None",
+        "eos_token '<|eos|>' vs '<|im_end|>'",
+        "another chat template",
+    ]
+    smaller = load_tokenizer("tiny")
+    smaller.add_tokens(["<extra>"])
+    assert tokenizer_disagreements(tiny, smaller) == ["512 vs 513 tokens"]
