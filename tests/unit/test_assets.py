@@ -36,6 +36,9 @@ def test_regeneration_reproduces_the_shipped_files(tmp_path):
         "tiny_sft.jsonl",
         "tiny_tokenizer/tokenizer.json",
         "tiny_tokenizer/tokenizer_config.json",
+        "tiny_tools.jsonl",
+        "tiny_tools_tokenizer/tokenizer.json",
+        "tiny_tools_tokenizer/tokenizer_config.json",
     ]
     for path in written:
         shipped = ASSETS_DIR / path.relative_to(tmp_path)
