@@ -341,7 +341,11 @@ COMMON_KEYS = (
         "model.pretrained_path, model.dtype",
         "a local HF checkpoint (model=hf_checkpoint); float32 or bfloat16",
     ),
-    ("data.source, data.format, data.tokenizer", "file/dir/glob/Hub id; messages, sharegpt, alpaca, ..."),
+    (
+        "data.source, data.format, data.tokenizer",
+        "file/dir/glob/Hub id; messages, sharegpt, ...; null: the checkpoint's",
+    ),
+    ("data.assistant_turns, data.reasoning", "chat: all or last turns learn; learn or mask reasoning traces"),
     ("data.max_length, data.long_samples", "the most tokens per sample; split | truncate | drop longer ones"),
     ("data.val_fraction, data.num_proc", "hold out for validation; tokenizing processes"),
     ("packing.packed_sequence_size, packing.micro_batch_size", "tokens per pack, packs per micro-batch"),

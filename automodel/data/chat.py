@@ -343,17 +343,22 @@ def turn_start(prompt: str, text: str) -> int | None:
 # -- encoding: one conversation -> ids, mask (and token kinds) ---------------------------------------------
 
 
-def encode_chat(
-    chat: Chat,
-    tokenizer: PreTrainedTokenizerBase,
-    policy: ChatPolicy,
-    facts: TemplateFacts,
-    field: str,
-    token_kinds: bool = False,
-) -> tuple[list[int], list[int], list[int] | None]:
-    """``(ids, mask, kinds)`` of one conversation (module docstring); ``mask`` is 1 on the tokens to
-    learn, ``kinds`` (when asked for) says what each token is (:data:`LEARNED`, :data:`TOOL_OUTPUT`...).
-    BadRow naming ``field`` when the template fails on the row or its turns cannot be located."""
+@dataclass(frozen=True)
+class RenderedChat:
+    """A conversation rendered by its template (``blocks``: the ``{% generation %}`` spans, if any),
+    waiting for its tokens (``tokenize_sft_dataset`` tokenizes a batch of them at once)."""
+
+    chat: Chat
+    template: _Template
+    text: str
+    blocks: list[tuple[int, int]]
+
+
+def render_chat(
+    chat: Chat, tokenizer: PreTrainedTokenizerBase, facts: TemplateFacts, field: str
+) -> RenderedChat:
+    """Check the roles against the template and render the conversation; BadRow naming ``field`` when
+    the template fails on the row."""
     template = _Template(tokenizer, chat.tools)
     _check_roles(chat, template, field)
     try:
@@ -362,20 +367,52 @@ def encode_chat(
         )
     except Exception as error:  # noqa: BLE001 - the template's own code on this row's data
         raise BadRow(field, f"the chat template fails on this conversation ({_reason(error)})") from None
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = encoded["input_ids"]
-    offsets = np.asarray(encoded["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+    return RenderedChat(chat, template, text, blocks)
+
+
+def mask_chat(
+    rendered: RenderedChat,
+    ids: list[int],
+    offsets: list[tuple[int, int]],
+    policy: ChatPolicy,
+    facts: TemplateFacts,
+    field: str,
+    token_kinds: bool = False,
+) -> tuple[list[int], list[int] | None]:
+    """``(mask, kinds)`` of a rendered conversation whose tokens are ``ids`` (their character
+    ``offsets``): ``mask`` is 1 on the tokens to learn (module docstring), ``kinds`` (when asked for)
+    says what each token is (:data:`LEARNED`, :data:`TOOL_OUTPUT`...). BadRow naming ``field`` when
+    the assistant turns cannot be located."""
+    chat, template, text = rendered.chat, rendered.template, rendered.text
+    offsets_N2 = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
     if facts.marked:
-        turns = _marked_turns(chat, template, text, blocks, field)
+        turns = _marked_turns(chat, template, text, rendered.blocks, field)
     else:
         specials = [
-            (int(s), int(e), t) for t, (s, e) in zip(ids, offsets, strict=True) if t in facts.special_ids
+            (int(s), int(e), t) for t, (s, e) in zip(ids, offsets_N2, strict=True) if t in facts.special_ids
         ]
         turns = _located_turns(chat, template, text, specials, facts.turn_ends, field)
     learned, reasoning = _learned_regions(chat, template, text, turns, policy, token_kinds)
-    mask = _covered(offsets, learned)
-    kinds = _kinds(chat, template, text, offsets, mask, turns, reasoning) if token_kinds else None
-    return ids, mask.astype(np.int8).tolist(), kinds
+    mask = _covered(offsets_N2, learned)
+    kinds = _kinds(chat, template, text, offsets_N2, mask, turns, reasoning) if token_kinds else None
+    return mask.astype(np.int8).tolist(), kinds
+
+
+def encode_chat(
+    chat: Chat,
+    tokenizer: PreTrainedTokenizerBase,
+    policy: ChatPolicy,
+    facts: TemplateFacts,
+    field: str,
+    token_kinds: bool = False,
+) -> tuple[list[int], list[int], list[int] | None]:
+    """``(ids, mask, kinds)`` of one conversation: :func:`render_chat`, tokenize, :func:`mask_chat`."""
+    rendered = render_chat(chat, tokenizer, facts, field)
+    encoded = tokenizer(rendered.text, add_special_tokens=False, return_offsets_mapping=True)
+    mask, kinds = mask_chat(
+        rendered, encoded["input_ids"], encoded["offset_mapping"], policy, facts, field, token_kinds
+    )
+    return encoded["input_ids"], mask, kinds
 
 
 def _reason(error: Exception) -> str:

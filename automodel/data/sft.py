@@ -62,8 +62,9 @@ from automodel.data.chat import (
     BadRow,
     Chat,
     ChatPolicy,
-    encode_chat,
+    mask_chat,
     parse_messages,
+    render_chat,
     template_facts,
 )
 from automodel.data.long_samples import check_long_samples, cut_rows, piece_sums, plan_pieces, report
@@ -465,15 +466,22 @@ def _encode_batch(
     policy: ChatPolicy | None = None,
     token_kinds: bool = False,
 ) -> dict[str, list]:
-    """Parse each row (and render a chat row, which can fail on its own); encode the other formats
-    in one batch. A bad row raises naming it, or with ``on_bad_row="skip"`` leaves an empty sample."""
+    """Parse each row (a chat row is rendered too: its template can fail on it), tokenize the batch
+    at once, then mask each chat row. A bad row raises naming it, or with ``on_bad_row="skip"`` leaves
+    an empty sample and its reason."""
     *values, indices = values
     if not has_raw:
         values.append([None] * len(indices))
     chat = format in CHAT_FORMATS
     facts = template_facts(tokenizer) if chat else None
-    samples: dict[int, tuple[_Sample, list[int] | None]] = {}
-    parsed, bad = {}, []
+    parsed, rendered, bad = {}, {}, {}
+
+    def refuse(index: int, error: BadRow) -> None:
+        message = f"field {error.field!r} (column {columns.get(error.field, error.field)!r}): {error.reason}"
+        if on_bad_row == "error":
+            raise DataError(f"{origin(index)}: {message}; fix the row, or set data.on_bad_row=skip") from None
+        bad[index] = message
+
     for index, (*row, raw) in zip(indices, zip(*values, strict=True), strict=True):
         try:
             if raw is None:
@@ -483,34 +491,37 @@ def _encode_batch(
                 if whole is None:
                     raise BadRow(fields[0], f"the row is not a JSON object: {json.loads(raw)!r:.60}")
                 named = {field: whole.get(columns.get(field, field)) for field in fields}
+            value = _PARSERS[format](named, tokenizer)
             if chat:
-                ids, mask, kinds = encode_chat(
-                    _PARSERS[format](named, tokenizer), tokenizer, policy or ChatPolicy(), facts, fields[0],
-                    token_kinds,
-                )  # fmt: skip
-                samples[index] = shift_for_next_token(ids, mask), kinds and kinds[1:]
+                rendered[index] = render_chat(value, tokenizer, facts, fields[0])
             else:
-                parsed[index] = _PARSERS[format](named, tokenizer)
-            bad.append("")
+                parsed[index] = value
         except BadRow as error:
-            message = (
-                f"field {error.field!r} (column {columns.get(error.field, error.field)!r}): {error.reason}"
-            )
-            if on_bad_row == "error":
-                raise DataError(
-                    f"{origin(index)}: {message}; fix the row, or set data.on_bad_row=skip"
-                ) from None
-            bad.append(message)
+            refuse(index, error)
+    samples: dict[int, tuple[_Sample, list[int] | None]] = {}
+    if rendered:
+        encoded = tokenizer(
+            [r.text for r in rendered.values()], add_special_tokens=False, return_offsets_mapping=True
+        )
+        for (index, conversation), ids, offsets in zip(
+            rendered.items(), encoded["input_ids"], encoded["offset_mapping"], strict=True
+        ):
+            try:
+                mask, kinds = mask_chat(conversation, ids, offsets, policy or ChatPolicy(), facts, fields[0],
+                                        token_kinds)  # fmt: skip
+            except BadRow as error:
+                refuse(index, error)
+                continue
+            samples[index] = shift_for_next_token(ids, mask), kinds and kinds[1:]
     if parsed:
         encoded = _ENCODERS[format](list(parsed.values()), tokenizer)
         samples.update((index, (sample, None)) for index, sample in zip(parsed, encoded, strict=True))
     out: dict[str, list] = {
         name: [] for name in (*_OUTPUT_FEATURES, *(_KINDS_FEATURE if token_kinds else ()))
     }
-    for index, reason in zip(indices, bad, strict=True):
-        (input_ids, labels, loss_mask), kinds = ([], [], []), None
-        if not reason:
-            (input_ids, labels, loss_mask), kinds = samples[index]
+    for index in indices:
+        reason = bad.get(index, "")
+        (input_ids, labels, loss_mask), kinds = samples[index] if not reason else (([], [], []), None)
         for name, value in zip(_OUTPUT_FEATURES, (input_ids, labels, loss_mask, sum(loss_mask), reason)):
             out[name].append(value)
         if token_kinds:  # the other formats: learned or not
