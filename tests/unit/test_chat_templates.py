@@ -148,3 +148,34 @@ def test_flags_pick_turns_and_an_empty_think_block_is_context():
     ]
     messages[5]["train"] = False
     assert learned_runs("qwen3", messages) == ["It is 18 C.<|im_end|>"]
+
+
+def test_sharegpt_tool_turns_are_the_same_conversation():
+    """ShareGPT's ``function_call`` (the call as JSON) and ``observation`` turns read as a tool call and
+    its result, with the row's tools: the same tokens and mask as the messages row."""
+    conversations = [
+        {"from": "human", "value": "Weather in Paris?"},
+        {
+            "from": "function_call",
+            "value": json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}}),
+        },
+        {"from": "observation", "value": "18 C"},
+        {"from": "gpt", "value": "It is 18 C.", "weight": 1},
+    ]
+    tokenizer = TOKENIZERS["qwen3", False]
+    sharegpt = tokenize_sft_dataset(
+        datasets.Dataset.from_dict({"conversations": [conversations], "tools": [json.dumps(TOOLS)]}),
+        tokenizer,
+        format="sharegpt",
+    ).to_list()
+    messages = [WEATHER[0], {k: v for k, v in WEATHER[1].items() if k != "reasoning_content"}, WEATHER[2],
+                {"role": "assistant", "content": "It is 18 C."}]  # fmt: skip
+    assert (
+        sharegpt
+        == tokenize_sft_dataset(
+            datasets.Dataset.from_dict({"messages": [messages], "tools": [json.dumps(TOOLS)]}),
+            tokenizer,
+            format="messages",
+        ).to_list()
+    )
+    assert learned_runs("qwen3", messages) == [QWEN3_CALL, "It is 18 C.<|im_end|>"]
