@@ -8,7 +8,8 @@ once with the tokenizer's chat template and tokenized whole, so its ids are exac
 - a template with ``{% generation %}`` blocks marks them (transformers' ``return_assistant_tokens_mask``):
   exactly the blocks' tokens;
 - otherwise assistant turn i starts where the conversation rendered up to it with a generation prompt
-  ends (its header), and ends with its end-of-turn token: the last special token before message
+  ends (its header; found after that prompt's pieces where the template writes a block of it elsewhere,
+  :func:`turn_start`), and ends with its end-of-turn token: the last special token before message
   i + 1's rendering starts, so the separator the template writes after it is not learned. Where the
   template renders the turn differently once the conversation goes on (Qwen3 drops a ``<think>`` block,
   harmony ends it with ``<|end|>`` in place of ``<|return|>``), it ends at the first token that ends a

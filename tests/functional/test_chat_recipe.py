@@ -13,7 +13,7 @@ import torch
 from automodel.cli import main
 from automodel.config import load_recipe
 from automodel.data.sft import load_tokenizer
-from automodel.training.finetune import run
+from automodel.training.run import run
 
 pytestmark = pytest.mark.distributed
 
