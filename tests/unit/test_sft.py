@@ -314,6 +314,49 @@ def test_max_length_truncates_and_drops_with_a_report(caplog):
         tokenize_sft_dataset(dataset, word_tokenizer(), max_length=1)
 
 
+def test_token_kinds_are_cut_with_the_sample(caplog):
+    """``token_kinds`` (what ``automodel data`` shows) is split, truncated and selected with the other
+    columns. The conversation's 17 positions at max_length 6: pieces [0:6] (nothing learned: dropped),
+    [6:12] and [12:17]."""
+    dataset = datasets.Dataset.from_dict({"messages": [CONVERSATION]})
+    split = tokenize_sft_dataset(dataset, word_tokenizer(), format="messages", max_length=6, long_samples="split",
+                                 token_kinds=True)  # fmt: skip
+    assert rows(split) == [
+        {"input_ids": CONVERSATION_IDS[6:12], "labels": CONVERSATION_IDS[7:13], "loss_mask": [0, 0, 0, 0, 1, 1],
+         "token_kinds": [0, 0, 0, 0, 1, 1]},
+        {"input_ids": CONVERSATION_IDS[12:17], "labels": CONVERSATION_IDS[13:18], "loss_mask": [0, 0, 0, 1, 1],
+         "token_kinds": [0, 0, 0, 1, 1]},
+    ]  # fmt: skip
+    truncated = tokenize_sft_dataset(dataset, word_tokenizer(), format="messages", max_length=12,
+                                     long_samples="truncate", token_kinds=True)  # fmt: skip
+    assert rows(truncated)[0]["token_kinds"] == CONVERSATION_MASK[1:13]
+
+
+def test_token_kinds_of_tool_chats_follow_their_pieces():
+    """The shipped tool chats split at 24 positions: each piece's kinds are its slice of the whole
+    row's (tool outputs, calls and reasoning included), and exactly its learned kinds carry loss."""
+    from automodel.data.chat import LEARNED, REASONING_LEARNED, TOOL_CALL, TOOL_OUTPUT
+
+    chats, tools = load_sft_source("tiny_tools")[0].select(range(12)), load_tokenizer("tiny_tools")
+    whole = rows(tokenize_sft_dataset(chats, tools, format="messages", token_kinds=True))
+    pieces = rows(tokenize_sft_dataset(chats, tools, format="messages", max_length=24, long_samples="split",
+                                       token_kinds=True))  # fmt: skip
+    assert any(TOOL_OUTPUT in row["token_kinds"] for row in whole)
+    r = start = 0
+    for piece in pieces:
+        n = len(piece["input_ids"])
+        assert len(piece["token_kinds"]) == n and n <= 24
+        assert [int(k in (LEARNED, TOOL_CALL, REASONING_LEARNED)) for k in piece["token_kinds"]] == piece[
+            "loss_mask"
+        ]
+        while whole[r]["input_ids"][start : start + n] != piece["input_ids"]:  # the next piece that learns
+            start += 24
+            if start >= len(whole[r]["input_ids"]):
+                r, start = r + 1, 0
+        assert piece["token_kinds"] == whole[r]["token_kinds"][start : start + n]
+        start += 24
+
+
 # -- bad input --------------------------------------------------------------------------------------
 
 
