@@ -250,9 +250,9 @@ class CorpusData:
 
         def write(staging: Path) -> None:
             staging.rmdir()  # write_token_file writes the directory itself
-            write_token_file(self.source, staging, tokenizer, tokenizer_name=self.tokenizer or tokenizer.name_or_path,
-                             text_column=self.text_column, txt_samples=self.txt_samples,
-                             num_proc=self.num_proc)  # fmt: skip
+            name = self.tokenizer or tokenizer.name_or_path  # null: the checkpoint's directory
+            write_token_file(self.source, staging, tokenizer, tokenizer_name=name, text_column=self.text_column,
+                             txt_samples=self.txt_samples, num_proc=self.num_proc)  # fmt: skip
 
         return open_token_file(cached_entry(root, f"tokens-{key}", write, what="token cache"), tokenizer)
 
