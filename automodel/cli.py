@@ -40,6 +40,7 @@ USAGE = """automodel <command> [...]    (automodel --version; --debug: traceback
   bench gpu [...]                  every GPU figure: tokens/s, MFU, memory, host syncs per backend (tiny on CPU)
   bench init_memory [...]          host memory of a from-scratch build: each rank its own shards vs rank 0 + broadcast
   bench tokenize [...]             tokenizing and packing a generated text corpus against datasets.map; peak memory
+  bench chat_masks [...]           chat rows masked from their own template: rows and tokens per CPU second
   bench cli_latency [...]          how fast the CLI answers --cfg job, typos and bad values
   check-gpu [...]                  Transformer Engine against the portable attention on this machine's GPUs
   families [--verify [TYPE ...]]   the supported model types; --verify re-runs the differential check

@@ -1,4 +1,4 @@
-"""Chat tokenization cost: ``python -m automodel.benchmarks.chat_masks``.
+"""Chat tokenization cost: ``automodel bench chat_masks`` (``python -m automodel.benchmarks.chat_masks``).
 
 Tokenizes chat rows with ``tokenize_sft_dataset`` in this process (``num_proc`` none) and prints rows
 and tokens per CPU second of this process (the median of ``--repeat`` runs: on a busy machine wall time
@@ -10,8 +10,10 @@ also counts waiting for a core) and the wall time, for:
 - ``tiny_tools``: the 600 shipped tool-calling chats (tool calls, results, reasoning; no blocks).
 
 It reads only ``tokenize_sft_dataset``, ``load_tokenizer`` and ``load_sft_source``, so the same file
-runs against another checkout (``PYTHONPATH=<checkout> python automodel/benchmarks/chat_masks.py``) to
-compare; a case that checkout cannot run is printed as such.
+runs against another checkout to compare: copy it out of the package first (``cp
+automodel/benchmarks/chat_masks.py /tmp/ && PYTHONPATH=<checkout> python /tmp/chat_masks.py``; run in
+place, this folder's ``tokenize.py`` shadows the standard library's). A case that checkout cannot run
+is printed as such.
 """
 
 from __future__ import annotations
