@@ -9,6 +9,8 @@ also counts waiting for a core) and the wall time, for:
 - ``4-turn located``: 750 conversations of 4 turns each (4 rows of the set), blocks stripped;
 - ``tiny_tools``: the 600 shipped tool-calling chats (tool calls, results, reasoning; no blocks).
 
+``--no-gc`` runs with the garbage collector off, to see its share of the CPU time.
+
 It reads only ``tokenize_sft_dataset``, ``load_tokenizer`` and ``load_sft_source``, so the same file
 runs against another checkout to compare: copy it out of the package first (``cp
 automodel/benchmarks/chat_masks.py /tmp/ && PYTHONPATH=<checkout> python /tmp/chat_masks.py``; run in
@@ -19,6 +21,7 @@ is printed as such.
 from __future__ import annotations
 
 import argparse
+import gc
 import re
 import statistics
 import time
@@ -55,7 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m automodel.benchmarks.chat_masks", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--no-gc", action="store_true", help="the garbage collector off: what it costs")
     args = parser.parse_args(argv)
+    if args.no_gc:
+        gc.disable()
     datasets.disable_progress_bars()
     print(f"{'case':<18} {'rows':>6} {'tokens':>9} {'rows/cpu s':>11} {'tokens/cpu s':>13} {'wall s':>7}")
     for name, (rows, tokenizer) in cases().items():
