@@ -40,6 +40,7 @@ USAGE = """automodel <command> [...]    (automodel --version; --debug: traceback
   bench gpu [...]                  every GPU figure: tokens/s, MFU, memory, host syncs per backend (tiny on CPU)
   bench init_memory [...]          host memory of a from-scratch build: each rank its own shards vs rank 0 + broadcast
   bench tokenize [...]             tokenizing and packing a generated text corpus against datasets.map; peak memory
+  bench chat_masks [...]           chat rows masked from their own template: rows and tokens per CPU second
   bench cli_latency [...]          how fast the CLI answers --cfg job, typos and bad values
   check-gpu [...]                  Transformer Engine against the portable attention on this machine's GPUs
   families [--verify [TYPE ...]]   the supported model types; --verify re-runs the differential check
@@ -347,7 +348,11 @@ COMMON_KEYS = (
         "model.pretrained_path, model.dtype",
         "a local HF checkpoint (model=hf_checkpoint); float32 or bfloat16",
     ),
-    ("data.source, data.format, data.tokenizer", "file/dir/glob/Hub id; messages, sharegpt, alpaca, ..."),
+    (
+        "data.source, data.format, data.tokenizer",
+        "file/dir/glob/Hub id; messages, sharegpt, ...; null: the checkpoint's",
+    ),
+    ("data.assistant_turns, data.reasoning", "chat: all or last turns learn; learn or mask reasoning traces"),
     ("data.max_length, data.long_samples", "the most tokens per sample; split | truncate | drop longer ones"),
     ("data.val_fraction, data.num_proc", "hold out for validation; tokenizing processes"),
     ("packing.packed_sequence_size, packing.micro_batch_size", "tokens per pack, packs per micro-batch"),

@@ -219,10 +219,31 @@ def _unknown_key_message(key: str, cfg: DictConfig) -> str:
             keys = [str(k) for k in node if k not in _HYDRA_KEYS]
             close = difflib.get_close_matches(part, keys, n=1)
             hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {sorted(keys)}"
+            options = _options_with_key(parts[0], parts[1:]) if depth == 1 else []
+            if (
+                options
+            ):  # a key of another option of the group: model.pretrained_path needs model=hf_checkpoint
+                hint = (f"it is a key of {' and '.join(f'{parts[0]}={o}' for o in options)}: select that option too, "
+                        f"e.g. {parts[0]}={options[0]} {key.lstrip('+~')}=...")  # fmt: skip
             where = ".".join(parts[:depth]) or "the recipe"
             return f"unknown key {key!r} (no {part!r} in {where}); {hint}"
         node = node[part]
     return f"cannot override {key!r}: it is not a key of this recipe"
+
+
+def _options_with_key(group: str, path: list[str]) -> list[str]:
+    """The options of config group ``group`` (``configs/<group>/*.yaml``) whose YAML has the key ``path``."""
+    found = []
+    for file in sorted((CONFIGS_DIR / group).glob("*.yaml")):
+        try:
+            node = yaml.safe_load(file.read_text())
+        except yaml.YAMLError:
+            continue
+        for part in path[:-1]:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and path[-1] in node:
+            found.append(file.stem)
+    return found
 
 
 def check_config(cfg: DictConfig) -> None:

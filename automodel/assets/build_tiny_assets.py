@@ -7,6 +7,8 @@
     tiny_tokenizer/tokenizer.json           byte-level BPE with VOCAB_SIZE ids, trained on the rows
     tiny_tokenizer/tokenizer_config.json    bos/eos/pad tokens and the chat template
     tiny_corpus/part-0.txt, part-1.jsonl    NUM_DOCUMENTS pretraining documents (blocks; {"text": ...})
+    tiny_tools.jsonl                        NUM_TOOL_ROWS tool-calling chats: messages, tools
+    tiny_tools_tokenizer/...                a ChatML-style tokenizer (VOCAB_SIZE ids) for them (TOOLS_TEMPLATE)
 
 Every row is one instance of a templated task that a model of a few million parameters starts to
 learn within a hundred CPU steps (copy, reverse, sort, add, look up, count, capitalize). Task sizes
@@ -30,10 +32,11 @@ import argparse
 import json
 import math
 import random
+import re
 from collections.abc import Callable
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 SEED = 20260
 NUM_ROWS = 3000
@@ -60,6 +63,43 @@ CHAT_TEMPLATE = (
     "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|assistant|>' -}}{%- endif -%}"
+)
+
+# The tool-calling chats (tiny_tools.jsonl): ChatML turns with the row's tools in the system turn, a
+# <think> block where the message carries reasoning, tool calls as <tool_call> JSON and tool results
+# in tool turns. No {% generation %} blocks: the data path finds each assistant turn from the
+# template's rendering (automodel.data.chat), as it does for most checkpoints' templates.
+NUM_TOOL_ROWS = 600
+TOOLS_SEED = SEED + 2
+TOOLS_SPECIAL = (PAD, "<|im_start|>", "<|im_end|>")  # ids 0..2
+TOOLS_MARKUP = ("<think>", "</think>", "<tool_call>", "</tool_call>")  # added tokens, not special
+TOOLS_TEMPLATE = (
+    "{%- if tools or messages[0].role == 'system' -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages[0].role == 'system' -%}{{- messages[0].content -}}{%- endif -%}"
+    "{%- if tools -%}"
+    "{{- '\\n\\n' if messages[0].role == 'system' else '' -}}{{- '# Tools' -}}"
+    "{%- for tool in tools -%}{{- '\\n' + tool | tojson -}}{%- endfor -%}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'assistant' -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if message.reasoning_content -%}{{- '<think>' + message.reasoning_content + '</think>\\n' -}}{%- endif -%}"
+    "{{- message.content or '' -}}"
+    "{%- for call in message.tool_calls or [] -%}"
+    "{%- set function = call.function if call.function is defined else call -%}"
+    "{{- '<tool_call>' + {'name': function.name, 'arguments': function.arguments} | tojson + '</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- elif message.role in ['user', 'tool'] -%}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}"
+    "{%- elif not loop.first -%}"
+    "{{- raise_exception('role must be system (first), user, assistant or tool, got ' + message.role) -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
 
 # Short everyday words: the tasks only need distinct, frequent, BPE-friendly tokens.
@@ -164,6 +204,67 @@ def make_rows(seed: int = SEED, num_rows: int = NUM_ROWS) -> list[dict]:
     return rows
 
 
+def _schema(name: str, description: str, **properties: str) -> dict:
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": {
+        "type": "object", "properties": {k: {"type": v} for k, v in properties.items()}, "required": list(properties)}}}  # fmt: skip
+
+
+TOOLS = (
+    _schema("add", "The sum of two integers.", a="integer", b="integer"),
+    _schema("reverse_words", "The words of a text in reverse order.", text="string"),
+    _schema("count_words", "How many words a text has.", text="string"),
+)
+
+
+def make_tool_rows(seed: int = TOOLS_SEED, num_rows: int = NUM_TOOL_ROWS) -> list[dict]:
+    """Tool-calling chats over the tiny tasks, the same for the same arguments. A row asks a question;
+    the assistant calls the tool that answers it (with a reasoning trace on every other row), reads
+    the tool's result and answers with it, or answers directly where no tool fits. Every fifth row opens
+    with a greeting whose reply is not learned (``weight: 0``), and the tools ride with each row.
+
+    Example row::
+
+        {"tools": [...], "messages": [
+            {"role": "user", "content": "What is 12 plus 30?"},
+            {"role": "assistant", "content": null, "reasoning_content": "A sum: call add.",
+             "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 12, "b": 30}}}]},
+            {"role": "tool", "content": "42"},
+            {"role": "assistant", "content": "42"}]}
+    """
+    rng = random.Random(seed)
+    rows = []
+    for index in range(num_rows):
+        kind = rng.choice(("add", "reverse_words", "count_words", None))
+        if kind == "add":
+            a, b = rng.randrange(1000), rng.randrange(1000)
+            question, arguments, result = f"What is {a} plus {b}?", {"a": a, "b": b}, str(a + b)
+            why = "A sum: call add."
+        elif kind is not None:
+            words = " ".join(_words(rng, _log_uniform_int(rng, 2, 12)))
+            verb = (
+                "Write these words in reverse order:" if kind == "reverse_words" else "How many words are in:"
+            )
+            question, arguments = f"{verb} {words}", {"text": words}
+            result = " ".join(reversed(words.split())) if kind == "reverse_words" else str(len(words.split()))
+            why = f"The tool {kind} does this."
+        else:
+            question, result = _capitalize(rng)
+        messages = []
+        if index % 5 == 0:
+            messages += [{"role": "user", "content": "Hello"},
+                         {"role": "assistant", "content": "Hello! Ask me a question.", "weight": 0}]  # fmt: skip
+        messages.append({"role": "user", "content": question})
+        if kind is not None:
+            call = {"role": "assistant", "content": None,
+                    "tool_calls": [{"type": "function", "function": {"name": kind, "arguments": arguments}}]}  # fmt: skip
+            if index % 2:
+                call["reasoning_content"] = why
+            messages += [call, {"role": "tool", "content": result}]
+        messages.append({"role": "assistant", "content": result})
+        rows.append({"tools": list(TOOLS), "messages": messages})
+    return rows
+
+
 def corrupt(answer: str, rng: random.Random) -> str:
     """A plausible wrong answer: a number moved by 1..9, a list's words in another order, a word's
     letters reversed or one dropped. Never equal to ``answer``.
@@ -220,22 +321,30 @@ def make_corpus_documents(seed: int = CORPUS_SEED, num_documents: int = NUM_DOCU
     return documents
 
 
-def train_tokenizer(texts: list[str], vocab_size: int = VOCAB_SIZE) -> Tokenizer:
-    """A byte-level BPE over ``texts``; ``SPECIAL_TOKENS`` take ids 0..5 and bos is prepended on encode."""
+def train_tokenizer(
+    texts: list[str],
+    vocab_size: int = VOCAB_SIZE,
+    special_tokens: tuple[str, ...] = SPECIAL_TOKENS,
+    markup: tuple[str, ...] = (),
+    bos: str | None = BOS,
+) -> Tokenizer:
+    """A byte-level BPE over ``texts``: ``special_tokens`` take the first ids, ``markup`` tokens are
+    added (single tokens, not special) within ``vocab_size``, and ``bos`` is prepended on encode."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        vocab_size=vocab_size - len(markup),
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodable, even unseen ones
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer)
-    # Like Llama tokenizers: encode(text) adds bos; the chat template writes bos itself.
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, SPECIAL_TOKENS.index(BOS))]
-    )
+    tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in markup])
+    if bos is not None:  # like Llama tokenizers: encode(text) adds bos; the chat template writes bos itself
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, special_tokens.index(bos))]
+        )
     return tokenizer
 
 
@@ -253,6 +362,29 @@ def tokenizer_config() -> dict:
     }
 
 
+def tools_tokenizer_config() -> dict:
+    """``tokenizer_config.json`` of the tool-calling tokenizer: no bos, ``<|im_end|>`` ends a turn."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>",
+        "pad_token": PAD,
+        "model_max_length": 4096,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": TOOLS_TEMPLATE,
+    }
+
+
+def _rendered(rows: list[dict]) -> list[str]:
+    """The rows as TOOLS_TEMPLATE renders them, special and markup tokens cut out (BPE training text)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    texts, _ = render_jinja_template(
+        [row["messages"] for row in rows], tools=list(TOOLS), chat_template=TOOLS_TEMPLATE
+    )
+    markup = re.compile("|".join(re.escape(t) for t in (*TOOLS_SPECIAL, *TOOLS_MARKUP)))
+    return [markup.sub(" ", text) for text in texts]
+
+
 def build_tiny_assets(out_dir: Path, seed: int = SEED) -> list[Path]:
     """Write the dataset and tokenizer under ``out_dir``; returns the written paths."""
     rows = make_rows(seed)
@@ -262,6 +394,10 @@ def build_tiny_assets(out_dir: Path, seed: int = SEED) -> list[Path]:
     (out_dir / "tiny_corpus").mkdir(exist_ok=True)
     documents = make_corpus_documents(seed + 2)
     half = len(documents) // 2
+    tool_rows = make_tool_rows(seed + 2)
+    tools_tokenizer = train_tokenizer(_rendered(tool_rows), VOCAB_SIZE, TOOLS_SPECIAL, TOOLS_MARKUP, bos=None)
+    tools_dir = out_dir / "tiny_tools_tokenizer"
+    tools_dir.mkdir(parents=True, exist_ok=True)
     paths = {
         out_dir / "tiny_sft.jsonl": "".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows),
         out_dir / "tiny_preference.jsonl": "".join(
@@ -273,6 +409,11 @@ def build_tiny_assets(out_dir: Path, seed: int = SEED) -> list[Path]:
         out_dir / "tiny_corpus" / "part-1.jsonl": "".join(
             json.dumps({"text": text}, separators=(",", ":")) + "\n" for text in documents[half:]
         ),
+        out_dir / "tiny_tools.jsonl": "".join(
+            json.dumps(row, separators=(",", ":")) + "\n" for row in tool_rows
+        ),
+        tools_dir / "tokenizer.json": tools_tokenizer.to_str(pretty=True) + "\n",
+        tools_dir / "tokenizer_config.json": json.dumps(tools_tokenizer_config(), indent=2) + "\n",
     }
     for path, text in paths.items():
         path.write_text(text, encoding="utf-8", newline="\n")

@@ -13,6 +13,7 @@ BENCHMARKS = (
     "sharded_io",
     "init_memory",
     "tokenize",
+    "chat_masks",
     "cli_latency",
 )
 
@@ -38,6 +39,8 @@ def run_benchmark(name: str, argv: list[str]) -> int:
             from automodel.benchmarks.init_memory import main
         case "tokenize":
             from automodel.benchmarks.tokenize import main
+        case "chat_masks":
+            from automodel.benchmarks.chat_masks import main
         case "cli_latency":
             from automodel.benchmarks.cli_latency import main
         case _:

@@ -356,6 +356,12 @@ class PackedBatching(_Mode):
             except ValueError as error:
                 raise ValueError(f"packing.{error}") from None
 
+    def micro_batch(self) -> tuple[str, int | None]:
+        """What one micro-batch holds, and the most tokens it can hold (the ``global batch`` log line)."""
+        return f"{_packs(self.micro_batch_size)} of up to {self.packed_sequence_size:,} tokens", (
+            self.micro_batch_size * self.packed_sequence_size
+        )
+
     def prepare(self, dataset: datasets.Dataset | TokenCorpus, env: LoaderEnv) -> Prepared:
         if isinstance(dataset, TokenCorpus):  # packs built as they are read, from the memory-mapped tokens
             if self.max_packs is not None:
@@ -396,6 +402,11 @@ class PaddedBatching(_Mode):
     max_length: int = 2048
     _positive = ("micro_batch_size", "max_length")
 
+    def micro_batch(self) -> tuple[str, int | None]:
+        return f"{self.micro_batch_size} sample(s) of up to {self.max_length:,} tokens, padded", (
+            self.micro_batch_size * self.max_length
+        )
+
     def prepare(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
         padded = cp_padded(sample_lengths(dataset), env.cp_size)
         kept = np.flatnonzero(keep_fitting("packing.max_length", padded, self.max_length, True, env.cp_size))
@@ -405,6 +416,10 @@ class PaddedBatching(_Mode):
         return Prepared(
             _sample_rows(dataset), kept, functools.partial(_groups, size=self.micro_batch_size), collate, ""
         )
+
+
+def _packs(count: int) -> str:
+    return f"{count} pack" + ("s" if count > 1 else "")
 
 
 def _flat_collate(samples: list[dict[str, Any]], env: LoaderEnv, length: int | None) -> dict[str, Any]:
@@ -468,6 +483,10 @@ class RmpadBatching(_FlatMode):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._static_length(self.micro_batch_size * self.max_seq_len, "micro_batch_size * max_seq_len", 1)
+
+    def micro_batch(self) -> tuple[str, int | None]:
+        tokens = self.micro_batch_size * self.max_seq_len
+        return f"{self.micro_batch_size} sample(s) in one row of up to {tokens:,} tokens", tokens
 
     def prepare(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
         length = self._static_length(
@@ -535,6 +554,13 @@ class DynBszBatching(_FlatMode):
     def length_cap(self) -> int:
         """The most tokens (CP padding included) a micro-batch may hold."""
         return self.max_packed_length or self.max_tokens_per_micro_batch
+
+    def micro_batch(self) -> tuple[str, int | None]:
+        budget = f", {self.max_tokens_per_micro_batch:,} {self.count.replace('_', ' ')} at most"
+        return (
+            f"one row of up to {self.length_cap:,} tokens{budget if self.count != 'tokens' else ''}",
+            self.length_cap,
+        )
 
     def prepare(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
         length = self._static_length(self.length_cap, "the length cap", env.cp_size)
@@ -620,6 +646,9 @@ class BalancedBatching(_Mode):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.cost_coefficients = check_cost_coefficients(self.cost_coefficients)
+
+    def micro_batch(self) -> tuple[str, int | None]:
+        return f"1 pack of up to {self.packed_sequence_size:,} tokens", self.packed_sequence_size
 
     def prepare(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
         padded = cp_padded(sample_lengths(dataset), env.cp_size)

@@ -37,7 +37,7 @@ from automodel.data.long_samples import check_long_samples, plan_pieces, report
 from automodel.data.pack_cache import PACKER_CODE_VERSION, cached_entry
 from automodel.data.packing import keep_fitting
 from automodel.data.planning import PackPlan, check_positive_int, plan_packs
-from automodel.data.sft import load_tokenizer
+from automodel.data.sft import load_data_tokenizer
 from automodel.data.sft_data import auto_num_proc
 from automodel.data.sources import TXT_SAMPLES, check_source, data_files
 from automodel.data.token_files import (
@@ -187,7 +187,8 @@ class CorpusData:
         source: a token file (``automodel tokenize``), or ``.txt``/``.jsonl``/``.parquet`` files (a
             file, a directory or glob of them, ``tiny_corpus``: the shipped documents), tokenized as
             a stream into ``cache_dir`` first.
-        tokenizer: ``tiny`` or a local tokenizer directory; a token file must have been written with it.
+        tokenizer: ``tiny`` or a local tokenizer directory; null: the checkpoint's own
+            (``model.pretrained_path``). A token file must have been written with it.
         text_column: the text of a ``.jsonl`` row or ``.parquet`` column.
         txt_samples: a ``.txt`` file's documents: ``lines`` (one per non-blank line) or ``blocks``
             (runs of lines between blank lines).
@@ -203,7 +204,7 @@ class CorpusData:
     """
 
     source: str = "tiny_corpus"
-    tokenizer: str = "tiny"
+    tokenizer: str | None = "tiny"
     text_column: str = "text"
     txt_samples: str = "lines"
     max_length: int | None = None
@@ -231,8 +232,11 @@ class CorpusData:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"data.seed must be an int >= 0, got {self.seed!r}")
 
-    def load_tokenizer(self, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-        return load_tokenizer(self.tokenizer, trust_remote_code=trust_remote_code)
+    def load_tokenizer(
+        self, trust_remote_code: bool = False, checkpoint: str | None = None
+    ) -> PreTrainedTokenizerBase:
+        """``data.tokenizer``, or when it is null the tokenizer of ``checkpoint`` (``model.pretrained_path``)."""
+        return load_data_tokenizer(self.tokenizer, checkpoint, trust_remote_code=trust_remote_code)
 
     def token_file(self, tokenizer: PreTrainedTokenizerBase) -> TokenFile:
         """The source as an opened token file: itself, or its cached tokenization (made first if needed)."""
@@ -246,9 +250,9 @@ class CorpusData:
 
         def write(staging: Path) -> None:
             staging.rmdir()  # write_token_file writes the directory itself
-            write_token_file(self.source, staging, tokenizer, tokenizer_name=self.tokenizer,
-                             text_column=self.text_column, txt_samples=self.txt_samples,
-                             num_proc=self.num_proc)  # fmt: skip
+            name = self.tokenizer or tokenizer.name_or_path  # null: the checkpoint's directory
+            write_token_file(self.source, staging, tokenizer, tokenizer_name=name, text_column=self.text_column,
+                             txt_samples=self.txt_samples, num_proc=self.num_proc)  # fmt: skip
 
         return open_token_file(cached_entry(root, f"tokens-{key}", write, what="token cache"), tokenizer)
 

@@ -31,7 +31,7 @@ from transformers import PreTrainedTokenizerBase
 from automodel.data.batching import LoaderEnv, Prepared, _groups, _Mode
 from automodel.data.collate import build_row, packed_sequence_thd_collater
 from automodel.data.section import check_mapping, check_shared_fields, hold_out
-from automodel.data.sft import load_tokenizer, tokenize_sft_dataset
+from automodel.data.sft import load_data_tokenizer, tokenize_sft_dataset
 from automodel.data.sources import check_source, load_sft_source
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,8 @@ class PreferenceData:
         source: ``tiny_preference`` (shipped) or any source ``load_sft_source`` reads.
         split: split to read. format: ``prompt_completion`` or ``messages`` (module docstring).
         columns: field -> column name, e.g. ``{chosen: accepted, rejected: declined}``.
-        tokenizer: ``tiny`` or a local tokenizer directory.
+        tokenizer: null (the checkpoint's own: ``model.pretrained_path``), ``tiny``, or a local
+            tokenizer directory.
         max_length: cut each side to at most this many tokens.
         on_bad_row: a pair that cannot teach anything (chosen identical to rejected, or ``messages``
             whose prompt turns differ between the sides): ``error`` (counted and refused, naming the
@@ -66,7 +67,7 @@ class PreferenceData:
     split: str = "train"
     format: str = "prompt_completion"
     columns: dict[str, str] | None = None
-    tokenizer: str = "tiny"
+    tokenizer: str | None = None
     max_length: int | None = None
     on_bad_row: str = "error"
     validation: dict | None = None
@@ -89,8 +90,11 @@ class PreferenceData:
             check_mapping(self.validation, ("source", "split"), "data.validation")
         check_shared_fields(self)
 
-    def load_tokenizer(self, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-        return load_tokenizer(self.tokenizer, trust_remote_code=trust_remote_code)
+    def load_tokenizer(
+        self, trust_remote_code: bool = False, checkpoint: str | None = None
+    ) -> PreTrainedTokenizerBase:
+        """``data.tokenizer``, or when it is null the tokenizer of ``checkpoint`` (``model.pretrained_path``)."""
+        return load_data_tokenizer(self.tokenizer, checkpoint, trust_remote_code=trust_remote_code)
 
     def build(self, tokenizer: PreTrainedTokenizerBase) -> tuple[datasets.Dataset, datasets.Dataset | None]:
         """``(train pairs, validation pairs or None)``."""
@@ -202,6 +206,9 @@ class PreferenceBatching(_Mode):
 
     pairs_per_micro_batch: int = 4
     _positive = ("pairs_per_micro_batch",)
+
+    def micro_batch(self) -> tuple[str, int | None]:
+        return f"{self.pairs_per_micro_batch} preference pairs in one row (chosen and rejected)", None
 
     def prepare(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
         missing = [

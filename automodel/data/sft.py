@@ -13,8 +13,10 @@ Formats (the field names a recipe may map to other column names with ``columns``
 ==================== ============================================ ===================================
 format               fields                                       learned tokens
 ==================== ============================================ ===================================
-messages             ``messages``: ``[{role, content, ...}]``     assistant turns (chat template)
-sharegpt             ``conversations``: ``[{from, value}]``       gpt turns (human->user, gpt->assistant)
+messages             ``messages``: ``[{role, content, ...}]``,    assistant turns (chat template,
+                     ``tools`` (optional)                         :mod:`automodel.data.chat`)
+sharegpt             ``conversations``: ``[{from, value}]``,      gpt turns (human->user, gpt->assistant,
+                     ``tools`` (optional)                         observation->tool)
 alpaca               ``instruction``, ``input`` (optional),       ``output`` (a user turn
                      ``output``                                   ``instruction\\n\\ninput``, chat template)
 prompt_completion    ``prompt``, ``completion``                   completion + eos
@@ -38,7 +40,6 @@ import functools
 import json
 import logging
 import os
-import re
 import signal
 import sys
 from collections import Counter
@@ -53,8 +54,20 @@ import pyarrow.compute as pc
 from datasets.table import InMemoryTable
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from automodel.assets import TINY_TOKENIZER_DIR
+from automodel.assets import TINY_TOKENIZER_DIR, TINY_TOOLS_TOKENIZER_DIR
 from automodel.config import refuse_remote_code
+from automodel.data.chat import (
+    LEARNED,
+    MISSING,
+    BadRow,
+    Chat,
+    ChatPolicy,
+    RenderedChat,
+    mask_chat,
+    parse_messages,
+    render_chat,
+    template_facts,
+)
 from automodel.data.long_samples import check_long_samples, cut_rows, piece_sums, plan_pieces, report
 from automodel.data.sources import RAW_ROW_COLUMN, RowOrigin
 from automodel.errors import DataError
@@ -64,26 +77,26 @@ logger = logging.getLogger(__name__)
 
 # format -> (required fields, optional fields)
 FORMATS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "messages": (("messages",), ()),
-    "sharegpt": (("conversations",), ()),
+    "messages": (("messages",), ("tools",)),
+    "sharegpt": (("conversations",), ("tools",)),
     "alpaca": (("instruction", "output"), ("input",)),
     "prompt_completion": (("prompt", "completion"), ()),
     "text": (("text",), ()),
     "tokens": (("input_ids",), ("labels", "loss_mask")),
 }
 CHAT_FORMATS = ("messages", "sharegpt", "alpaca")
-CHAT_ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {
     "system": "system",
     "human": "user",
     "user": "user",
     "gpt": "assistant",
     "assistant": "assistant",
+    "observation": "tool",
+    "tool": "tool",
+    "function_call": "assistant",  # its value: the call as JSON, {"name": ..., "arguments": ...}
 }
 BAD_ROW_MODES = ("error", "skip")
-BUILTIN_TOKENIZERS = {"tiny": TINY_TOKENIZER_DIR}
-# The tag transformers looks for before it can return an assistant-token mask.
-_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+BUILTIN_TOKENIZERS = {"tiny": TINY_TOKENIZER_DIR, "tiny_tools": TINY_TOOLS_TOKENIZER_DIR}
 _OUTPUT_FEATURES = datasets.Features(
     {
         "input_ids": datasets.List(datasets.Value("int32")),
@@ -94,15 +107,9 @@ _OUTPUT_FEATURES = datasets.Features(
         "_bad": datasets.Value("string"),
     }
 )
+# with token_kinds=True: what each label is (automodel.data.chat.LEARNED, TOOL_OUTPUT...), for display
+_KINDS_FEATURE = {"token_kinds": datasets.List(datasets.Value("int8"))}
 _NO_ORIGIN = RowOrigin(("dataset",), (0,))
-
-
-class BadRow(ValueError):
-    """A row whose ``field`` cannot be used; ``tokenize_sft_dataset`` adds the file and row."""
-
-    def __init__(self, field: str, reason: str):
-        super().__init__(reason)
-        self.field, self.reason = field, reason
 
 
 # The files a tokenizer's vocabulary comes from: the fast tokenizer's, sentencepiece's, BPE's or WordPiece's.
@@ -188,25 +195,42 @@ def check_chat_template(tokenizer: PreTrainedTokenizerBase, name: str) -> None:
         ) from None
 
 
-def end_of_turn_token_id(tokenizer: PreTrainedTokenizerBase) -> int | None:
-    """The special token the chat template closes an assistant turn with, or None without a template.
+def load_data_tokenizer(
+    name: str | None, checkpoint: str | None, *, trust_remote_code: bool = False
+) -> PreTrainedTokenizerBase:
+    """The tokenizer ``data.tokenizer`` names, or when it is null the checkpoint's own
+    (``model.pretrained_path``); ValueError naming both keys when there is none to take."""
+    hint = f"name one: data.tokenizer=<directory> or a built-in name ({', '.join(BUILTIN_TOKENIZERS)})"
+    if name is not None:
+        return load_tokenizer(name, trust_remote_code=trust_remote_code)
+    if checkpoint is None:
+        raise ValueError(
+            f"data.tokenizer is null and the model is built from model.config, which has no tokenizer of its own; {hint}"
+        )
+    if Path(checkpoint).expanduser().is_dir() and not any(
+        (Path(checkpoint).expanduser() / file).is_file()
+        for file in ("tokenizer.json", "tokenizer_config.json")
+    ):
+        raise ValueError(
+            f"data.tokenizer is null (the checkpoint's own), but model.pretrained_path={checkpoint!r} holds no tokenizer "
+            f"(tokenizer.json, tokenizer_config.json); {hint}"
+        )
+    return load_tokenizer(checkpoint, trust_remote_code=trust_remote_code)
 
-    ``generate`` stops at ``generation_config.eos_token_id``; when this token differs from the
-    model's eos (Llama 3 ``<|eot_id|>``, Qwen ``<|im_end|>``) the export should list both.
-    Example: ``...<|start_header_id|>assistant<|end_header_id|>\\n\\nok<|eot_id|>`` -> id of ``<|eot_id|>``.
-    """
-    if getattr(tokenizer, "chat_template", None) is None:
-        return None
-    probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-    prompt = tokenizer.apply_chat_template(probe[:1], tokenize=False, add_generation_prompt=True)
-    text = tokenizer.apply_chat_template(probe, tokenize=False)
-    reply_end = text.index("y", len(prompt)) + 1 if text.startswith(prompt) else text.rindex("y") + 1
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
-    for token, (start, _) in zip(encoded["input_ids"], encoded["offset_mapping"], strict=True):
-        if start >= reply_end and token in special:
-            return token
-    return None
+
+def tokenizer_disagreements(tokenizer: PreTrainedTokenizerBase, other: PreTrainedTokenizerBase) -> list[str]:
+    """How ``tokenizer`` differs from ``other`` where it changes what a model reads: its special
+    tokens, its vocabulary size and its chat template. Empty when they agree.
+
+    Example: ``["eos_token '<|eos|>' vs '<|im_end|>'", "512 vs 151,669 tokens", "another chat template"]``."""
+    ours, theirs = tokenizer.special_tokens_map, other.special_tokens_map
+    found = [f"{key} {ours.get(key)!r} vs {theirs.get(key)!r}"
+             for key in sorted(set(ours) | set(theirs)) if ours.get(key) != theirs.get(key)]  # fmt: skip
+    if len(tokenizer) != len(other):
+        found.append(f"{len(tokenizer):,} vs {len(other):,} tokens")
+    if getattr(tokenizer, "chat_template", None) != getattr(other, "chat_template", None):
+        found.append("another chat template")
+    return found
 
 
 def shift_for_next_token(
@@ -249,6 +273,9 @@ def tokenize_sft_dataset(
     origin: RowOrigin = _NO_ORIGIN,
     num_proc: int | None = None,
     long_samples: str = "truncate",
+    assistant_turns: str = "all",
+    reasoning: str = "learn",
+    token_kinds: bool = False,
 ) -> datasets.Dataset:
     """Tokenize rows of one format into ``input_ids``, ``labels`` and ``loss_mask`` (module docstring).
 
@@ -258,9 +285,9 @@ def tokenize_sft_dataset(
             the chat formats need its chat template.
         format: one of :data:`FORMATS`. ``prompt_completion`` tokenizes prompt and completion
             separately (so the boundary is exact): ``[bos?] + tok(prompt) + tok(completion) + [eos]``.
-            The chat formats render the template; assistant turns are found by the template's
-            ``{% generation %}`` markers, or else (Llama 3, Qwen 2.5) as the text between the
-            conversation rendered up to the turn with a generation prompt and rendered through it.
+            The chat formats render the template with the row's ``tools``; the assistant's tokens
+            are the template's ``{% generation %}`` blocks, or else each assistant turn from its
+            header to its end-of-turn token (:mod:`automodel.data.chat`).
         columns: field -> column name, for columns named otherwise (``{"prompt": "question"}``).
         max_length: the most positions a sample may have; a longer one is handled by ``long_samples``.
         on_bad_row: ``"error"``: a malformed row raises ``ValueError`` naming file, row and field;
@@ -270,6 +297,12 @@ def tokenize_sft_dataset(
         long_samples: a sample longer than ``max_length``: ``"truncate"`` (its first ``max_length``
             positions), ``"split"`` (pieces of ``max_length``, each its own sample: no token lost)
             or ``"drop"``; counted and logged in rows and tokens.
+        assistant_turns: chat formats: ``"all"`` assistant turns learn, or the ``"last"`` one; a
+            message's own ``train: true/false`` (or ``weight: 0/1``) decides for its turn.
+        reasoning: chat formats: ``"learn"`` or ``"mask"`` the reasoning traces
+            (``reasoning_content``/``thinking``) of learned turns.
+        token_kinds: add a ``token_kinds`` column aligned with ``labels`` (chat formats: what each
+            token is, :data:`automodel.data.chat.LEARNED` ...), for ``automodel data``.
 
     Returns:
         A ``datasets.Dataset`` with int list columns ``input_ids``, ``labels``, ``loss_mask`` of
@@ -301,6 +334,7 @@ def tokenize_sft_dataset(
     if on_bad_row not in BAD_ROW_MODES:
         raise ValueError(f"on_bad_row must be one of {BAD_ROW_MODES}, got {on_bad_row!r}")
     check_long_samples(long_samples, "long_samples")
+    policy = ChatPolicy(assistant_turns, reasoning)
     fields = _resolve_columns(dataset, format, dict(columns or {}), origin)
     _check_tokenizer(tokenizer, format)
 
@@ -309,13 +343,13 @@ def tokenize_sft_dataset(
         tokenized = dataset.map(
             functools.partial(
                 _encode_batch, fields=list(fields), format=format, tokenizer=tokenizer, columns=fields,
-                on_bad_row=on_bad_row, origin=origin, has_raw=bool(raw),
+                on_bad_row=on_bad_row, origin=origin, has_raw=bool(raw), policy=policy, token_kinds=token_kinds,
             ),
             batched=True,
             with_indices=True,
             input_columns=list(fields.values()) + raw,
             remove_columns=dataset.column_names,
-            features=_OUTPUT_FEATURES,
+            features=datasets.Features({**_OUTPUT_FEATURES, **(_KINDS_FEATURE if token_kinds else {})}),
             num_proc=num_proc,
             desc=f"Tokenizing SFT samples ({format})",
         )  # fmt: skip
@@ -430,11 +464,25 @@ def _encode_batch(
     on_bad_row: str,
     origin: RowOrigin,
     has_raw: bool = False,
+    policy: ChatPolicy | None = None,
+    token_kinds: bool = False,
 ) -> dict[str, list]:
+    """Parse each row (a chat row is rendered too: its template can fail on it), tokenize the batch
+    at once, then mask each chat row. A bad row raises naming it, or with ``on_bad_row="skip"`` leaves
+    an empty sample and its reason."""
     *values, indices = values
     if not has_raw:
         values.append([None] * len(indices))
-    parsed, bad = [], []
+    chat = format in CHAT_FORMATS
+    facts = template_facts(tokenizer) if chat else None
+    parsed, rendered, bad = {}, {}, {}
+
+    def refuse(index: int, error: BadRow) -> None:
+        message = f"field {error.field!r} (column {columns.get(error.field, error.field)!r}): {error.reason}"
+        if on_bad_row == "error":
+            raise DataError(f"{origin(index)}: {message}; fix the row, or set data.on_bad_row=skip") from None
+        bad[index] = message
+
     for index, (*row, raw) in zip(indices, zip(*values, strict=True), strict=True):
         try:
             if raw is None:
@@ -444,24 +492,56 @@ def _encode_batch(
                 if whole is None:
                     raise BadRow(fields[0], f"the row is not a JSON object: {json.loads(raw)!r:.60}")
                 named = {field: whole.get(columns.get(field, field)) for field in fields}
-            parsed.append(_PARSERS[format](named, tokenizer))
-            bad.append("")
+            value = _PARSERS[format](named, tokenizer)
+            if chat:
+                rendered[index] = render_chat(value, tokenizer, facts, fields[0])
+            else:
+                parsed[index] = value
         except BadRow as error:
-            message = (
-                f"field {error.field!r} (column {columns.get(error.field, error.field)!r}): {error.reason}"
-            )
-            if on_bad_row == "error":
-                raise DataError(
-                    f"{origin(index)}: {message}; fix the row, or set data.on_bad_row=skip"
-                ) from None
-            bad.append(message)
-    samples = iter(_ENCODERS[format](parsed, tokenizer) if parsed else [])
-    out: dict[str, list] = {name: [] for name in _OUTPUT_FEATURES}
-    for reason in bad:
-        input_ids, labels, loss_mask = ([], [], []) if reason else next(samples)
+            refuse(index, error)
+    samples: dict[int, tuple[_Sample, list[int] | None]] = {}
+    if rendered:
+        for index, conversation, ids, offsets in _tokenized(rendered, tokenizer):
+            try:
+                mask, kinds = mask_chat(conversation, ids, offsets, policy or ChatPolicy(), facts, fields[0],
+                                        token_kinds)  # fmt: skip
+            except BadRow as error:
+                refuse(index, error)
+                continue
+            samples[index] = shift_for_next_token(ids, mask), kinds and kinds[1:]
+    if parsed:
+        encoded = _ENCODERS[format](list(parsed.values()), tokenizer)
+        samples.update((index, (sample, None)) for index, sample in zip(parsed, encoded, strict=True))
+    out: dict[str, list] = {
+        name: [] for name in (*_OUTPUT_FEATURES, *(_KINDS_FEATURE if token_kinds else ()))
+    }
+    for index in indices:
+        reason = bad.get(index, "")
+        (input_ids, labels, loss_mask), kinds = samples[index] if not reason else (([], [], []), None)
         for name, value in zip(_OUTPUT_FEATURES, (input_ids, labels, loss_mask, sum(loss_mask), reason)):
             out[name].append(value)
+        if token_kinds:  # the other formats: learned or not
+            kinds = kinds if kinds is not None else [LEARNED * m for m in loss_mask]
+            out["token_kinds"].append(kinds[: len(labels)])
     return out
+
+
+# Chat rows tokenized together: enough for the batch encoder's speed, few enough that their offset
+# tuples die young (a batch of 1,000 rows alive at once spent a quarter of the CPU time in the garbage
+# collector: python -m automodel.benchmarks.chat_masks).
+_TOKENIZE_ROWS = 8
+
+
+def _tokenized(rendered: dict[int, RenderedChat], tokenizer: PreTrainedTokenizerBase):
+    """``(index, conversation, ids, offsets)`` of each rendered chat row, tokenized in chunks."""
+    items = list(rendered.items())
+    for at in range(0, len(items), _TOKENIZE_ROWS):
+        chunk = items[at : at + _TOKENIZE_ROWS]
+        encoded = tokenizer([r.text for _, r in chunk], add_special_tokens=False, return_offsets_mapping=True)
+        for (index, conversation), ids, offsets in zip(
+            chunk, encoded["input_ids"], encoded["offset_mapping"], strict=True
+        ):
+            yield index, conversation, ids, offsets
 
 
 def _json_object(text: str) -> dict | None:
@@ -510,7 +590,9 @@ def _drop_and_report(
     logger.info("tokenized %d samples, %d tokens to learn", int(keep.sum()), int(learned[keep].sum()))
     pieces = dataclasses.replace(pieces, rows=pieces.rows[keep], starts=pieces.starts[keep],
                                  lengths=pieces.lengths[keep])  # fmt: skip
-    columns = ["input_ids", "labels", "loss_mask"]
+    columns = [
+        name for name in ("input_ids", "labels", "loss_mask", "token_kinds") if name in table.column_names
+    ]
     if not pieces.starts.any() and np.array_equal(pieces.lengths, lengths[pieces.rows]):  # whole rows
         kept = tokenized if len(pieces.rows) == total else tokenized.select(pieces.rows)
         return kept.remove_columns(["_learnable", "_bad"])
@@ -521,14 +603,11 @@ def _drop_and_report(
 
 # -- parsing: one row of fields -> the values the encoder needs, or BadRow ------------------------------
 
-# A field read as None: another row of the file has the key, this one lacks it (or its CSV cell is empty).
-_MISSING = "has no value in this row (a missing key, null, or an empty CSV cell)"
-
 
 def _text(row: dict, field: str, *, empty_ok: bool = False) -> str:
     value = row.get(field)
     if value is None:
-        raise BadRow(field, _MISSING)
+        raise BadRow(field, MISSING)
     if not isinstance(value, str):
         raise BadRow(field, f"must be text, got {type(value).__name__} {value!r:.40}")
     if not value and not empty_ok:
@@ -536,62 +615,55 @@ def _text(row: dict, field: str, *, empty_ok: bool = False) -> str:
     return value
 
 
-def _parse_messages(row: dict, tokenizer: Any = None, field: str = "messages") -> list[dict]:
-    messages = row[field]
-    if messages is None:
-        raise BadRow(field, _MISSING)
-    if not isinstance(messages, list) or not messages:
-        raise BadRow(
-            field, f"must be a non-empty list of {{'role', 'content'}} messages, got {messages!r:.60}"
-        )
-    out = []
-    for k, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise BadRow(field, f"message {k} must be a dict with 'role' and 'content', got {message!r:.60}")
-        role, content = message.get("role"), message.get("content")
-        if role not in CHAT_ROLES:
-            raise BadRow(field, f"message {k}: role {role!r} is not one of {CHAT_ROLES}")
-        if content is None:
-            raise BadRow(field, f"message {k} ({role}) has no 'content' (missing or null)")
-        if not isinstance(content, str):
-            raise BadRow(field, f"message {k} ({role}): 'content' must be text, got {type(content).__name__}")
-        if role == "assistant" and not content:
-            raise BadRow(field, f"message {k}: an assistant message is empty")
-        # Extra keys (name, tool_calls...) go to the template; keys other rows have (read as None) do not.
-        out.append({key: value for key, value in message.items() if value is not None})
-    if out[0]["role"] == "assistant":
-        raise BadRow(
-            field, "the conversation starts with an assistant message; it needs a system or user prompt"
-        )
-    return out
+def _parse_messages(row: dict, tokenizer: Any) -> Chat:
+    return parse_messages(row["messages"], "messages", row.get("tools"))
 
 
-def _parse_sharegpt(row: dict, tokenizer: Any) -> list[dict]:
+def _parse_sharegpt(row: dict, tokenizer: Any) -> Chat:
+    """ShareGPT turns as messages: ``from`` names the role (:data:`SHAREGPT_ROLES`), ``value`` the
+    content; a ``function_call`` turn's value is the call as JSON. Other keys of a turn (``weight``,
+    ``train``) stay on its message."""
     turns = row["conversations"]
     if turns is None:
-        raise BadRow("conversations", _MISSING)
+        raise BadRow("conversations", MISSING)
     if not isinstance(turns, list) or not turns or not all(isinstance(t, dict) for t in turns):
         raise BadRow(
             "conversations", f"must be a non-empty list of {{'from', 'value'}} turns, got {turns!r:.60}"
         )
     messages = []
     for k, turn in enumerate(turns):
-        if turn.get("from") not in SHAREGPT_ROLES:
+        source = turn.get("from")
+        if source not in SHAREGPT_ROLES:
             raise BadRow(
-                "conversations",
-                f"turn {k}: 'from' {turn.get('from')!r} is not one of {tuple(SHAREGPT_ROLES)}",
+                "conversations", f"turn {k}: 'from' {source!r} is not one of {tuple(SHAREGPT_ROLES)}"
             )
-        messages.append({"role": SHAREGPT_ROLES[turn["from"]], "content": turn.get("value")})
-    return _parse_messages({"conversations": messages}, field="conversations")
+        message = {key: value for key, value in turn.items() if key not in ("from", "value")}
+        message["role"], message["content"] = SHAREGPT_ROLES[source], turn.get("value")
+        if source == "function_call":
+            message.pop("content")
+            message["tool_calls"] = [{"type": "function", "function": _json_call(turn.get("value"), k)}]
+        messages.append(message)
+    return parse_messages(messages, "conversations", row.get("tools"))
 
 
-def _parse_alpaca(row: dict, tokenizer: Any) -> list[dict]:
+def _json_call(value: Any, k: int) -> dict:
+    try:
+        call = json.loads(value) if isinstance(value, str) else None
+    except json.JSONDecodeError:
+        call = None
+    if not isinstance(call, dict):
+        raise BadRow("conversations", f"turn {k}: a function_call turn's value must be a JSON object "
+                     f'{{"name": ..., "arguments": ...}}, got {value!r:.60}')  # fmt: skip
+    return call
+
+
+def _parse_alpaca(row: dict, tokenizer: Any) -> Chat:
     instruction, output = _text(row, "instruction"), _text(row, "output")
     extra = row.get("input")
     if extra is not None and not isinstance(extra, str):
         raise BadRow("input", f"must be text or empty, got {type(extra).__name__}")
     prompt = f"{instruction}\n\n{extra}" if extra else instruction
-    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": output}]
+    return Chat([{"role": "user", "content": prompt}, {"role": "assistant", "content": output}], [None, None])
 
 
 def _parse_tokens(row: dict, tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], ...]:
@@ -605,7 +677,7 @@ def _parse_tokens(row: dict, tokenizer: PreTrainedTokenizerBase) -> tuple[list[i
         if value is None and field != "input_ids":
             continue
         if value is None:
-            raise BadRow(field, _MISSING)
+            raise BadRow(field, MISSING)
         if not isinstance(value, list) or not all(
             isinstance(v, int) and not isinstance(v, bool) for v in value
         ):
@@ -635,17 +707,6 @@ _PARSERS: dict[str, Callable[[dict, Any], Any]] = {
 
 
 # -- encoding: parsed rows -> aligned samples ------------------------------------------------------------
-
-
-def _encode_chat(conversations: list[list[dict]], tokenizer: PreTrainedTokenizerBase) -> list[_Sample]:
-    if _GENERATION_TAG.search(tokenizer.get_chat_template()):  # the template marks the assistant tokens
-        out = tokenizer.apply_chat_template(
-            conversations, return_dict=True, return_assistant_tokens_mask=True
-        )
-        ids, masks = out["input_ids"], out["assistant_masks"]
-    else:
-        ids, masks = _encode_messages_by_prefix(conversations, tokenizer)
-    return [shift_for_next_token(i, m) for i, m in zip(ids, masks, strict=True)]
 
 
 def _encode_prompt_completion(
@@ -683,7 +744,6 @@ def _encode_tokens(rows: list[tuple], tokenizer: PreTrainedTokenizerBase) -> lis
 
 
 _ENCODERS: dict[str, Callable[[list, PreTrainedTokenizerBase], list[_Sample]]] = {
-    **dict.fromkeys(CHAT_FORMATS, _encode_chat),
     "prompt_completion": _encode_prompt_completion,
     "text": _encode_text,
     "tokens": _encode_tokens,
@@ -698,42 +758,3 @@ def _special_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
         if full[start : start + len(plain)] == plain:
             return full[:start]
     return []
-
-
-def _encode_messages_by_prefix(
-    conversations: list[list[dict]], tokenizer: PreTrainedTokenizerBase
-) -> tuple[list[list[int]], list[list[int]]]:
-    """Tokens and assistant mask for templates without generation markers.
-
-    Assistant turn i spans, in the rendered text, from the end of ``messages[:i]`` rendered with a
-    generation prompt to the end of ``messages[:i + 1]``; a token is learned when its characters
-    overlap such a span. Example (tiny template, one exchange)::
-
-        messages[:1] + prompt  "<|bos|><|user|>Hi<|eos|><|assistant|>"
-        messages[:2]           "<|bos|><|user|>Hi<|eos|><|assistant|>Hello<|eos|>"
-        learned                                                     "Hello<|eos|>"
-    """
-    render = functools.partial(tokenizer.apply_chat_template, tokenize=False)
-    texts, spans = [render(messages) for messages in conversations], []
-    for text, messages in zip(texts, conversations, strict=True):
-        spans.append([])
-        for i, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            before, through = render(messages[:i], add_generation_prompt=True), render(messages[: i + 1])
-            if not (through.startswith(before) and text.startswith(through)):
-                raise ValueError(
-                    "the chat template renders a conversation prefix differently from the start of the whole "
-                    f"conversation (assistant turn {i}), so the assistant tokens cannot be located; add "
-                    "{% generation %}...{% endgeneration %} around assistant content in the template"
-                )
-            spans[-1].append((len(before), len(through)))
-    encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
-    masks = []
-    for offsets, turn_spans in zip(encoded["offset_mapping"], spans, strict=True):
-        offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
-        mask = np.zeros(len(offsets), dtype=bool)
-        for start, end in turn_spans:
-            mask |= (offsets[:, 0] < end) & (offsets[:, 1] > start)
-        masks.append(mask.astype(np.int8).tolist())
-    return encoded["input_ids"], masks

@@ -11,9 +11,10 @@ import datasets
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from automodel.data.chat import ChatPolicy
 from automodel.data.long_samples import check_long_samples
 from automodel.data.section import check_mapping, check_shared_fields, hold_out
-from automodel.data.sft import FORMATS, load_tokenizer, tokenize_sft_dataset
+from automodel.data.sft import FORMATS, load_data_tokenizer, tokenize_sft_dataset
 from automodel.data.sources import TXT_SAMPLES, check_source, is_txt_source, load_sft_source
 
 logger = logging.getLogger(__name__)
@@ -78,13 +79,18 @@ class SFTData:
     source, split, format, columns: the training data when it is one source (see :class:`DataSource`).
     sources: several sources mixed by weight, each a :class:`DataSource` or a dict of its fields
         (then set ``source: null``).
-    tokenizer: ``tiny`` (shipped) or a local tokenizer directory (often the checkpoint's).
+    tokenizer: null (the checkpoint's own: ``model.pretrained_path``), ``tiny`` or ``tiny_tools``
+        (shipped), or a local tokenizer directory.
     max_length: the most tokens a sample may have (null: the most the batching mode fits in a row,
         ``packing.packed_sequence_size`` for packs); a longer one is handled by ``long_samples``.
     long_samples: ``split`` (pieces of ``max_length``, each its own sequence: no token lost),
         ``truncate`` (the first ``max_length``) or ``drop``; counted in rows and tokens. Null: by
         format, ``split`` for ``text`` (continued pretraining), ``truncate`` for the others (a piece
         of a split answer would have no prompt; a ``tokens`` row may carry an SFT loss mask).
+    assistant_turns: chat formats: ``all`` assistant turns carry loss, or the ``last`` one; a message's
+        own ``train: true/false`` (or ``weight: 0/1``) decides for its turn.
+    reasoning: chat formats: ``learn`` or ``mask`` the reasoning traces (``reasoning_content``,
+        ``thinking``) of learned turns (:mod:`automodel.data.chat`).
     on_bad_row: ``error`` (raise naming file, row and field) or ``skip`` (drop, count, report).
     validation: a validation set: a :class:`DataSource` or a dict of its fields, which default
         to the single training source's (``{split: validation}`` reads another split of it).
@@ -101,9 +107,11 @@ class SFTData:
     columns: dict[str, str] | None = None
     txt_samples: str = "lines"
     sources: list[DataSource | dict] | None = None
-    tokenizer: str = "tiny"
+    tokenizer: str | None = None
     max_length: int | None = None
     long_samples: str | None = None
+    assistant_turns: str = "all"
+    reasoning: str = "learn"
     on_bad_row: str = "error"
     validation: DataSource | dict | None = None
     val_fraction: float | None = None
@@ -130,19 +138,34 @@ class SFTData:
         check_shared_fields(self)
         if self.long_samples is not None:
             check_long_samples(self.long_samples)
+        ChatPolicy(self.assistant_turns, self.reasoning)  # each value checked here, before any data work
 
-    def load_tokenizer(self, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-        return load_tokenizer(self.tokenizer, trust_remote_code=trust_remote_code)
+    def load_tokenizer(
+        self, trust_remote_code: bool = False, checkpoint: str | None = None
+    ) -> PreTrainedTokenizerBase:
+        """``data.tokenizer``, or when it is null the tokenizer of ``checkpoint`` (``model.pretrained_path``)."""
+        return load_data_tokenizer(self.tokenizer, checkpoint, trust_remote_code=trust_remote_code)
 
     def build(
-        self, tokenizer: PreTrainedTokenizerBase, sample_cap: int | None = None
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        sample_cap: int | None = None,
+        token_kinds: bool = False,
     ) -> tuple[datasets.Dataset, datasets.Dataset | None]:
         """``(train, validation or None)``, rows ``input_ids``, ``labels``, ``loss_mask`` ready for a
-        batching mode. Every row of a source is tokenized once; the mix is logged per source.
-        ``sample_cap``: the most tokens the batching mode fits in a row (:func:`sample_cap`), the
-        limit of ``long_samples`` when it is below ``max_length`` or that is null."""
+        batching mode (and ``token_kinds``, what each label is, when asked for: ``automodel data``).
+        Every row of a source is tokenized once; the mix is logged per source. ``sample_cap``: the
+        most tokens the batching mode fits in a row (:func:`sample_cap`), the limit of
+        ``long_samples`` when it is below ``max_length`` or that is null."""
         limit = min((n for n in (self.max_length, sample_cap) if n is not None), default=None)
-        options = {"max_length": limit, "on_bad_row": self.on_bad_row, "num_proc": self.num_proc}
+        options = {
+            "max_length": limit,
+            "on_bad_row": self.on_bad_row,
+            "num_proc": self.num_proc,
+            "assistant_turns": self.assistant_turns,
+            "reasoning": self.reasoning,
+            "token_kinds": token_kinds,
+        }
         train, held_out, report = [], [], []
         for index, spec in enumerate(self.sources):
             rows = spec.tokenize(tokenizer, long_samples=self.long_samples_for(spec.format), **options)

@@ -24,13 +24,14 @@ from typing import Any
 import datasets
 from datasets.exceptions import DatasetsError
 
-from automodel.assets import TINY_CORPUS_DIR, TINY_PREFERENCE_PATH, TINY_SFT_PATH
+from automodel.assets import TINY_CORPUS_DIR, TINY_PREFERENCE_PATH, TINY_SFT_PATH, TINY_TOOLS_PATH
 
 # Built-in names are reserved: they never resolve to a local path of the same name.
 BUILTIN_SOURCES = {
     "tiny_sft": TINY_SFT_PATH,
     "tiny_preference": TINY_PREFERENCE_PATH,
     "tiny_corpus": TINY_CORPUS_DIR,
+    "tiny_tools": TINY_TOOLS_PATH,
 }
 _BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "txt"}
 TXT_SAMPLES = (

@@ -197,6 +197,14 @@ class StreamingPackedBatching:
     def check_run(self, env: LoaderEnv) -> None:
         check_pack_alignment(self.packed_sequence_size, env.cp_size)
 
+    def micro_batch(self) -> tuple[str, int | None]:
+        """What one micro-batch holds, and the most tokens it can hold (the ``global batch`` log line)."""
+        packs = f"{self.micro_batch_size} pack" + ("s" if self.micro_batch_size > 1 else "")
+        return (
+            f"{packs} of up to {self.packed_sequence_size:,} tokens",
+            self.micro_batch_size * self.packed_sequence_size,
+        )
+
     def build(self, dataset: Iterable[Mapping[str, Any]], env: LoaderEnv) -> StreamedMicroBatches:
         self.check_run(env)
         if isinstance(dataset, datasets.Dataset):

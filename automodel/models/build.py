@@ -41,7 +41,7 @@ from automodel.attention.hf import (
     attach_thd_attention,
     register_thd_attention,
 )
-from automodel.data.sft import end_of_turn_token_id
+from automodel.data.chat import end_of_turn_token_id
 from automodel.loss import (
     TeacherHead,
     chunked_cross_entropy_sum,
@@ -483,8 +483,9 @@ def export_model(
     ``output_dir/adapter`` in PEFT's format (``adapter_config.json`` + ``adapter_model.safetensors``)
     and ``hf/`` only with ``lora.export_merged`` (the adapters folded into the base weights). The
     adapter names its base (``base_model_name_or_path``): ``base``, the checkpoint it was trained
-    on, or for a model built from a config ``output_dir/base``, written here from the frozen base
-    weights. Collective: every rank must call it."""
+    on (a local directory as an absolute path, so that ``PeftModel.from_pretrained`` finds it from
+    any directory), or for a model built from a config ``output_dir/base``, written here from the
+    frozen base weights. Collective: every rank must call it."""
     hf = model.transformers_model
     config = model.config
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -495,6 +496,8 @@ def export_model(
         if base is None:  # a seeded init that exists nowhere else: the adapter needs it on disk
             base = str((output_dir / "base").resolve())
             export_hf(hf, Path(base), dtype, is_main=is_main, write_extra=tokenizer.save_pretrained)
+        elif Path(base).is_dir():  # as typed it would be found only from the directory the run started in
+            base = str(Path(base).resolve())
         model.hf.peft_config["default"].base_model_name_or_path = base
         export_lora_adapter(model, output_dir / "adapter", tokenizer, is_main=is_main)
         if not lora.export_merged:

@@ -581,7 +581,8 @@ def export_hf(
         with contextlib.suppress(OSError):
             stream.close()
     publish(staging, directory, failure, total, is_main)
-    logger.info("exported %s (%d file(s), %s bytes of weights)", directory, len(names), f"{total:,}")
+    logger.info("exported %s (%d file(s), %s bytes of weights in %s)", directory, len(names), f"{total:,}",
+                str(dtype).removeprefix("torch."))  # fmt: skip
 
 
 def publish(

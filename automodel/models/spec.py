@@ -3,6 +3,7 @@ from scratch. Either way the model is a transformers class."""
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 import os
@@ -21,6 +22,7 @@ from automodel.attention import ATTENTION_BACKENDS
 from automodel.config import refuse_remote_code
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+EXPORT_DTYPES = {**DTYPES, "float16": torch.float16}
 
 
 @dataclass
@@ -55,6 +57,9 @@ class ModelSpec:
             table's verdict on the type's default config, with a warning.
         trust_remote_code: let transformers import Python files shipped with the checkpoint or the
             tokenizer (``auto_map``); refused by default, and passed to every transformers load.
+        export_dtype: the dtype of the exported weights: null keeps the checkpoint's own (config.json's
+            ``dtype``; float32 where it names none), or ``model.dtype`` for a model built from
+            ``model.config``; or ``float32``, ``bfloat16``, ``float16``.
     """
 
     pretrained_path: str | None = None
@@ -66,12 +71,19 @@ class ModelSpec:
     trust_remote_code: bool = False
     exceed_max_positions: bool = False
     verify: bool = True
+    export_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if (self.pretrained_path is None) == (self.config is None):
             raise ValueError("set exactly one of model.pretrained_path and model.config")
         if isinstance(self.pretrained_path, str):  # a hub id never starts with '~'
             self.pretrained_path = os.path.expanduser(self.pretrained_path)
+            check_checkpoint_path(self.pretrained_path)
+        if self.export_dtype is not None and self.export_dtype not in EXPORT_DTYPES:
+            raise ValueError(
+                f"model.export_dtype must be null (the checkpoint's own) or one of {list(EXPORT_DTYPES)}, got "
+                f"{self.export_dtype!r}"
+            )
         if self.config is not None and "model_type" not in self.config:
             raise ValueError("model.config needs model_type (e.g. llama), then that config class's fields")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -105,6 +117,19 @@ class ModelSpec:
         if self.config is not None:
             return dict(self.config)
         return _config_document(Path(self.pretrained_path) / "config.json")
+
+    def export_torch_dtype(self, config: PretrainedConfig) -> tuple[torch.dtype, str]:
+        """The dtype the export writes (``model.export_dtype``), and where it comes from, for the log."""
+        if self.export_dtype is not None:
+            return EXPORT_DTYPES[self.export_dtype], f"model.export_dtype={self.export_dtype}"
+        if self.config is not None:
+            return self.torch_dtype, f"model.dtype={self.dtype}; model.export_dtype sets another"
+        stored = getattr(config, "dtype", None)  # what save_pretrained recorded in config.json
+        if isinstance(stored, str):
+            stored = EXPORT_DTYPES.get(stored)
+        if stored in EXPORT_DTYPES.values():
+            return stored, "the checkpoint's own dtype (config.json); model.export_dtype sets another"
+        return torch.float32, "config.json names no dtype; model.export_dtype sets another"
 
     def hf_config(self) -> PretrainedConfig:
         """The transformers config; a checkpoint's unreadable config.json is a ValueError naming it."""
@@ -150,6 +175,35 @@ def _config_document(file: Path) -> dict | None:
     except (OSError, ValueError, RecursionError):
         return None
     return document if isinstance(document, dict) else None
+
+
+def check_checkpoint_path(name: str) -> None:
+    """ValueError, before any hub lookup, when ``model.pretrained_path`` is neither a local path nor a
+    hub id already in the local Hugging Face cache (nothing is downloaded), with the directories of
+    similar names beside it: a typo in a directory name would otherwise retry the hub for a minute."""
+    if Path(name).exists() or _cached_hub_id(name):
+        return
+    parent = Path(name).parent
+    siblings = sorted(p.name for p in parent.iterdir() if p.is_dir()) if parent.is_dir() else []
+    close = difflib.get_close_matches(Path(name).name, siblings, n=3)
+    hint = (
+        f"did you mean {' or '.join(repr(str(parent / c)) for c in close)}?"
+        if close
+        else "give a checkpoint directory (config.json + safetensors) or a hub id you have downloaded"
+    )
+    raise ValueError(
+        f"model.pretrained_path={name!r}: no such directory (relative to {os.getcwd()}), and not a hub id in the "
+        f"local Hugging Face cache; {hint}"
+    )
+
+
+def _cached_hub_id(name: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except ValueError:  # not a valid repo id (HFValidationError): a path that does not exist
+        return False
 
 
 def _refuse_own_model_class(document: dict, file: Path) -> None:

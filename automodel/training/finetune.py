@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from automodel.config import build_section
 from automodel.console import configure_console, on_terminal
 from automodel.data.batching import LoaderEnv, sample_cap
+from automodel.data.sft import load_tokenizer, tokenizer_disagreements
 from automodel.distributed.parallel import init_distributed
 from automodel.errors import ConfigError, DataError, ModelError, UserError
 from automodel.models import CausalLMForTraining, build_model, export_model
@@ -114,8 +115,12 @@ class FinetuneRecipe:
             self.dims.is_main,
         )
 
-        with _as_user_error(ConfigError):  # data.tokenizer: a path or name the recipe gives
-            self.tokenizer = self.data.load_tokenizer(trust_remote_code=self.model_spec.trust_remote_code)
+        with _as_user_error(ConfigError):  # data.tokenizer (null: the checkpoint's own)
+            self.tokenizer = self.data.load_tokenizer(
+                trust_remote_code=self.model_spec.trust_remote_code,
+                checkpoint=self.model_spec.pretrained_path,
+            )
+        self._warn_other_tokenizer()
         self._check_checkpoint()
         padding_idx = self.tokenizer.pad_token_id
         env = LoaderEnv(
@@ -151,6 +156,8 @@ class FinetuneRecipe:
         except ValueError as error:  # the packing section against this run (cp_size, data): a config error
             raise ConfigError(str(error)) from None
         logger.info("%d micro-batches per epoch on each data-parallel rank", self.stream.batches_per_epoch)
+        logger.info("%s", global_batch(self.dims.dp_size, self.trainer.grad_accum_steps, self.batching,
+                                       self.trainer.max_steps))  # fmt: skip
         self.val_batches = (
             None if self.val_dataset is None else self.batching.build_eval(self.val_dataset, env)
         )
@@ -238,6 +245,24 @@ class FinetuneRecipe:
         """``(train, validation or None)`` from the data section; samples longer than the batching
         mode's row are split, truncated or dropped there (``data.long_samples``)."""
         return self.data.build(self.tokenizer, sample_cap=sample_cap(self.batching, self.dims.cp_size))
+
+    def _warn_other_tokenizer(self) -> None:
+        """A ``data.tokenizer`` other than the checkpoint's own is used as named; where its special tokens,
+        size or chat template differ from the checkpoint's, a warning names both."""
+        checkpoint, named = self.model_spec.pretrained_path, getattr(self.data, "tokenizer", None)
+        if checkpoint is None or named is None or _same_path(named, checkpoint):
+            return
+        try:
+            own = load_tokenizer(checkpoint, trust_remote_code=self.model_spec.trust_remote_code)
+        except ValueError:  # the checkpoint ships no tokenizer: nothing to compare with
+            return
+        differences = tokenizer_disagreements(self.tokenizer, own)
+        if differences:
+            logger.warning(
+                "data.tokenizer=%r differs from the checkpoint's own tokenizer (model.pretrained_path=%r): %s; the "
+                "run uses data.tokenizer=%r as named (set data.tokenizer=null to use the checkpoint's)",
+                named, checkpoint, "; ".join(differences), named,
+            )  # fmt: skip
 
     def _longest_sample(self) -> int | None:
         """The most tokens a sample can have: ``data.max_length``, else the pack size (longer samples
@@ -529,11 +554,14 @@ class FinetuneRecipe:
 
     def _finish(self) -> None:
         if self.trainer.export_hf:
+            dtype, source = self.model_spec.export_torch_dtype(self.hf_config)
+            if self.dims.is_main:
+                logger.info("export in %s (%s)", str(dtype).removeprefix("torch."), source)
             export_model(
                 self.model,
                 self.output_dir,
                 self.tokenizer,
-                dtype=self.model_spec.torch_dtype,
+                dtype=dtype,
                 is_main=self.dims.is_main,
                 lora=self.lora,
                 base=self.model_spec.pretrained_path,
@@ -568,6 +596,31 @@ class FinetuneRecipe:
                 self.run_dir.release()
             if self._owns_process_group and dist.is_initialized():
                 dist.destroy_process_group()
+
+
+def global_batch(dp_size: int, grad_accum_steps: int, batching: Any, max_steps: int) -> str:
+    """The log line that says what one optimizer step takes over the whole job and what ``max_steps``
+    covers: every data-parallel rank adds its own micro-batches, so DP 2 covers twice what one process does.
+
+    Example (dp 2, grad_accum_steps 2, bfd packs of 2,048, max_steps 120)::
+
+        global batch per optimizer step: 4 micro-batches (dp 2 x grad_accum_steps 2), each 1 pack of up to
+        2,048 tokens: up to 8,192 tokens per step; max_steps 120 covers 480 micro-batches (2x one process's
+        at this grad_accum_steps); metrics.jsonl's label_tokens and real_tokens are per step, over all ranks
+    """
+    micro_batches = dp_size * grad_accum_steps
+    shape, tokens = batching.micro_batch()
+    budget = f": up to {micro_batches * tokens:,} tokens per step" if tokens else ""
+    scaled = f" ({dp_size}x one process's at this grad_accum_steps)" if dp_size > 1 else ""
+    return (
+        f"global batch per optimizer step: {micro_batches} micro-batches (dp {dp_size} x grad_accum_steps "
+        f"{grad_accum_steps}), each {shape}{budget}; max_steps {max_steps} covers {max_steps * micro_batches:,} "
+        f"micro-batches{scaled}; metrics.jsonl's label_tokens and real_tokens are per step, over all ranks"
+    )
+
+
+def _same_path(a: str, b: str) -> bool:
+    return a == b or (Path(a).is_dir() and Path(b).is_dir() and Path(a).resolve() == Path(b).resolve())
 
 
 def _longest_tokenized(*datasets: Any) -> int:

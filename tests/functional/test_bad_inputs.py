@@ -108,6 +108,24 @@ RECIPE_CASES = [
     (["optim.max_grad_norm=0"], "optim.max_grad_norm"),
     (["optim._target_=torch.load"], "optim._target_"),
     (["model=hf_checkpoint"], "model.pretrained_path"),
+    # was "unknown key" alone: the key belongs to another option of the model group
+    (
+        ["model.pretrained_path=/models/Qwen3-0.6B"],
+        "it is a key of model=hf_checkpoint: select that option too, e.g. "
+        "model=hf_checkpoint model.pretrained_path=...",
+    ),  # fmt: skip
+    # was a minute of hub retries ending "check your internet connection"
+    (
+        ["model=hf_checkpoint", "model.pretrained_path=no_such_checkpoint"],
+        "model.pretrained_path='no_such_checkpoint': no such directory",
+    ),  # fmt: skip
+    (["model.export_dtype=int8"], "model.export_dtype must be null (the checkpoint's own) or one of"),
+    (["data.reasoning=hide"], "data.reasoning must be one of ('learn', 'mask'), got 'hide'"),
+    (["data.assistant_turns=first"], "data.assistant_turns must be one of ('all', 'last'), got 'first'"),
+    (
+        ["data=chat_jsonl", "data.source=tiny_sft"],
+        "data.tokenizer is null and the model is built from model.config",
+    ),
     (["model.dtype=float16"], "model.dtype"),
     (["model.attention_backend=flash"], "model.attention_backend"),
     (["packing.packed_sequence_size=0"], "packed_sequence_size"),
@@ -277,6 +295,16 @@ def test_a_refused_model_type_or_feature_writes_no_run_directory(tmp_path, data_
     assert not output.exists() and data_work == []
 
 
+def test_a_typo_in_a_checkpoint_directory_names_the_directory_meant(tmp_path, monkeypatch):
+    """Checked before any hub lookup (the name is not a hub id in the local cache)."""
+    (tmp_path / "ck_qwen3").mkdir()
+    monkeypatch.chdir(tmp_path)
+    cfg = load_recipe("tiny_llama_sft", ["model=hf_checkpoint", "model.pretrained_path=ck_qwen33"])
+    with pytest.raises(ConfigError, match=r"model.pretrained_path='ck_qwen33': no such directory \(relative to "
+                       rf"{tmp_path}\), and not a hub id in the local Hugging Face cache; did you mean 'ck_qwen3'\?"):  # fmt: skip
+        recipe_class(cfg)(cfg)
+
+
 def _tokenizer_dir(tmp_path: Path, **config) -> Path:
     """A copy of the shipped tokenizer with ``config`` merged into its tokenizer_config.json."""
     directory = tmp_path / "tokenizer"
@@ -341,7 +369,7 @@ def _without(directory: Path, name: str) -> Path:
 
 
 def _checkpoint(tmp_path: Path, weights: str, **config) -> list[str]:
-    return ["model=hf_checkpoint", "model.dtype=float32",
+    return ["model=hf_checkpoint", "model.dtype=float32", "data.tokenizer=tiny",
             f"model.pretrained_path={_checkpoint_dir(tmp_path, weights, **config)}"]  # fmt: skip
 
 
@@ -869,6 +897,7 @@ def test_an_override_hydra_cannot_lex_says_to_quote_it(override):
 
 def test_a_quoted_home_path_is_the_home_directory_not_a_directory_named_tilde(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "checkpoint").mkdir()
     cfg = load_recipe(
         "tiny_llama_sft",
         [
@@ -1230,6 +1259,7 @@ def test_a_checkpoint_directory_without_weights_is_named(tmp_path, data_work):
                     f"trainer.output_dir={tmp_path / 'run'}",
                     "model=hf_checkpoint",
                     f"model.pretrained_path={directory}",
+                    "data.tokenizer=tiny",
                 ],
             )
         )

@@ -55,6 +55,7 @@ def hf_checkpoint_steps(checkpoint: Path) -> list[str]:
     return [
         "model=hf_checkpoint",
         f"model.pretrained_path={checkpoint}",
+        "data.tokenizer=tiny",  # the checkpoint holds weights only
         "model.dtype=float32",
         "trainer.max_steps=4",
         "packing.micro_batch_size=2",
@@ -174,9 +175,14 @@ def test_context_parallel_equals_one_process(tmp_path, two_ranks):
 def test_data_parallel_equals_one_process_with_the_same_global_batch(tmp_path, two_ranks):
     """From a Hugging Face checkpoint: per step, 2 ranks x 1 micro-batch of 2 packs == 1 rank x 2
     micro-batches of 2 packs."""
-    root, _ = two_ranks
+    root, logs = two_ranks
     one = one_process(tmp_path / "one", *hf_checkpoint_steps(root / "ckpt"), "trainer.grad_accum_steps=2")
     dp2 = read_metrics(root / "dp2")
+    # the log says what a step takes over the whole job, and that DP 2 covers twice one process's data
+    assert ("global batch per optimizer step: 2 micro-batches (dp 2 x grad_accum_steps 1), each 2 packs of up to "
+            "2,048 tokens: up to 8,192 tokens per step; max_steps 4 covers 8 micro-batches (2x one process's at this "
+            "grad_accum_steps); metrics.jsonl's label_tokens and real_tokens are per step, over all ranks"
+            ) in logs["dp2"], logs["dp2"][-3000:]  # fmt: skip
     assert 6.0 < one[0]["loss"] < 6.5  # a random 512-token model starts near ln(512) = 6.24
     assert_close_per_step(dp2, one, "loss", 1e-5)
     assert_close_per_step(dp2, one, "grad_norm", 1e-5)

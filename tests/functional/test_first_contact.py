@@ -53,13 +53,15 @@ def test_an_input_error_is_one_line_with_exit_code_2(tmp_path, capfd, kind):
         rows = [chat("user", "3")] * 4 + [chat("bot", "3")] + [chat("user", "3")] * 3
         source.write_text("".join(json.dumps(row) + "\n" for row in rows))
         overrides = ["data=chat_jsonl", f"data.source={source}", "data.tokenizer=tiny", "data.num_proc=2"]
-        expected = (f"data error: {source} line 5: field 'messages' (column 'messages'): message 0: role 'bot' is not "
-                    "one of ('system', 'user', 'assistant'); fix the row, or set data.on_bad_row=skip")  # fmt: skip
+        expected = (f"data error: {source} line 5: field 'messages' (column 'messages'): message 0: role 'bot': the "
+                    "chat template fails on it (TemplateError: role must be system, user or assistant, got bot); use a "
+                    "role it renders; fix the row, or set data.on_bad_row=skip")  # fmt: skip
     else:
         overrides = [
             "model=hf_checkpoint",
             f"model.pretrained_path={model_dir(tmp_path)}",
             "model.dtype=float32",
+            "data.tokenizer=tiny",
         ]
         expected = "model error: "
     code = main(["finetune", "tiny_llama_sft", f"trainer.output_dir={tmp_path / 'run'}", *SMALL, *overrides])

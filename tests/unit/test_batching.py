@@ -336,3 +336,28 @@ def test_bfd_epoch_zero_is_not_in_length_order():
     assert longest != sorted(longest, reverse=True)
     falls = sum(a > b for a, b in zip(longest, longest[1:]))
     assert falls < 0.75 * len(longest), longest  # sorted order would fall at nearly every step
+
+
+def test_each_mode_says_what_a_micro_batch_holds_and_the_log_scales_it_by_dp():
+    """The ``global batch per optimizer step`` line of a run's setup: micro-batches per step over all
+    ranks, the most tokens they hold, and what ``max_steps`` covers (DP 2: twice one process's)."""
+    from automodel.data.preference import PreferenceBatching
+    from automodel.training.finetune import global_batch
+
+    assert PackedBatching(micro_batch_size=2).micro_batch() == ("2 packs of up to 2,048 tokens", 4096)
+    assert PaddedBatching().micro_batch() == ("8 sample(s) of up to 2,048 tokens, padded", 16384)
+    assert RmpadBatching(micro_batch_size=4, max_seq_len=512).micro_batch() == (
+        "4 sample(s) in one row of up to 2,048 tokens", 2048)  # fmt: skip
+    assert DynBszBatching(count="label_tokens", max_packed_length=8192).micro_batch() == (
+        "one row of up to 8,192 tokens, 4,096 label tokens at most", 8192)  # fmt: skip
+    assert BalancedBatching().micro_batch() == ("1 pack of up to 16,384 tokens", 16384)
+    assert StreamingPackedBatching().micro_batch() == ("1 pack of up to 2,048 tokens", 2048)
+    assert PreferenceBatching().micro_batch() == ("4 preference pairs in one row (chosen and rejected)", None)
+    tail = "metrics.jsonl's label_tokens and real_tokens are per step, over all ranks"
+    assert global_batch(1, 2, PackedBatching(), 120) == (
+        "global batch per optimizer step: 2 micro-batches (dp 1 x grad_accum_steps 2), each 1 pack of up to 2,048 "
+        f"tokens: up to 4,096 tokens per step; max_steps 120 covers 240 micro-batches; {tail}")  # fmt: skip
+    assert global_batch(2, 2, PackedBatching(), 120) == (
+        "global batch per optimizer step: 4 micro-batches (dp 2 x grad_accum_steps 2), each 1 pack of up to 2,048 "
+        "tokens: up to 8,192 tokens per step; max_steps 120 covers 480 micro-batches (2x one process's at this "
+        f"grad_accum_steps); {tail}")  # fmt: skip

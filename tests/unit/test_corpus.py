@@ -145,3 +145,22 @@ def test_streaming_and_the_plan_cache(tmp_path, tiny):
     again = cached.build(train, LoaderEnv())  # reads plan-<key> from the cache
     assert len(list((tmp_path / "p").glob("plan-*/sample_order.npy"))) == 1
     assert next(again)["input_ids"].tolist() == first[0]
+
+
+def test_a_checkpoint_brings_its_tokenizer_to_the_corpus(tmp_path):
+    """``data=corpus`` with ``model=hf_checkpoint``: the checkpoint's own tokenizer (the group named the
+    tiny one whatever the model), recorded in the token file it writes."""
+    from automodel.config import load_recipe
+
+    checkpoint = tmp_path / "ck"
+    load_tokenizer("tiny_tools").save_pretrained(checkpoint)
+    cfg = load_recipe("tiny_llama_pretrain", ["model=hf_checkpoint", f"model.pretrained_path={checkpoint}"])
+    assert cfg.data.tokenizer == str(checkpoint)
+    assert load_recipe("tiny_llama_pretrain", []).data.tokenizer == "tiny"
+    write_sources(tmp_path / "docs")
+    data = CorpusData(source=str(tmp_path / "docs"), tokenizer=None, cache_dir=str(tmp_path / "c"))
+    tokenizer = data.load_tokenizer(checkpoint=str(checkpoint))
+    assert tokenizer.eos_token == "<|im_end|>"  # tiny_tools', not tiny's <|eos|>
+    assert data.token_file(tokenizer).meta["tokenizer"] == str(checkpoint)
+    with pytest.raises(ValueError, match="data.tokenizer is null and the model is built from model.config"):
+        data.load_tokenizer()

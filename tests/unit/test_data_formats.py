@@ -161,7 +161,7 @@ def test_skip_mode_drops_counts_and_reports(tiny, tmp_path, caplog):
     [
         ("content", 1652, "message 1 (assistant): 'content' must be text, got int"),
         ("content", ["1652"], "message 1 (assistant): 'content' must be text, got list"),
-        ("role", 7, "role 7 is not one of"),
+        ("role", 7, "'role' must be text such as 'user', got 7"),
     ],
 )
 def test_one_bad_row_among_120_costs_that_row_only(tiny, tmp_path, caplog, bad_field, bad_value, reason):
@@ -245,7 +245,7 @@ def test_bad_data_section(kwargs, match):
 
 
 def test_end_of_turn_token(tiny, llama3_like_tokenizer):
-    from automodel.data.sft import end_of_turn_token_id
+    from automodel.data.chat import end_of_turn_token_id
 
     assert end_of_turn_token_id(tiny) == EOS  # the tiny template ends turns with its eos
     assert end_of_turn_token_id(llama3_like_tokenizer) == 3  # "<|eot|>"

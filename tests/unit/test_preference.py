@@ -27,7 +27,9 @@ def test_messages_and_prompt_completion_pairs(tmp_path):
         }
     ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows * 3))
-    data = PreferenceData(source=str(path), format="messages", columns={"chosen": "good", "rejected": "bad"})
+    data = PreferenceData(
+        source=str(path), format="messages", columns={"chosen": "good", "rejected": "bad"}, tokenizer="tiny"
+    )
     tokenizer = data.load_tokenizer()
     pairs, validation = data.build(tokenizer)
     assert validation is None and len(pairs) == 3

@@ -14,7 +14,12 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from automodel.data import pack_dataset
-from automodel.data.sft import load_tokenizer, shift_for_next_token, tokenize_sft_dataset
+from automodel.data.sft import (
+    load_tokenizer,
+    shift_for_next_token,
+    tokenize_sft_dataset,
+    tokenizer_disagreements,
+)
 from automodel.data.sources import load_sft_source
 
 # A word-level tokenizer whose ids can be read off by hand.
@@ -234,11 +239,38 @@ def test_fallback_equals_generation_markers_property(tiny, batch):
         assert tiny.decode(learned) == expected
 
 
-def test_fallback_rejects_a_template_that_is_not_prefix_stable():
-    # The message count written up front changes with every prefix of the conversation.
-    template = "{{ messages | length }}" + strip_generation_tags(WORD_TEMPLATE)
+def test_fallback_finds_turns_after_a_block_the_prompt_has_elsewhere():
+    # The template writes the system prompt with the last user message (as Mistral's does): the
+    # prompt of turn 2 holds it where the whole conversation does not, and the turn is still found.
+    template = (
+        "{{ bos_token }}{% set ns = namespace(last=-1) %}"
+        "{% for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+        "{% for m in messages %}{% if m.role != 'system' %} "
+        "{% if loop.index0 == ns.last %}SYSTEM: {{ messages[0].content }} {% endif %}"
+        "{{ m.role | upper }}: {{ m.content }}{% if m.role == 'assistant' %} {{ eos_token }}{% endif %}"
+        "{% endif %}{% endfor %}{% if add_generation_prompt %} ASSISTANT:{% endif %}"
+    )
     dataset = datasets.Dataset.from_dict({"messages": [CONVERSATION]})
-    with pytest.raises(ValueError, match="generation"):
+    (row,) = rows(tokenize_sft_dataset(dataset, word_tokenizer(template), format="messages"))
+    # <s> USER: what is two plus two ASSISTANT: four </s> SYSTEM: be brief USER: thanks ASSISTANT: ok </s>
+    assert row["labels"] == [4, 6, 7, 8, 9, 8, 5, 10, 2, 3, 11, 12, 4, 13, 5, 14, 2]
+    assert row["loss_mask"] == [0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1]
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ messages | length }}"
+        + strip_generation_tags(WORD_TEMPLATE),  # a count that changes with every prefix
+        strip_generation_tags(WORD_TEMPLATE).replace("in messages", "in messages | reverse"),  # last to first
+    ],
+    ids=["count", "reversed"],
+)
+def test_fallback_names_the_row_whose_turns_cannot_be_located(template):
+    dataset = datasets.Dataset.from_dict({"messages": [CONVERSATION[:3], CONVERSATION]})
+    with pytest.raises(
+        ValueError, match=r"row [12]: field 'messages' .*message [24]: .* add \{% generation %\}"
+    ):
         tokenize_sft_dataset(dataset, word_tokenizer(template), format="messages")
 
 
@@ -280,6 +312,49 @@ def test_max_length_truncates_and_drops_with_a_report(caplog):
     assert "dropped 1 of 3 rows (33.33%)" in caplog.text
     with pytest.raises(ValueError, match="none of the 3 rows"):
         tokenize_sft_dataset(dataset, word_tokenizer(), max_length=1)
+
+
+def test_token_kinds_are_cut_with_the_sample(caplog):
+    """``token_kinds`` (what ``automodel data`` shows) is split, truncated and selected with the other
+    columns. The conversation's 17 positions at max_length 6: pieces [0:6] (nothing learned: dropped),
+    [6:12] and [12:17]."""
+    dataset = datasets.Dataset.from_dict({"messages": [CONVERSATION]})
+    split = tokenize_sft_dataset(dataset, word_tokenizer(), format="messages", max_length=6, long_samples="split",
+                                 token_kinds=True)  # fmt: skip
+    assert rows(split) == [
+        {"input_ids": CONVERSATION_IDS[6:12], "labels": CONVERSATION_IDS[7:13], "loss_mask": [0, 0, 0, 0, 1, 1],
+         "token_kinds": [0, 0, 0, 0, 1, 1]},
+        {"input_ids": CONVERSATION_IDS[12:17], "labels": CONVERSATION_IDS[13:18], "loss_mask": [0, 0, 0, 1, 1],
+         "token_kinds": [0, 0, 0, 1, 1]},
+    ]  # fmt: skip
+    truncated = tokenize_sft_dataset(dataset, word_tokenizer(), format="messages", max_length=12,
+                                     long_samples="truncate", token_kinds=True)  # fmt: skip
+    assert rows(truncated)[0]["token_kinds"] == CONVERSATION_MASK[1:13]
+
+
+def test_token_kinds_of_tool_chats_follow_their_pieces():
+    """The shipped tool chats split at 24 positions: each piece's kinds are its slice of the whole
+    row's (tool outputs, calls and reasoning included), and exactly its learned kinds carry loss."""
+    from automodel.data.chat import LEARNED, REASONING_LEARNED, TOOL_CALL, TOOL_OUTPUT
+
+    chats, tools = load_sft_source("tiny_tools")[0].select(range(12)), load_tokenizer("tiny_tools")
+    whole = rows(tokenize_sft_dataset(chats, tools, format="messages", token_kinds=True))
+    pieces = rows(tokenize_sft_dataset(chats, tools, format="messages", max_length=24, long_samples="split",
+                                       token_kinds=True))  # fmt: skip
+    assert any(TOOL_OUTPUT in row["token_kinds"] for row in whole)
+    r = start = 0
+    for piece in pieces:
+        n = len(piece["input_ids"])
+        assert len(piece["token_kinds"]) == n and n <= 24
+        assert [int(k in (LEARNED, TOOL_CALL, REASONING_LEARNED)) for k in piece["token_kinds"]] == piece[
+            "loss_mask"
+        ]
+        while whole[r]["input_ids"][start : start + n] != piece["input_ids"]:  # the next piece that learns
+            start += 24
+            if start >= len(whole[r]["input_ids"]):
+                r, start = r + 1, 0
+        assert piece["token_kinds"] == whole[r]["token_kinds"][start : start + n]
+        start += 24
 
 
 # -- bad input --------------------------------------------------------------------------------------
@@ -333,9 +408,8 @@ def chat(*messages) -> list[dict]:
 @pytest.mark.parametrize(
     ("conversations", "match"),
     [
-        ([chat(("user", "what is")), chat(("human", "what is"), ("assistant", "four"))], r"row 2: field 'messages'.*role 'human'"),
         ([chat(("assistant", "four"), ("user", "ok"))], r"row 1: field 'messages'.*starts with an assistant"),
-        ([chat(("user", "what"), ("assistant", "four")), chat(("user", "is"), ("assistant", ""))], r"row 2: field 'messages'.*assistant message is empty"),
+        ([chat(("user", "what"), ("assistant", "four")), chat(("user", "is"), ("assistant", ""))], r"row 2: field 'messages'.*assistant message is empty \(no content, tool_calls or reasoning\)"),
         ([chat(("user", "what"), ("assistant", "four")), []], r"row 2: field 'messages'.*must be a non-empty list"),
         ([chat(("user", "what"), ("assistant", "four")), chat(("user", None), ("assistant", "ok"))], r"row 2: field 'messages'.*message 0 \(user\) has no 'content' \(missing or null\)"),
         (["what is two plus two"], r"row 1: field 'messages'.*must be a non-empty list"),
@@ -345,6 +419,27 @@ def test_bad_messages_input(conversations, match):
     dataset = datasets.Dataset.from_dict({"messages": conversations})
     with pytest.raises(ValueError, match=match):
         tokenize_sft_dataset(dataset, word_tokenizer(), format="messages")
+
+
+def test_a_role_is_used_where_the_template_renders_it():
+    """A role other than system/user/assistant is taken when the template renders it (the word template
+    writes any role), and named with its row where the template fails on it (the tiny one raises) or
+    drops it; a tool's output is never learned."""
+    conversation = [*chat(("user", "what is two plus two"), ("tool", "four"), ("assistant", "four"))]
+    dataset = datasets.Dataset.from_dict({"messages": [conversation]})
+    (row,) = rows(tokenize_sft_dataset(dataset, word_tokenizer(), format="messages"))
+    # <s> USER: what is two plus two TOOL: four ASSISTANT: four </s>  ("TOOL:" is unknown: 15)
+    assert row["input_ids"] == [1, 4, 6, 7, 8, 9, 8, 15, 10, 5, 10]
+    assert row["loss_mask"] == [0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1]  # the tool's "four" is not learned
+    bad = datasets.Dataset.from_dict({"messages": [chat(("user", "hi"), ("assistant", "ok")), conversation]})
+    with pytest.raises(ValueError, match=r"row 2: field 'messages' .*message 1: role 'tool': the chat template "
+                       r"fails on it \(TemplateError: role must be system, user or assistant, got tool\)"):  # fmt: skip
+        tokenize_sft_dataset(bad, load_tokenizer("tiny"), format="messages")
+    dropping = WORD_TEMPLATE.replace("{% for m in messages %}", "{% for m in messages if m.role != 'tool' %}")
+    with pytest.raises(
+        ValueError, match=r"row 2: .*message 1: role 'tool' is not rendered by the chat template"
+    ):
+        tokenize_sft_dataset(bad, word_tokenizer(dropping), format="messages")
 
 
 def test_prompt_completion_needs_an_eos_token():
@@ -404,3 +499,15 @@ def test_tiny_sft_to_packs_learns_only_completions(tiny, tmp_path, format):
         learned = sample_labels[:-1] != -100  # a learned label is the next input token: the shift survived
         assert (sample_labels[:-1][learned] == next_inputs[learned]).all()
     assert (labels[~in_sample] == -100).all()  # padding is never learned
+
+
+def test_tokenizer_disagreements_name_what_a_model_would_read_otherwise(tiny):
+    assert tokenizer_disagreements(tiny, load_tokenizer("tiny")) == []
+    assert tokenizer_disagreements(tiny, load_tokenizer("tiny_tools")) == [
+        "bos_token '<|bos|>' vs None",
+        "eos_token '<|eos|>' vs '<|im_end|>'",
+        "another chat template",
+    ]
+    smaller = load_tokenizer("tiny")
+    smaller.add_tokens(["<extra>"])
+    assert tokenizer_disagreements(tiny, smaller) == ["512 vs 513 tokens"]
