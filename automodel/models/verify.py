@@ -115,8 +115,8 @@ def sample_pairs(
     return out
 
 
-# The long samples' length where no threshold of the config asks for more, and how far past a
-# threshold the check goes: a quarter of it, at least this many tokens.
+# The long sample's length where no threshold of the config asks for more, and how far past a
+# threshold the check goes.
 BASE_TOKENS = 64
 
 
@@ -124,29 +124,28 @@ def check_lengths(
     sample_tokens: int, row_tokens: int | None = None, thresholds: Iterable[int] = ()
 ) -> tuple[int, ...]:
     """Sample lengths of one packed row for the check on a run's own config: a short sample first
-    (so the next one starts mid-row), then long samples filling the row.
+    (so the next one starts mid-row), then a long one, then more long ones while the row needs them.
 
-    The long samples go past every threshold below the run's longest sample (``sample_tokens``), the
-    row past every one below the run's longest row (``row_tokens``; None: a row of the short sample
-    and two long ones), each by a quarter of it and at least ``BASE_TOKENS`` (``thresholds``: the
-    config's length fields, :func:`~automodel.models.tiny.length_fields`), so that each threshold
-    the run can reach (a window, a chunk, a block-sparse top-k, a row-index floor) is crossed by a
-    sample and by a row index; neither is longer than the run's, nor than that asks: the full length
-    only where a threshold lies near it (the check's cost grows with the square of the samples).
+    The long samples go ``BASE_TOKENS`` past every threshold below the run's longest sample
+    (``sample_tokens``), the row past every one below the run's longest row (``row_tokens``; None:
+    the short and the long sample) (``thresholds``: the config's length fields,
+    :func:`~automodel.models.tiny.length_fields`), so that each threshold the run can reach (a
+    window, a chunk, a block-sparse top-k, a row-index floor) is crossed by a sample and by a row
+    index; neither is longer than the run's, nor than that asks: the full length only where a
+    threshold lies near it (the check's cost grows with the square of the samples).
 
     Example (a window of 4,096, samples up to 32,768 in rows of 65,536)::
 
-        check_lengths(32768, 65536, [4096]) == (7, 5120, 5120)
+        check_lengths(32768, 65536, [4096]) == (7, 4160)
     """
     longest = max(1, int(sample_tokens))
 
     def past(bound: int) -> int:  # the length that crosses every threshold below bound
-        crossing = [v + max(BASE_TOKENS, v // 4) for v in thresholds if v < bound]
-        return min(bound, max([BASE_TOKENS, *crossing]))
+        return min(bound, max([BASE_TOKENS, *(v + BASE_TOKENS for v in thresholds if v < bound)]))
 
     first = min(7, longest)
     sample = past(longest)
-    row = _padded(first) + 2 * _padded(sample)
+    row = _padded(first) + _padded(sample)
     if row_tokens is not None:
         row = max(_padded(first), min(row_tokens, max(row, past(row_tokens))))
     lengths, used = [first], _padded(first)
@@ -304,6 +303,13 @@ def packed_step_errors(
     thd = packed_row(samples, vocab, padding_token_id(config, None))
     meta = thd["attn_meta"]
     inputs = (thd["input_ids"], thd["position_ids"], thd["labels"], meta, thd["label_positions"])
+    # the logits from the loss's own forward: the decoder's final hidden states, kept by a hook
+    kept = {}
+
+    def keep_hidden(module, args, output) -> None:  # None: the output passes on unchanged
+        kept.setdefault("hidden", output.last_hidden_state[0].detach())
+
+    hook = model.decoder.register_forward_hook(keep_hidden)
     with _recording() as calls:
         added = torch.zeros((), dtype=torch.float64)
         if model.router_aux is None:
@@ -313,8 +319,8 @@ def packed_step_errors(
             added = model.router_aux.coef * load_balancing_loss(stats, model.router_aux.num_experts)
             loss = loss / thd["label_tokens"] + added
         loss.backward()
-        with torch.no_grad():
-            hidden = model.hidden_states(thd["input_ids"], thd["position_ids"], meta)
+    hook.remove()
+    hidden = kept["hidden"]
     head = model.transformers_model.get_output_embeddings()
     with torch.no_grad():
         logits = transform_logits(

@@ -90,20 +90,20 @@ def test_balance_by_hand():
 
 
 def test_check_lengths_by_hand():
-    # a short sample first, then samples as long as the longest until the row is full
+    # a short sample first, then a long one, then more while the row needs them (at least 64 tokens)
     assert check_lengths(10, 32) == (7, 10, 10)  # padded to 4: 8 + 12 + 12 = 32
-    assert check_lengths(10) == (7, 10, 10)  # no pack size: two longest samples
+    assert check_lengths(10) == (7, 10)  # no pack size: the short sample and a long one
     assert check_lengths(3, 12) == (3, 3, 3)
-    # no threshold of the config below 9,000 tokens: samples of BASE_TOKENS (64), not the full length
-    assert check_lengths(9000, 9216) == (7, 64, 64)
-    # a window of 4,096 below samples of 32k: crossed by a quarter of it
-    assert check_lengths(32768, 65536, [4096]) == (7, 5120, 5120)
+    # no threshold of the config below 9,000 tokens: a sample of BASE_TOKENS (64), not the full length
+    assert check_lengths(9000, 9216) == (7, 64)
+    # a window of 4,096 below samples of 32k: crossed by 64 tokens
+    assert check_lengths(32768, 65536, [4096]) == (7, 4160)
     # a threshold at the run's longest sample is never crossed; one just below it is, to the full length
-    assert check_lengths(8192, None, [8192]) == (7, 64, 64)
-    assert check_lengths(8192, None, [8000]) == (7, 8192, 8192)
+    assert check_lengths(8192, None, [8192]) == (7, 64)
+    assert check_lengths(8192, None, [8150]) == (7, 8192)
     # a row-index threshold (a floor of 8,192) past samples of 1,024 in rows of 16,384: the row reaches it
     lengths = check_lengths(1024, 16384, [8192])
-    assert lengths[:3] == (7, 64, 64) and sum(-(-n // 4) * 4 for n in lengths) == 8192 + 2048
+    assert lengths[:3] == (7, 64, 64) and sum(-(-n // 4) * 4 for n in lengths) == 8192 + 64
     # one-token samples (data.max_length=1) keep their token and their label
     assert check_lengths(1, 16) == (1, 1, 1, 1)
     assert [int((y != -100).sum()) for _, y in sample_pairs(64, 0, (1, 2, 3))] == [1, 1, 1]
@@ -127,15 +127,15 @@ def test_check_lengths_cross_every_reachable_threshold_and_no_more(longest, extr
             assert max(lengths) > v
         if row is not None and v < row - 2 * PAD_MULTIPLE:
             assert sum(padded) > v
-    # no sample longer than a crossing asks (a quarter past the largest reachable threshold, or 64)
-    needed = max([BASE_TOKENS, *(v + max(BASE_TOKENS, v // 4) for v in thresholds if v < longest)])
+    # no sample longer than a crossing asks (64 tokens past the largest reachable threshold, or 64)
+    needed = max([BASE_TOKENS, *(v + BASE_TOKENS for v in thresholds if v < longest)])
     assert max(lengths) <= max(min(longest, needed), lengths[0])
 
 
 def test_lfm2_short_convolutions_are_refused_naming_the_layer_kind_and_tokens(tmp_path):
     entry = verdict(real_config("lfm2-1.2b"), tmp_path, sample_tokens=32)
     assert entry["status"] == "refused"
-    assert "Lfm2ShortConv" in entry["reason"] and "of sample 2" in entry["reason"]
+    assert "Lfm2ShortConv" in entry["reason"] and "of sample 1" in entry["reason"]
 
 
 def test_llama4_temperature_tuning_is_refused_past_floor_scale_and_verified_within_it(tmp_path):
