@@ -5,8 +5,9 @@ flags and thresholds; only the fields that matter here are written out, the rest
 class's defaults, which these checkpoints share). For each, at the sample and row lengths given
 (``--lengths``: runs whose samples and rows are each of that many tokens, one line per length),
 prints the verdict of :func:`automodel.models.support.config_verdict` (uncached: a fresh cache
-directory), the layers it kept, the samples of its packed row, the seconds it took and the
-process's peak resident memory so far.
+directory), the layers it kept, the samples of its packed row, the seconds it took (wall, and
+CPU of all the process's threads, which a loaded machine inflates less) and the process's
+peak resident memory so far.
 """
 
 from __future__ import annotations
@@ -99,16 +100,16 @@ def main() -> None:
                 sample_tokens or row_tokens or BASE_TOKENS, row_tokens, length_fields(checked).values()
             )
             with tempfile.TemporaryDirectory() as cache:
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 entry = config_verdict(
                     config, sample_tokens=sample_tokens, row_tokens=row_tokens, cache_dir=Path(cache)
                 )
-                seconds = time.perf_counter() - start
+                seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
             peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
             print(
                 f"{name:20} samples <= {sample_tokens}, rows <= {row_tokens}: {checked.num_hidden_layers} of "
                 f"{config.num_hidden_layers} layers, checked samples {list(lengths)}: {entry['status']} in "
-                f"{seconds:.1f} s (peak RSS {peak_gb:.1f} GB)  {entry.get('reason') or entry.get('features', [])}",
+                f"{seconds:.1f} s ({cpu_seconds:.1f} s CPU; peak RSS {peak_gb:.1f} GB)  {entry.get('reason') or entry.get('features', [])}",
                 flush=True,
             )
 
