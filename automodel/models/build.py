@@ -204,12 +204,6 @@ class CausalLMForTraining(nn.Module):
 
         return TeacherHead(hidden_ND, own(head.weight), own(head.bias), **logit_transform(self.config))
 
-    def hidden_states(
-        self, input_ids_T: torch.Tensor, position_ids_T: torch.Tensor, thd_layout: ThdAttentionMetadata
-    ) -> torch.Tensor:
-        """``[T, D]`` final hidden states (after the last norm) of one packed row."""
-        return self._decode(input_ids_T, position_ids_T, thd_layout).last_hidden_state[0]
-
     def _decode(
         self, input_ids_T: torch.Tensor, position_ids_T: torch.Tensor, thd_layout: ThdAttentionMetadata
     ) -> Any:
