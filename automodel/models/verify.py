@@ -336,12 +336,12 @@ def packed_step_errors(
         errors.append(f"loss rel err {loss_err:.1e}")
     # against the whole loss: the class adds its term in float32 to a float32 cross-entropy, so the
     # term alone is known to float32 rounding of the loss (its gradients, compared below, are exact)
-    added_err = abs(float(added) - ref_added) / max(abs(ref_loss), 1e-12)
+    added_err = abs(float(added.detach()) - ref_added) / max(abs(ref_loss), 1e-12)
     if ref_added and not added_err <= RTOL:  # named first: a wrong loss term shows in every gradient too
         errors.insert(
             0,
             f"the class's forward adds {ref_added:.3e} to its loss over the batch (output_router_logits: a router "
-            f"load-balancing loss), the packed step {float(added):.3e}",
+            f"load-balancing loss), the packed step {float(added.detach()):.3e}",
         )
     if not logit_err <= RTOL:
         sample = int(torch.searchsorted(torch.tensor(lengths).cumsum(0), worst_token, right=True))
