@@ -124,7 +124,8 @@ def check_lengths(
     sample_tokens: int, row_tokens: int | None = None, thresholds: Iterable[int] = ()
 ) -> tuple[int, ...]:
     """Sample lengths of one packed row for the check on a run's own config: a short sample first
-    (so the next one starts mid-row), then a long one, then more long ones while the row needs them.
+    (so the next one starts mid-row), then a long one, then more long ones while the row needs them;
+    the long one alone where the run's row has no room for both.
 
     The long samples go ``BASE_TOKENS`` past every threshold below the run's longest sample
     (``sample_tokens``), the row past every one below the run's longest row (``row_tokens``; None:
@@ -148,6 +149,8 @@ def check_lengths(
     row = _padded(first) + _padded(sample)
     if row_tokens is not None:
         row = max(_padded(first), min(row_tokens, max(row, past(row_tokens))))
+    if row - _padded(first) < sample:  # no room for a long sample beside the short one: the long one alone
+        return (sample,)
     lengths, used = [first], _padded(first)
     while row - used >= PAD_MULTIPLE:
         lengths.append(min(sample, (row - used) // PAD_MULTIPLE * PAD_MULTIPLE))

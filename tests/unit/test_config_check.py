@@ -104,6 +104,8 @@ def test_check_lengths_by_hand():
     # a row-index threshold (a floor of 8,192) past samples of 1,024 in rows of 16,384: the row reaches it
     lengths = check_lengths(1024, 16384, [8192])
     assert lengths[:3] == (7, 64, 64) and sum(-(-n // 4) * 4 for n in lengths) == 8192 + 64
+    # a row of 8 tokens with a threshold at 7: no room for the short sample beside a long one
+    assert check_lengths(8, 8, [7]) == (8,)
     # one-token samples (data.max_length=1) keep their token and their label
     assert check_lengths(1, 16) == (1, 1, 1, 1)
     assert [int((y != -100).sum()) for _, y in sample_pairs(64, 0, (1, 2, 3))] == [1, 1, 1]
