@@ -272,6 +272,12 @@ class _Mode:
     def build(self, dataset: datasets.Dataset, env: LoaderEnv) -> MicroBatchStream:
         return MicroBatchStream(self._prepared(dataset, env), env, self.shuffle, self.num_workers)
 
+    def length_bounds(self, max_sample: int | None, cp_size: int) -> tuple[int | None, int | None]:
+        """``(longest sample, longest micro-batch row)`` in tokens this mode can produce from samples of
+        at most ``max_sample`` tokens (``data.max_length``, or the longest tokenized sample; None:
+        unknown), CP padding included in the row; None where the mode does not bound it."""
+        raise NotImplementedError
+
     def build_eval(self, dataset: datasets.Dataset, env: LoaderEnv) -> Sequence[dict[str, Any]]:
         """One unshuffled pass: every kept sample once across DP ranks, the same count on every rank
         (the last micro-batches repeat micro-batch 0 with labels -100 where needed)."""
@@ -320,6 +326,10 @@ def sample_lengths(dataset: datasets.Dataset | TokenCorpus) -> np.ndarray:
     return dataset.lengths if isinstance(dataset, TokenCorpus) else read_lengths(dataset)
 
 
+def _at_most(max_sample: int | None, cap: int) -> int:
+    return cap if max_sample is None else min(max_sample, cap)
+
+
 def _sample_rows(dataset: datasets.Dataset | TokenCorpus) -> datasets.Dataset | TokenCorpus:
     if isinstance(dataset, TokenCorpus):
         return dataset
@@ -361,6 +371,13 @@ class PackedBatching(_Mode):
         return f"{_packs(self.micro_batch_size)} of up to {self.packed_sequence_size:,} tokens", (
             self.micro_batch_size * self.packed_sequence_size
         )
+
+    def length_bounds(self, max_sample: int | None, cp_size: int) -> tuple[int | None, int | None]:
+        """Samples up to the pack size (longer ones are dropped or refused); ``micro_batch_size`` packs
+        in one micro-batch."""
+        return _at_most(
+            max_sample, self.packed_sequence_size
+        ), self.micro_batch_size * self.packed_sequence_size
 
     def prepare(self, dataset: datasets.Dataset | TokenCorpus, env: LoaderEnv) -> Prepared:
         if isinstance(dataset, TokenCorpus):  # packs built as they are read, from the memory-mapped tokens
@@ -406,6 +423,11 @@ class PaddedBatching(_Mode):
         return f"{self.micro_batch_size} sample(s) of up to {self.max_length:,} tokens, padded", (
             self.micro_batch_size * self.max_length
         )
+
+    def length_bounds(self, max_sample: int | None, cp_size: int) -> tuple[int | None, int | None]:
+        """Samples up to ``max_length``; ``micro_batch_size`` of them, each padded to the longest."""
+        longest = _at_most(max_sample, self.max_length)
+        return longest, self.micro_batch_size * int(cp_padded(longest, cp_size))
 
     def prepare(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
         padded = cp_padded(sample_lengths(dataset), env.cp_size)
@@ -488,6 +510,13 @@ class RmpadBatching(_FlatMode):
         tokens = self.micro_batch_size * self.max_seq_len
         return f"{self.micro_batch_size} sample(s) in one row of up to {tokens:,} tokens", tokens
 
+    def length_bounds(self, max_sample: int | None, cp_size: int) -> tuple[int | None, int | None]:
+        """Samples up to ``max_seq_len``; ``micro_batch_size`` of them in a row, or the static length."""
+        longest = _at_most(max_sample, self.max_seq_len)
+        row = self.micro_batch_size * int(cp_padded(longest, cp_size))
+        static = self.pad_packed_to_length or self.micro_batch_size * self.max_seq_len
+        return longest, static if self.pad_packed_input else row
+
     def prepare(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
         length = self._static_length(
             self.micro_batch_size * self.max_seq_len, "micro_batch_size * max_seq_len", env.cp_size
@@ -561,6 +590,11 @@ class DynBszBatching(_FlatMode):
             f"one row of up to {self.length_cap:,} tokens{budget if self.count != 'tokens' else ''}",
             self.length_cap,
         )
+
+    def length_bounds(self, max_sample: int | None, cp_size: int) -> tuple[int | None, int | None]:
+        """Samples and rows up to the length cap (or the static length)."""
+        static = self.pad_packed_to_length or self.length_cap
+        return _at_most(max_sample, self.length_cap), static if self.pad_packed_input else self.length_cap
 
     def prepare(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
         length = self._static_length(self.length_cap, "the length cap", env.cp_size)
@@ -649,6 +683,10 @@ class BalancedBatching(_Mode):
 
     def micro_batch(self) -> tuple[str, int | None]:
         return f"1 pack of up to {self.packed_sequence_size:,} tokens", self.packed_sequence_size
+
+    def length_bounds(self, max_sample: int | None, cp_size: int) -> tuple[int | None, int | None]:
+        """Samples and packs up to ``packed_sequence_size``."""
+        return _at_most(max_sample, self.packed_sequence_size), self.packed_sequence_size
 
     def prepare(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
         padded = cp_padded(sample_lengths(dataset), env.cp_size)

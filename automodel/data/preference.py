@@ -29,7 +29,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from automodel.data.batching import LoaderEnv, Prepared, _groups, _Mode
-from automodel.data.collate import build_row, packed_sequence_thd_collater
+from automodel.data.collate import build_row, cp_padded, packed_sequence_thd_collater
 from automodel.data.section import check_mapping, check_shared_fields, hold_out
 from automodel.data.sft import load_data_tokenizer, tokenize_sft_dataset
 from automodel.data.sources import check_source, load_sft_source
@@ -209,6 +209,12 @@ class PreferenceBatching(_Mode):
 
     def micro_batch(self) -> tuple[str, int | None]:
         return f"{self.pairs_per_micro_batch} preference pairs in one row (chosen and rejected)", None
+
+    def length_bounds(self, max_sample: int | None, cp_size: int) -> tuple[int | None, int | None]:
+        """Both sides of ``pairs_per_micro_batch`` pairs in a row; no bound without ``max_sample``."""
+        if max_sample is None:
+            return None, None
+        return max_sample, 2 * self.pairs_per_micro_batch * int(cp_padded(max_sample, cp_size))
 
     def prepare(self, dataset: datasets.Dataset, env: LoaderEnv) -> Prepared:
         missing = [

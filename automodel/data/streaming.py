@@ -205,6 +205,13 @@ class StreamingPackedBatching:
             self.micro_batch_size * self.packed_sequence_size,
         )
 
+    def length_bounds(self, max_sample: int | None, cp_size: int) -> tuple[int | None, int | None]:
+        """Samples up to the pack size; ``micro_batch_size`` packs in one micro-batch."""
+        longest = (
+            self.packed_sequence_size if max_sample is None else min(max_sample, self.packed_sequence_size)
+        )
+        return longest, self.micro_batch_size * self.packed_sequence_size
+
     def build(self, dataset: Iterable[Mapping[str, Any]], env: LoaderEnv) -> StreamedMicroBatches:
         self.check_run(env)
         if isinstance(dataset, datasets.Dataset):

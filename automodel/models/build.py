@@ -59,6 +59,7 @@ from automodel.models.hf_io import (
     publish,
 )
 from automodel.models.lora import LoraConfig, export_adapter
+from automodel.models.router_aux import RouterAuxLoss, router_statistics
 from automodel.models.sharded_init import UninitializedTensor, init_sharded
 from automodel.models.spec import ModelSpec
 
@@ -80,12 +81,17 @@ class CausalLMForTraining(nn.Module):
 
     With ``dense_mask`` (a type whose attention is its own code, e.g. Falcon) the layout reaches the
     layers as a block-diagonal causal ``attention_mask`` instead of the ``thd_layout`` keyword.
+
+    ``router_aux``: the router load-balancing loss the class adds to its loss under
+    ``output_router_logits`` (:class:`~automodel.models.router_aux.RouterAuxLoss`), else None; the
+    forward then gives the micro-batch's router statistics to compute it from.
     """
 
     def __init__(self, hf: PreTrainedModel | peft.PeftModel, dense_mask: bool = False):
         super().__init__()
         self.hf = hf
         self.dense_mask = dense_mask
+        self.router_aux = RouterAuxLoss.of(self.transformers_model)
 
     @property
     def transformers_model(self) -> PreTrainedModel:
@@ -122,6 +128,7 @@ class CausalLMForTraining(nn.Module):
         teacher: TeacherHead | None = None,
         divergence: str = "forward_kl",
         temperature: float = 1.0,
+        real_T: torch.Tensor | None = None,
     ) -> Any:
         """One packed row through the model; ``output`` says what comes back, every value computed
         through the one output head (the family's logit transform included), never a ``[T, V]``:
@@ -136,10 +143,39 @@ class CausalLMForTraining(nn.Module):
         - ``hidden``: the final hidden states at the labelled positions only, ``[N, D]``.
 
         ``label_positions_N``: the labelled positions (:func:`automodel.loss.label_positions` of
-        the host labels), so that the step never waits for the device to find them."""
+        the host labels), so that the step never waits for the device to find them.
+
+        ``real_T``: ``[T]`` bool, this rank's real tokens (not padding). Given, for a model with a
+        ``router_aux``, the result is ``(output, router statistics of those tokens)``
+        (:func:`~automodel.models.router_aux.router_statistics`)."""
         if output not in OUTPUTS:
             raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
-        hidden_TD = self.hidden_states(input_ids_T, position_ids_T, thd_layout)
+        decoded = self._decode(input_ids_T, position_ids_T, thd_layout)
+        hidden_TD = decoded.last_hidden_state[0]
+        result = self._output(
+            hidden_TD, labels_T, label_positions_N, output, teacher, divergence, temperature
+        )
+        if real_T is None or self.router_aux is None:
+            return result
+        router_logits = getattr(decoded, "router_logits", None)
+        if not router_logits:
+            raise ValueError(
+                f"{self.config.model_type} adds a router load-balancing loss under output_router_logits=true but "
+                "its decoder returns no router_logits; set output_router_logits: false in model.config"
+            )
+        return result, router_statistics(router_logits, self.router_aux, real_T)
+
+    def _output(
+        self,
+        hidden_TD: torch.Tensor,
+        labels_T: torch.Tensor,
+        label_positions_N: torch.Tensor | None,
+        output: str,
+        teacher: TeacherHead | None,
+        divergence: str,
+        temperature: float,
+    ) -> Any:
+        """:meth:`forward`'s ``output`` from the final hidden states ``[T, D]``."""
         if output in ("teacher", "hidden"):
             if label_positions_N is None:
                 label_positions_N = label_positions(labels_T, self.config.get_text_config().vocab_size)
@@ -168,10 +204,11 @@ class CausalLMForTraining(nn.Module):
 
         return TeacherHead(hidden_ND, own(head.weight), own(head.bias), **logit_transform(self.config))
 
-    def hidden_states(
+    def _decode(
         self, input_ids_T: torch.Tensor, position_ids_T: torch.Tensor, thd_layout: ThdAttentionMetadata
-    ) -> torch.Tensor:
-        """``[T, D]`` final hidden states (after the last norm) of one packed row."""
+    ) -> Any:
+        """The decoder's output on one packed row (``last_hidden_state`` ``[1, T, D]``, and the
+        ``router_logits`` of each MoE layer where the config records them)."""
         if self.dense_mask:
             # the compute dtype: the embeddings stay in the root unit for a dense-mask model (fsdp_units),
             # so FSDP2 has unsharded them here
@@ -184,7 +221,7 @@ class CausalLMForTraining(nn.Module):
             position_ids=batched_position_ids(self.config, position_ids_T),
             use_cache=False,
             **layout,
-        ).last_hidden_state[0]
+        )
 
 
 HEAD_OUTPUT_METHOD = "automodel_head_output"

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+from transformers import PretrainedConfig
 
 from automodel.attention import ThdAttentionMetadata
 from automodel.distributed import make_cp_batch_for_te
@@ -67,3 +68,19 @@ def model_inputs(
         for key in keys:
             thd[key] = thd[key].to(device, non_blocking=True)
     return thd
+
+
+def padding_token_id(config: PretrainedConfig, preferred: int | None) -> int:
+    """The token id a packed row's padding slots hold: ``preferred`` (the tokenizer's pad token),
+    unless it is None or the input embeddings' padding row (the config's ``pad_token_id``, a zero
+    vector), then the config's end-of-sequence (else beginning-of-sequence) token. No loss and no real token's
+    attention reads a padding slot, but the layers compute on it, and a layer that divides by a
+    token's norm makes NaN gradients from a zero vector (Gemma 3n's AltUp: ``mean(x ** 2) ** 0.5``)."""
+    text = config.get_text_config()
+    zero_row, vocab = getattr(text, "pad_token_id", None), getattr(text, "vocab_size", None)
+    eos = getattr(text, "eos_token_id", None)
+    candidates = [preferred, *(eos if isinstance(eos, list) else [eos]), getattr(text, "bos_token_id", None)]
+    for token in candidates:
+        if isinstance(token, int) and token != zero_row and 0 <= token < (vocab or token + 1):
+            return token
+    return 0 if zero_row != 0 else 1

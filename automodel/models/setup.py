@@ -29,7 +29,8 @@ from automodel.config import ConfigError
 from automodel.models.lora import LoraConfig
 from automodel.models.spec import ModelSpec, check_sizes
 from automodel.models.support import config_verdict, table_verdict
-from automodel.models.verify import BACKEND_LACKS
+from automodel.models.tiny import config_fields, length_fields
+from automodel.models.verify import BACKEND_LACKS, BASE_TOKENS, one_line
 
 logger = logging.getLogger(__name__)
 
@@ -64,17 +65,25 @@ def config_checks(
     max_sample_tokens: int | None,
     row_tokens: int | None = None,
     compute_dtype: torch.dtype | None = None,
-) -> tuple[PretrainedConfig, dict]:
+    lengths_measured_later: bool = False,
+) -> tuple[PretrainedConfig, dict | None]:
     """The checks that need only the recipe, in the first seconds of a run, before the run directory
     is written: config readable (and no model class of its own: :meth:`ModelSpec.hf_config`), its
-    fields, the differential check on this config (``model.verify``; else the table's verdict on the
-    type's default config), features vs backend, cp_size, windows vs sample length, the backend on
+    fields, transformers building the class from it, then :func:`length_checks` (the differential
+    check on this config, features vs backend, cp_size, windows vs sample length), the backend on
     this machine and in ``compute_dtype`` (what attention computes in: bf16 under the run's autocast,
     else ``model.dtype``, the default).
 
+    Args:
+        max_sample_tokens, row_tokens: the longest sample and row (micro-batch) the run can produce,
+            known before the data work.
+        lengths_measured_later: the run learns them only from its tokenized data (DPO pairs without
+            ``data.max_length``): :func:`length_checks` is left to the caller, after tokenizing.
+
     Returns:
-        The config and the verdict (a table entry: status, features, backends), whose
-        ``dense_mask`` (:func:`~automodel.models.support.uses_dense_mask`) :func:`build_model` takes."""
+        The config and the verdict (a table entry: status, features, backends; None when the
+        lengths are measured later), whose ``dense_mask``
+        (:func:`~automodel.models.support.uses_dense_mask`) :func:`build_model` takes."""
     config = spec.hf_config()
     check_model_sanity(
         config, max_sample_tokens=max_sample_tokens, exceed_max_positions=spec.exceed_max_positions
@@ -82,11 +91,40 @@ def config_checks(
     compute_dtype = compute_dtype or spec.torch_dtype
     backend = resolve_attention_backend(spec.attention_backend, compute_dtype=compute_dtype)
     check_config_fields(config)
-    entry = model_verdict(spec, config, max_sample_tokens=max_sample_tokens, row_tokens=row_tokens)
-    check_model_config(config, backend, entry, cp_size=cp_size, max_sample_tokens=max_sample_tokens)
+    check_buildable(spec, config)
+    entry = None
+    if not lengths_measured_later:
+        entry = length_checks(
+            spec,
+            config,
+            cp_size=cp_size,
+            max_sample_tokens=max_sample_tokens,
+            row_tokens=row_tokens,
+            compute_dtype=compute_dtype,
+        )
     # after the features: a feature no backend computes is the first thing to fix
     check_backend_device(backend, compute_dtype)
     return config, entry
+
+
+def length_checks(
+    spec: ModelSpec,
+    config: PretrainedConfig,
+    *,
+    cp_size: int,
+    max_sample_tokens: int | None,
+    row_tokens: int | None,
+    compute_dtype: torch.dtype | None = None,
+) -> dict:
+    """The checks that depend on the run's lengths: the verdict (:func:`model_verdict`), then the
+    features against the attention backend (in ``compute_dtype``, as :func:`config_checks`),
+    ``parallel.cp_size`` and the sample length (:func:`check_model_config`). Returns the verdict."""
+    entry = model_verdict(spec, config, max_sample_tokens=max_sample_tokens, row_tokens=row_tokens)
+    backend = resolve_attention_backend(
+        spec.attention_backend, compute_dtype=compute_dtype or spec.torch_dtype
+    )
+    check_model_config(config, backend, entry, cp_size=cp_size, max_sample_tokens=max_sample_tokens)
+    return entry
 
 
 def checkpoint_checks(
@@ -106,19 +144,55 @@ def checkpoint_checks(
         lora.check_model(meta)
 
 
+def check_buildable(spec: ModelSpec, config: PretrainedConfig) -> None:
+    """A :class:`ConfigError` quoting transformers' own error when it cannot build the model class
+    from the config (on the meta device: no memory, no weights), e.g. ``hidden_act: gelu_foo``."""
+    try:
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(config, trust_remote_code=spec.trust_remote_code)
+    except Exception as error:  # whatever transformers raises is the config's fault: quoted
+        raise ConfigError(
+            f"transformers cannot build {config.model_type} from this config (model.config, or config.json of "
+            f"model.pretrained_path): {one_line(error)}; fix the field it names"
+        ) from None
+
+
 def model_verdict(
     spec: ModelSpec, config: PretrainedConfig, *, max_sample_tokens: int | None, row_tokens: int | None
 ) -> dict:
-    """The differential check's verdict on this config (``model.verify``, cached), else the supported
-    table's on the type's default config, with a warning."""
+    """The differential check's verdict on this config (``model.verify``, cached) at the run's longest
+    sample (:func:`sample_bound`) and row, else the supported table's on the type's default config,
+    with a warning."""
     if spec.verify:
-        return config_verdict(config, sample_tokens=max_sample_tokens, row_tokens=row_tokens)
+        sample_tokens = sample_bound(spec, config, max_sample_tokens)
+        return config_verdict(config, sample_tokens=sample_tokens, row_tokens=row_tokens)
     logger.warning(
         "model.verify=false: this config's packed step is not checked against each sample alone; the "
         "supported table's verdict on the %s default config is used",
         config.model_type,
     )
     return table_verdict(config)
+
+
+def sample_bound(spec: ModelSpec, config: PretrainedConfig, max_sample_tokens: int | None) -> int:
+    """The longest sample the check must reach: the run's (``max_sample_tokens``), else the model's
+    ``max_position_embeddings`` (setup refuses longer samples unless ``model.exceed_max_positions``).
+    With neither, a config with a length field (:func:`~automodel.models.tiny.length_fields`: a
+    window, a chunk, a position limit...) is refused naming ``data.max_length``: no check can cross
+    every length a sample of any size reaches."""
+    if max_sample_tokens is not None:
+        return max_sample_tokens
+    limit = config_fields(config).get("max_position_embeddings")
+    if isinstance(limit, int) and not spec.exceed_max_positions:
+        return limit
+    fields = length_fields(config)
+    if not fields:
+        return BASE_TOKENS
+    listed = ", ".join(f"{name}={value}" for name, value in list(fields.items())[:3])
+    raise ConfigError(
+        f"{config.model_type} has length thresholds ({listed}) that samples of any length may cross, and nothing "
+        "bounds this run's samples (model.exceed_max_positions=true, no pack size); set data.max_length"
+    )
 
 
 REFUSED_ROPE_TYPES = ("dynamic", "longrope")
@@ -158,6 +232,16 @@ def check_supported_type(config: PretrainedConfig, backend: str, entry: dict) ->
     naming the feature that ``backend`` (resolved) cannot compute (a checkpoint's own model class in
     ``auto_map`` is refused earlier, by :meth:`automodel.models.spec.ModelSpec.hf_config`, before its
     configuration code runs)."""
+    if entry["status"] == "not_buildable":  # transformers' own error on the config, not the THD path's
+        fix = (
+            "that is transformers' own error on this config: fix the field it names"
+            if entry["reason"].startswith("transformers")
+            else "the check cannot build it at a tiny size"
+        )
+        raise ConfigError(
+            f"model_type {config.model_type!r} (model.config, or config.json of model.pretrained_path) is refused: "
+            f"{entry['reason']}; {fix}"
+        )
     if entry["status"] != "verified":
         raise ConfigError(
             f"model_type {config.model_type!r} (model.pretrained_path / model.config) is refused on the THD path: "

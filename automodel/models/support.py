@@ -5,8 +5,9 @@ Support is decided by the differential check (:mod:`automodel.models.verify`), n
 ``automodel families --verify`` runs it on every type's default config (:func:`sweep`) and writes
 ``supported.json`` beside this module: the table users read, and the verdict setup uses when
 ``model.verify=false``. Setup runs the same check on the run's own config (:func:`config_verdict`:
-shrunk in width only, every layer kind and threshold kept, samples as long as the run's longest),
-cached, each entry bound to the config, lengths, versions and the check's own code.
+shrunk in width only, every layer kind and threshold kept, samples and row indices crossing every
+length field the run can reach), cached, each entry bound to the config, lengths, versions and the
+check's own code.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 import automodel
 from automodel.config import ConfigError, automodel_cache_dir
-from automodel.models.tiny import WINDOW, tiny_config, width_config
+from automodel.models.tiny import WINDOW, length_fields, tiny_config, width_config
 from automodel.models.verify import (
+    BASE_TOKENS,
     REASONS,
     RTOL,
     Verdict,
@@ -87,14 +89,17 @@ def config_verdict(
     row_tokens: int | None,
     cache_dir: Path | None = None,
 ) -> dict:
-    """The differential check on the run's own config (:func:`~automodel.models.verify.width_config`)
-    with one packed row of samples as long as the run's longest (:func:`~automodel.models.verify.check_lengths`),
-    as a table entry. A verified config is cached in ``cache_dir`` (default :func:`exactness_cache_dir`)
+    """The differential check on the run's own config (:func:`~automodel.models.tiny.width_config`)
+    with one packed row whose samples and row indices cross every length field of the config
+    (:func:`~automodel.models.tiny.length_fields`) the run's longest sample (``sample_tokens``) and
+    row (``row_tokens``) can reach (:func:`~automodel.models.verify.check_lengths`), as a table
+    entry. A verified config is cached in ``cache_dir`` (default :func:`exactness_cache_dir`)
     bound to the checked config, the lengths, the versions and the check's own code
     (:func:`cache_binding`): a second run pays nothing, and an entry that does not match is checked
     again. Under ``torch.distributed`` rank 0 runs it and every rank gets its verdict."""
     checked = width_config(config)
-    lengths = check_lengths(sample_tokens or row_tokens or 64, row_tokens)
+    thresholds = length_fields(checked).values()
+    lengths = check_lengths(sample_tokens or row_tokens or BASE_TOKENS, row_tokens, thresholds)
     binding = cache_binding(checked, lengths)
     path = (cache_dir or exactness_cache_dir()) / cache_file_name(checked.model_type, binding)
     entry = [None]
@@ -115,9 +120,11 @@ def _cached_or_checked(
         return cached
     logger.info("checking this config's packed step against each sample alone (%s)", what)
     start = time.perf_counter()
-    # the dense-mask fallback (an O(T^2) mask) for a type that needs it, or one the table has not seen
-    default = supported_table().get(checked.model_type)
-    verdict = verify_config(checked, lengths, dense_mask_fallback=default is None or uses_dense_mask(default))
+    # the dense-mask fallback (an O(T^2) mask) unless the table verified the type on the THD path: for a
+    # type that needs it, and one the table has not seen or could not check (a newer release's)
+    default = supported_table().get(checked.model_type) or {}
+    thd_verified = default.get("status") == "verified" and not uses_dense_mask(default)
+    verdict = verify_config(checked, lengths, dense_mask_fallback=not thd_verified)
     entry = {k: v for k, v in asdict(verdict).items() if v not in ("", [], None)}
     if verdict.status != "verified":  # not cached: a refusal stops the run, and may come from the machine
         return entry

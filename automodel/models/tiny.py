@@ -9,6 +9,8 @@ check at setup).
 from __future__ import annotations
 
 import copy
+import re
+from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
 
@@ -84,35 +86,46 @@ _ZERO = (
     "input_jitter_noise",
 )
 
+# unset in a type's default config (a dense default of a MoE class): the sweep's tiny MoE sizes
+_UNSET_ROUTING = (
+    "num_local_experts",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "n_group",
+    "topk_group",
+    "n_shared_experts",
+)
+
 
 def tiny_config(model_type: str) -> PretrainedConfig:
-    """transformers' default config of ``model_type``, every size field shrunk (sub-configs too),
-    dropout off, special token ids inside the vocabulary, ``layer_types`` cut to the layer count
-    keeping one layer of each kind, other per-layer lists cut to the layer count (so that
-    ``save_pretrained`` accepts the config); ``is_decoder`` on, as a causal LM of an encoder family
-    (BertGeneration, RoBERTa) is configured to be used."""
+    """transformers' default config of ``model_type``, every size and length shrunk, dropout off,
+    unset routing sizes given tiny values, special token ids inside the vocabulary, cut in depth to
+    one layer of each kind (:func:`_cut_depth`; sub-configs too); ``is_decoder`` on, as a causal LM
+    of an encoder family (BertGeneration, RoBERTa) is configured to be used."""
     config = AutoConfig.for_model(model_type, is_decoder=True)
-    _shrink(config)
-    for name in getattr(config, "sub_configs", {}) or {}:
-        sub = getattr(config, name, None)
-        if isinstance(sub, PretrainedConfig):
-            _shrink(sub)
+    for part in _parts(config):
+        _shrink(part)
+        _cut_depth(part)
     return config
 
 
 def width_config(config: PretrainedConfig) -> PretrainedConfig:
     """A run's own ``config`` shrunk in width only (hidden sizes, heads, experts, vocabulary, as in
-    :func:`tiny_config`), dropout off, and cut in depth to one layer of each kind
-    (:func:`_cut_depth`): every layer kind, flag, pattern, window, chunk, block size and position
-    threshold stays as the run will train it."""
+    :func:`tiny_config`, per-layer overrides in proportion) and cut in depth to one layer of each
+    kind (:func:`_cut_depth`; sub-configs too): every layer kind, flag, pattern, window, chunk,
+    block size, position threshold and random layer (dropout, router jitter) stays as the run will
+    train it, and a field the config leaves unset stays unset."""
     config = copy.deepcopy(config)
-    _shrink(config, widths_only=True)
-    for name in getattr(config, "sub_configs", {}) or {}:
-        sub = getattr(config, name, None)
-        if isinstance(sub, PretrainedConfig):
-            _shrink(sub, widths_only=True)
-    _cut_depth(config)
+    for part in _parts(config):
+        _shrink(part, widths_only=True)
+        _cut_depth(part)
     return config
+
+
+def _parts(config: PretrainedConfig) -> list[PretrainedConfig]:
+    """``config`` and its sub-configs (a composite model's text and vision configs)."""
+    subs = [getattr(config, name, None) for name in getattr(config, "sub_configs", {}) or {}]
+    return [config, *(sub for sub in subs if isinstance(sub, PretrainedConfig))]
 
 
 # what width_config keeps: depth (cut by _cut_depth instead) and every length a run can cross
@@ -130,111 +143,232 @@ _DEPTH_AND_LENGTHS = {
 
 
 # integer fields that set a per-layer pattern at build time (every k-th layer, the first k dense)
-_LAYER_PATTERN_INTS = ("interval", "_step", "_freq", "first_k_dense")
+_LAYER_PATTERN_INTS = (
+    "interval",
+    "_step",
+    "_freq",
+    "first_k_dense",
+    "period",
+    "offset",
+    "every_n",
+    "group_size",
+)
+
+
+# widths by a part of their name, for the fields _TINY does not list (Llama 4's intermediate_size_mlp)
+_FAMILY_WIDTHS = {"vocab": _TINY["vocab_size"], "hidden_size": _TINY["hidden_size"], "intermediate": 64}
+
+
+def is_width(name: str) -> bool:
+    """Whether a config field is a width :func:`width_config` shrinks (hidden and intermediate sizes,
+    heads, experts, vocabulary, routing sizes), not a length, a layer count or a flag."""
+    return (name in _TINY and name not in _DEPTH_AND_LENGTHS) or any(key in name for key in _FAMILY_WIDTHS)
+
+
+def length_fields(config: PretrainedConfig) -> dict[str, int]:
+    """Every integer of ``config`` (nested ones as ``rope_parameters.original_max_position_embeddings``)
+    that could be a length in tokens, by dotted name: windows, chunks, floors, position limits, block
+    and top-k sizes, and each block size times each top-k count (MiniMax-M3 keeps the top 16 blocks
+    of 128 keys: 2,048). Not lengths: widths (:func:`is_width`), layer counts and indices, token ids,
+    RoPE bases. The check at setup crosses each one the run can reach (:func:`check_lengths`)."""
+
+    def numbers(node: dict, prefix: str = ""):
+        for key, value in node.items():
+            name = f"{prefix}{key}"
+            if isinstance(value, dict):
+                yield from numbers(value, f"{name}.")
+            elif (
+                _is_int(value)
+                and value >= 2
+                and not _NOT_A_LENGTH.search(str(key))
+                and not is_width(str(key))
+            ):
+                yield name, value
+
+    found = dict(numbers(config_fields(config)))
+    tops = {k: v for k, v in found.items() if "top" in k.rsplit(".", 1)[-1]}
+    blocks = {k: v for k, v in found.items() if "block" in k.rsplit(".", 1)[-1] and k not in tops}
+    for block, size in blocks.items():
+        for top, count in tops.items():
+            found[f"{block}*{top}"] = size * count
+    return found
+
+
+_NOT_A_LENGTH = re.compile(r"layer|token_id|theta|base|seed|^num_|^n_|_idx$|interval|_step|_freq|first_k")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def config_fields(config: PretrainedConfig) -> dict[str, Any]:
+    """Every field of ``config`` by name, as the object holds it (Dory serializes its layers in
+    another form than it keeps them), plus the names ``attribute_map`` aliases (GPT-2's
+    ``hidden_size`` for ``n_embd``). Where the attribute cannot be read (a per-layer field of a
+    heterogeneous config raises) or is a sub-config, ``config.to_dict()``'s value: the global one,
+    a dict."""
+    fields = {}
+    for name, serialized in config.to_dict().items():
+        try:
+            value = getattr(config, name)
+        except (AttributeError, RuntimeError):  # transformers' AmbiguousGlobalPerLayerAttributeError
+            value = serialized
+        fields[name] = (
+            serialized if isinstance(value, PretrainedConfig) or name == "per_layer_config" else value
+        )
+    for alias, name in getattr(config, "attribute_map", {}).items():
+        if name in fields:
+            fields.setdefault(alias, fields[name])
+    return fields
+
+
+def layer_overrides(config: PretrainedConfig) -> dict[int, dict[str, Any]]:
+    """A heterogeneous config's per-layer overrides (transformers' ``per_layer_config``), by layer."""
+    return {int(i): values for i, values in (config.to_dict().get("per_layer_config") or {}).items()}
 
 
 def _cut_depth(config: PretrainedConfig) -> None:
     """Keep one layer of each kind: the first layer of each value of every per-layer list
-    (``layer_types``, ``no_rope_layers``, ``mlp_layer_types``...), the first layer in and the first
-    out of each index list (``moe_layers``, ``full_attn_idxs``), and the first layers up to one
-    period of each pattern integer (every k-th layer, the first k dense), which the class reads by
-    layer index. Per-layer lists keep the chosen layers' entries, index lists their new indices."""
-    layers = getattr(config, "num_hidden_layers", None)
-    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 2:
+    (``layer_types``, ``no_rope_layers``, ``mlp_layer_types``...) and of each per-layer override
+    (``per_layer_config``: Gemma 4's head sizes), the first layer in and the first out of each index
+    list (``moe_layers``, ``full_attn_idxs``), the first layers up to one period of each pattern
+    integer (every k-th layer, the first k dense), which the class reads by layer index, and for
+    each other layer count (``num_kv_shared_layers``, ``max_window_layers``) the layers on both sides
+    of its boundary counted from the start and from the end, as many kept within its count from the
+    start as from the end (:func:`_balance`), so that the new count means the same layers whichever
+    end the class counts from. Per-layer lists keep the chosen layers' entries, index lists and
+    per-layer overrides their new indices."""
+    fields = config_fields(config)
+    layers = fields.get("num_hidden_layers")
+    if not _is_int(layers) or layers < 2:
         return
-    fields = {k: v for k, v in config.to_dict().items() if not k.endswith("token_id") and isinstance(v, list)}
+    lists = {k: v for k, v in fields.items() if not k.endswith("token_id") and isinstance(v, list)}
     index_lists = {
-        k: v for k, v in fields.items()
+        k: v for k, v in lists.items()
         if v and ("layer" in k or "idx" in k) and v == sorted(set(v))
-        and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in v)
+        and all(_is_int(i) and 0 <= i < layers for i in v)
     }  # fmt: skip
-    per_layer = {k: v for k, v in fields.items() if len(v) == layers and k not in index_lists}
+    per_layer = {k: v for k, v in lists.items() if len(v) == layers and k not in index_lists}
+    overrides = layer_overrides(config)
     keep = {0, 1}
-    for values in per_layer.values():
+    for values in [*per_layer.values(), [overrides.get(i, {}) for i in range(layers)]]:
         kinds = [repr(v) for v in values]
         keep |= {kinds.index(kind) for kind in set(kinds)}
     for values in index_lists.values():
         keep |= {values[0], next((i for i in range(layers) if i not in values), 0)}
-    for name, value in config.to_dict().items():
-        if (
-            isinstance(value, int)
-            and not isinstance(value, bool)
-            and any(p in name for p in _LAYER_PATTERN_INTS)
-        ):
+    counts = {}
+    for name, value in fields.items():
+        if not _is_int(value) or name in _LAYER_COUNTS or "vocab" in name or name.startswith("hidden_size"):
+            continue
+        if any(p in name for p in _LAYER_PATTERN_INTS):
             keep |= set(range(min(value + 1, layers)))
-    chosen = sorted(i for i in keep if i < layers)
+        elif "layer" in name and 0 < value < layers and name not in _TINY:
+            counts[name] = value
+    chosen = sorted(_balance(keep, layers, counts.values()))
     config.num_hidden_layers = len(chosen)
     for name, values in per_layer.items():
         setattr(config, name, [values[i] for i in chosen])
     for name, values in index_lists.items():
         setattr(config, name, [chosen.index(i) for i in values if i in chosen])
+    for name, value in counts.items():
+        setattr(config, name, sum(i < value for i in chosen))
+    if overrides:
+        config.per_layer_config = {chosen.index(i): v for i, v in overrides.items() if i in chosen}
+
+
+def _balance(keep: set[int], layers: int, counts) -> set[int]:
+    """``keep`` plus the layers that make every count ``v`` in ``counts`` keep as many layers among
+    the first ``v`` as among the last ``v``, and the layers on both sides of both boundaries.
+
+    Example (35 layers, Gemma 3n's last 15 sharing keys and values, keep {0, 1, 4, 10}): the
+    boundaries add 14, 15, 19, 20; the first 15 then hold 5 kept layers and the last 15 one, so
+    21, 22, 23 and 24 join: the new count is 5 from either end."""
+    keep = set(keep)
+    for v in counts:
+        keep |= {v - 1, v, layers - v - 1, layers - v} & set(range(layers))
+    settled = False
+    while not settled:  # each pass only adds layers: at most `layers` passes
+        settled = True
+        for v in counts:
+            head, tail = set(range(v)), set(range(layers - v, layers))
+            short, extra = len(keep & head) - len(keep & tail), []
+            if short < 0:
+                extra = sorted(head - tail - keep)[:-short]
+            elif short > 0:
+                extra = sorted(tail - head - keep)[:short]
+            if extra:
+                keep |= set(extra)
+                settled = False
+    return keep
+
+
+def _scaled(value: int, before: int, after: int) -> int:
+    """A per-layer width ``value`` when the config's own ``before`` became ``after``, in proportion."""
+    return max(1, value * after // before)
 
 
 def _shrink(config: PretrainedConfig, widths_only: bool = False) -> None:
-    counts = {
-        name: getattr(config, name) for name in _LAYER_COUNTS if isinstance(getattr(config, name, None), int)
+    """Every width of ``config`` down to :data:`_TINY`'s (per-layer lists element by element,
+    per-layer overrides in proportion), special token ids inside the new vocabulary. With
+    ``widths_only`` (a run's own config) every other field stays as it is: no unset field is filled,
+    query and key/value heads that are equal stay equal, dropout and router noise stay. Without it
+    (transformers' default config of a type, for the sweep) also the layers, windows and lengths,
+    dropout and router noise off, and unset head and routing sizes filled."""
+    fields = config_fields(config)
+    depth = {
+        "num_hidden_layers",
+        getattr(config, "attribute_map", {}).get("num_hidden_layers"),
+    }  # _cut_depth's
+    sizes = {
+        k: v for k, v in _TINY.items() if k not in depth and not (widths_only and k in _DEPTH_AND_LENGTHS)
     }
-    sizes = {k: v for k, v in _TINY.items() if not (widths_only and k in _DEPTH_AND_LENGTHS)}
-    for name, current in config.to_dict().items():  # family-specific names: *vocab*, hidden_size_*
-        if isinstance(current, int) and ("vocab" in name or name.startswith("hidden_size")):
-            sizes.setdefault(name, _TINY["vocab_size"] if "vocab" in name else _TINY["hidden_size"])
+    for name, current in fields.items():  # family-specific names: *vocab*, hidden_size_*, *intermediate*
+        if _is_int(current) and name not in sizes and is_width(name):
+            sizes[name] = _FAMILY_WIDTHS[next(key for key in _FAMILY_WIDTHS if key in name)]
+    new = {}
     for name, value in sizes.items():
-        current = getattr(config, name, None)
-        if isinstance(current, int) and not isinstance(current, bool) and current > value:
-            setattr(config, name, value)
-    if (
-        hasattr(config, "head_dim")
-        and config.head_dim is None
-        and isinstance(config.num_attention_heads, int)
-    ):
-        config.head_dim = config.hidden_size // config.num_attention_heads
-    if getattr(config, "num_key_value_heads", None) is None and hasattr(config, "num_key_value_heads"):
-        config.num_key_value_heads = _TINY["num_key_value_heads"]
-    for name in (
-        "num_local_experts",
-        "n_routed_experts",
-        "num_experts_per_tok",
-        "n_group",
-        "topk_group",
-        "n_shared_experts",
-    ):
-        # unset expert counts and routing sizes of a tiny MoE
-        if hasattr(config, name) and getattr(config, name) is None:
-            setattr(config, name, _TINY[name])
-    if isinstance(getattr(config, "kv_lora_rank", None), int) and hasattr(config, "num_key_value_heads"):
-        config.num_key_value_heads = config.num_attention_heads  # MLA: one key/value head per query head
-    if isinstance(getattr(config, "qk_rope_head_dim", None), int):  # MLA: RoPE is sized by head_dim
-        if hasattr(config, "qk_head_dim"):
-            config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
-        if hasattr(config, "head_dim"):
-            config.head_dim = config.qk_rope_head_dim
-    for name, value in config.to_dict().items():  # dropout and router noise off: both runs deterministic
-        if isinstance(value, float) and (name in _ZERO or "dropout" in name or "pdrop" in name):
-            setattr(config, name, 0.0)
-    vocab = getattr(config, "vocab_size", None)
+        current = fields.get(name)
+        if _is_int(current) and current > value:
+            new[name] = value
+        elif isinstance(current, list) and current and all(_is_int(v) for v in current):
+            new[name] = [min(v, value) for v in current]  # one per layer (Gemma 3n's intermediate sizes)
+    shrunk = {**fields, **new}
+    heads = shrunk.get("num_attention_heads")
+    if widths_only and fields.get("num_key_value_heads") == fields.get("num_attention_heads") is not None:
+        new["num_key_value_heads"] = heads  # multi-head attention stays multi-head
+    if not widths_only:
+        if "head_dim" in fields and fields["head_dim"] is None and _is_int(heads):
+            new["head_dim"] = shrunk["hidden_size"] // heads
+        if "num_key_value_heads" in fields and fields["num_key_value_heads"] is None:
+            new["num_key_value_heads"] = _TINY["num_key_value_heads"]
+        for name in _UNSET_ROUTING:  # a default config's unset expert counts and routing sizes
+            if name in fields and fields[name] is None:
+                new[name] = _TINY[name]
+    if _is_int(shrunk.get("kv_lora_rank")) and "num_key_value_heads" in fields:
+        new["num_key_value_heads"] = heads  # MLA: one key/value head per query head
+    if _is_int(shrunk.get("qk_rope_head_dim")):  # MLA: RoPE is sized by head_dim
+        if "qk_head_dim" in fields:
+            new["qk_head_dim"] = shrunk["qk_nope_head_dim"] + shrunk["qk_rope_head_dim"]
+        if "head_dim" in fields:
+            new["head_dim"] = shrunk["qk_rope_head_dim"]
+    vocab = shrunk.get("vocab_size")
     for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id"):
-        value = getattr(config, name, None)
-        if isinstance(vocab, int) and isinstance(value, int) and value >= vocab:
-            setattr(config, name, vocab - 1 - ("bos" in name))
-        elif isinstance(vocab, int) and isinstance(value, list):
-            setattr(config, name, [v for v in value if v < vocab] or [vocab - 1])
-    if widths_only:
-        return
-    layers = getattr(config, "num_hidden_layers", None)
-    layer_types = getattr(config, "layer_types", None)
-    if isinstance(layers, int) and isinstance(layer_types, list) and len(layer_types) != layers:
-        kinds = list(dict.fromkeys(layer_types))  # first-appearance order
-        config.num_hidden_layers = max(layers, len(kinds))
-        config.layer_types = (kinds * config.num_hidden_layers)[: config.num_hidden_layers]
-    for (
-        count,
-        before,
-    ) in counts.items():  # per-layer lists (GPT-Neo's attention_layers): one entry per layer kept
-        after = getattr(config, count)
-        for name, value in config.to_dict().items():
-            if name != "layer_types" and isinstance(value, list) and len(value) == before > after:
-                setattr(config, name, value[:after])
-    for name in ("mlp_layer_types", "mlp_only_layers"):
-        value = getattr(config, name, None)
-        if isinstance(value, list) and isinstance(layers, int) and len(value) > config.num_hidden_layers:
-            setattr(config, name, value[: config.num_hidden_layers])
+        value = fields.get(name)
+        if _is_int(vocab) and _is_int(value) and value >= vocab:
+            new[name] = vocab - 1 - ("bos" in name)
+        elif _is_int(vocab) and isinstance(value, list):
+            new[name] = [v for v in value if v < vocab] or [vocab - 1]
+    if not widths_only:
+        for name, value in fields.items():  # dropout and router noise off: both runs deterministic
+            if isinstance(value, float) and (name in _ZERO or "dropout" in name or "pdrop" in name):
+                new[name] = 0.0
+    # per-layer widths in proportion to the global one (Gemma 4's wider full-attention heads)
+    overrides = {
+        i: {k: _scaled(v, fields[k], new[k]) if _is_int(v) and _is_int(new.get(k)) and _is_int(fields.get(k))
+            else min(v, sizes[k]) if _is_int(v) and k in sizes else v for k, v in values.items()}
+        for i, values in layer_overrides(config).items()
+    }  # fmt: skip
+    for name, value in new.items():
+        setattr(config, name, value)
+    if overrides:
+        config.per_layer_config = overrides

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -51,7 +52,8 @@ from automodel.models.build import (
     logit_transform,
     own_attention_implementation,
 )
-from automodel.models.inputs import model_inputs
+from automodel.models.inputs import model_inputs, padding_token_id
+from automodel.models.router_aux import load_balancing_loss
 from automodel.models.spec import ModelSpec
 
 RTOL = 1e-5
@@ -101,27 +103,57 @@ def perturb_constants(model: nn.Module, seed: int = 0) -> None:
 def sample_pairs(
     vocab: int, seed: int = 0, lengths: tuple[int, ...] = REAL_LENS
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Seeded ``(input_ids, labels)`` of ``lengths`` tokens each, the first two unlabelled (a prompt)."""
+    """Seeded ``(input_ids, labels)`` of ``lengths`` tokens each, the first two unlabelled (a prompt)
+    while a label is left (a sample of one or two tokens keeps its last)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for n in lengths:
         ids = torch.randint(1, vocab, (n,), generator=g)
         labels = torch.randint(1, vocab, (n,), generator=g)
-        labels[:2] = CROSS_ENTROPY_IGNORE_INDEX
+        labels[: min(2, n - 1)] = CROSS_ENTROPY_IGNORE_INDEX
         out.append((ids, labels))
     return out
 
 
-def check_lengths(sample_tokens: int, row_tokens: int | None = None) -> tuple[int, ...]:
+# The long sample's length where no threshold of the config asks for more, and how far past a
+# threshold the check goes.
+BASE_TOKENS = 64
+
+
+def check_lengths(
+    sample_tokens: int, row_tokens: int | None = None, thresholds: Iterable[int] = ()
+) -> tuple[int, ...]:
     """Sample lengths of one packed row for the check on a run's own config: a short sample first
-    (so the next one starts mid-row), then samples as long as the run's longest, filling a row of
-    ``row_tokens`` (else two long samples), so that every length threshold the run can reach (a
-    window, a chunk, a block-sparse top-k, a row-index scale) is crossed in the row and in a sample."""
+    (so the next one starts mid-row), then a long one, then more long ones while the row needs them;
+    the long one alone where the run's row has no room for both.
+
+    The long samples go ``BASE_TOKENS`` past every threshold below the run's longest sample
+    (``sample_tokens``), the row past every one below the run's longest row (``row_tokens``; None:
+    the short and the long sample) (``thresholds``: the config's length fields,
+    :func:`~automodel.models.tiny.length_fields`), so that each threshold the run can reach (a
+    window, a chunk, a block-sparse top-k, a row-index floor) is crossed by a sample and by a row
+    index; neither is longer than the run's, nor than that asks: the full length only where a
+    threshold lies near it (the check's cost grows with the square of the samples).
+
+    Example (a window of 4,096, samples up to 32,768 in rows of 65,536)::
+
+        check_lengths(32768, 65536, [4096]) == (7, 4160)
+    """
     longest = max(1, int(sample_tokens))
-    row = row_tokens or 2 * _padded(longest) + _padded(min(7, longest))
-    lengths, used = [min(7, longest)], _padded(min(7, longest))
+
+    def past(bound: int) -> int:  # the length that crosses every threshold below bound
+        return min(bound, max([BASE_TOKENS, *(v + BASE_TOKENS for v in thresholds if v < bound)]))
+
+    first = min(7, longest)
+    sample = past(longest)
+    row = _padded(first) + _padded(sample)
+    if row_tokens is not None:
+        row = max(_padded(first), min(row_tokens, max(row, past(row_tokens))))
+    if row - _padded(first) < sample:  # no room for a long sample beside the short one: the long one alone
+        return (sample,)
+    lengths, used = [first], _padded(first)
     while row - used >= PAD_MULTIPLE:
-        lengths.append(min(longest, (row - used) // PAD_MULTIPLE * PAD_MULTIPLE))
+        lengths.append(min(sample, (row - used) // PAD_MULTIPLE * PAD_MULTIPLE))
         used += _padded(lengths[-1])
     return tuple(lengths)
 
@@ -130,13 +162,13 @@ def _padded(n: int) -> int:
     return -(-n // PAD_MULTIPLE) * PAD_MULTIPLE
 
 
-def packed_row(samples, vocab_size: int) -> dict:
+def packed_row(samples, vocab_size: int, padding_idx: int = 0) -> dict:
     """The samples as the run lays them out: ``build_row`` (each padded to ``PAD_MULTIPLE``, as for
-    two CP ranks) -> ``packed_sequence_thd_collater`` -> :func:`model_inputs` (one rank), the
-    recipe's own road to the model. Looked up in :mod:`automodel.data.collate` at each call, so the
-    check runs whatever the data path is."""
+    two CP ranks, with ``padding_idx``) -> ``packed_sequence_thd_collater`` -> :func:`model_inputs`
+    (one rank), the recipe's own road to the model. Looked up in :mod:`automodel.data.collate` at each
+    call, so the check runs whatever the data path is."""
     row = collate.build_row(
-        [{"input_ids": x.numpy(), "labels": y.numpy()} for x, y in samples], cp_size=PAD_MULTIPLE // 2
+        [{"input_ids": x.numpy(), "labels": y.numpy()} for x, y in samples], padding_idx, PAD_MULTIPLE // 2
     )
     return model_inputs(collate.packed_sequence_thd_collater([row]), vocab_size=vocab_size)
 
@@ -175,10 +207,13 @@ def _recording() -> Iterator[_Calls]:
         register_thd_attention()
 
 
-def _reference(config: PretrainedConfig, state: dict, samples) -> tuple[float, torch.Tensor, dict]:
-    """Token-mean loss, logits ``[T_real, V]`` and gradients, each sample run alone through the
-    class's own ``forward`` (its own attention, head and logit transform) and a float64
-    cross-entropy of those logits: nothing of the project's model wrapper, data path or loss."""
+def _reference(config: PretrainedConfig, state: dict, samples) -> tuple[float, torch.Tensor, dict, float]:
+    """Token-mean loss, logits ``[T_real, V]``, gradients and the class's own added loss term, each
+    sample run alone through the class's own ``forward`` (its own attention, head and logit
+    transform) and a float64 cross-entropy of those logits: nothing of the project's model wrapper,
+    data path or loss. A term the class adds to its loss over a batch (a router load-balancing loss
+    under ``output_router_logits``) is the class's own on the samples as one padded batch with its
+    attention mask (:func:`_added_loss`), and is in the loss and the gradients too."""
 
     # a copy: from_config sets the config's attention implementation, which the packed model shares.
     # SDPA where the class has it: transformers' eager attention takes the softmax in float32, whose
@@ -189,12 +224,16 @@ def _reference(config: PretrainedConfig, state: dict, samples) -> tuple[float, t
     ).train()
     model.load_state_dict(state, strict=False)
     n_labels = sum(int((y != CROSS_ENTROPY_IGNORE_INDEX).sum()) for _, y in samples)
-    total, logits = 0.0, []
+    total, logits, batch_terms = 0.0, [], False
     for x, y in samples:
         try:
-            logits_LV = model(input_ids=x[None], use_cache=False).logits[0]
+            out = model(input_ids=x[None], use_cache=False)
         except Exception as error:  # transformers' own model cannot run this config
-            raise NotBuildable(one_line(error)) from error
+            raise NotBuildable(
+                f"transformers' own {type(model).__name__} fails on it: {one_line(error)}"
+            ) from error
+        batch_terms |= any(k.endswith("loss") and k != "loss" and v is not None for k, v in out.items())
+        logits_LV = out.logits[0]
         loss = (
             F.cross_entropy(logits_LV.double(), y, ignore_index=CROSS_ENTROPY_IGNORE_INDEX, reduction="sum")
             / n_labels
@@ -202,8 +241,26 @@ def _reference(config: PretrainedConfig, state: dict, samples) -> tuple[float, t
         loss.backward()
         total += float(loss.detach())
         logits.append(logits_LV.detach())
+    added = 0.0
+    if batch_terms:
+        added_loss = _added_loss(model, [x for x, _ in samples])
+        added_loss.backward()
+        added = float(added_loss.detach())
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return total, torch.cat(logits), grads
+    return total + added, torch.cat(logits), grads, added
+
+
+def _added_loss(model: PreTrainedModel, inputs: list[torch.Tensor]) -> torch.Tensor:
+    """What the class's ``forward`` adds to its own cross-entropy (``loss_function`` of its logits) on
+    ``inputs`` as one right-padded batch with its attention mask: its batch-level terms."""
+    longest = max(len(x) for x in inputs)
+    ids = torch.zeros(len(inputs), longest, dtype=torch.long)
+    mask = torch.zeros(len(inputs), longest, dtype=torch.long)
+    for i, x in enumerate(inputs):
+        ids[i, : len(x)], mask[i, : len(x)] = x, 1
+    labels = ids.masked_fill(mask == 0, CROSS_ENTROPY_IGNORE_INDEX)
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+    return out.loss - model.loss_function(out.logits, labels, vocab_size=out.logits.shape[-1])
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -244,16 +301,29 @@ def packed_step_errors(
         model.hf.get_buffer(name).copy_(value)
     vocab = model.transformers_model.get_output_embeddings().weight.shape[0]
     samples = sample_pairs(min(vocab, getattr(config, "vocab_size", vocab) or vocab), seed, lengths)
-    ref_loss, ref_logits, ref_grads = _reference(config, state, samples)
+    ref_loss, ref_logits, ref_grads, ref_added = _reference(config, state, samples)
 
-    thd = packed_row(samples, vocab)
+    thd = packed_row(samples, vocab, padding_token_id(config, None))
     meta = thd["attn_meta"]
+    inputs = (thd["input_ids"], thd["position_ids"], thd["labels"], meta, thd["label_positions"])
+    # the logits from the loss's own forward: the decoder's final hidden states, kept by a hook
+    kept = {}
+
+    def keep_hidden(module, args, output) -> None:  # None: the output passes on unchanged
+        kept.setdefault("hidden", output.last_hidden_state[0].detach())
+
+    hook = model.decoder.register_forward_hook(keep_hidden)
     with _recording() as calls:
-        loss = model(thd["input_ids"], thd["position_ids"], thd["labels"], meta, thd["label_positions"])
-        loss = loss / thd["label_tokens"]
+        added = torch.zeros((), dtype=torch.float64)
+        if model.router_aux is None:
+            loss = model(*inputs) / thd["label_tokens"]
+        else:  # the class's batch-level term, from this row's router statistics
+            loss, stats = model(*inputs, real_T=~thd["padding_mask"])
+            added = model.router_aux.coef * load_balancing_loss(stats, model.router_aux.num_experts)
+            loss = loss / thd["label_tokens"] + added
         loss.backward()
-        with torch.no_grad():
-            hidden = model.hidden_states(thd["input_ids"], thd["position_ids"], meta)
+    hook.remove()
+    hidden = kept["hidden"]
     head = model.transformers_model.get_output_embeddings()
     with torch.no_grad():
         logits = transform_logits(
@@ -267,6 +337,15 @@ def packed_step_errors(
     logit_err = float(token_errs[worst_token])
     if not loss_err <= RTOL:
         errors.append(f"loss rel err {loss_err:.1e}")
+    # against the whole loss: the class adds its term in float32 to a float32 cross-entropy, so the
+    # term alone is known to float32 rounding of the loss (its gradients, compared below, are exact)
+    added_err = abs(float(added.detach()) - ref_added) / max(abs(ref_loss), 1e-12)
+    if ref_added and not added_err <= RTOL:  # named first: a wrong loss term shows in every gradient too
+        errors.insert(
+            0,
+            f"the class's forward adds {ref_added:.3e} to its loss over the batch (output_router_logits: a router "
+            f"load-balancing loss), the packed step {float(added.detach()):.3e}",
+        )
     if not logit_err <= RTOL:
         sample = int(torch.searchsorted(torch.tensor(lengths).cumsum(0), worst_token, right=True))
         start = sum(lengths[:sample])
@@ -306,6 +385,10 @@ REASONS = {
     "ignores_position_ids": "it ignores position_ids (positions come from the row), so packed samples get the "
     "wrong positions",
     "differs": "the packed step differs from each sample alone ({})",
+    "dense_differs": "under a block-diagonal mask its own attention differs from each sample alone ({}), and the "
+    "registered THD attention cannot run it ({})",
+    "random": "its forward in train mode draws random numbers ({}), which a packed row cannot draw as each sample "
+    "alone would; {}",
 }
 _RECURRENT_NAMES = (
     "mamba",
@@ -373,6 +456,62 @@ def _ignores_position_ids(config: PretrainedConfig, seed: int = 0) -> bool:
     return bool(torch.equal(a, b))
 
 
+# tokens of the train-mode probe: enough that a router drawing for a tenth of the tokens draws at least once
+RANDOM_PROBE_TOKENS = 64
+
+
+def random_layers(config: PretrainedConfig, seed: int = 0) -> str | None:
+    """None when the class's forward and backward in train mode give the same loss and gradients on
+    the same tokens under two seeds; otherwise why not, naming the config's fields that draw (a
+    float above 0 named like dropout, jitter or noise: ``router_jitter_noise``, ``input_jitter_noise``,
+    ``hidden_dropout``) and the fix."""
+    config = copy.deepcopy(config)
+    model = AutoModelForCausalLM.from_config(
+        config, attn_implementation=own_attention_implementation(config), dtype=torch.float64
+    ).train()
+    perturb_constants(model, seed)
+    ids = torch.arange(RANDOM_PROBE_TOKENS)[None] % max(1, config.get_text_config().vocab_size - 1) + 1
+    runs = []
+    for draw in (seed, seed + 1):
+        model.zero_grad()
+        torch.manual_seed(draw)
+        try:
+            loss = model(input_ids=ids, use_cache=False).logits.square().mean()
+        except Exception as error:  # transformers' own model cannot run this config
+            raise NotBuildable(
+                f"transformers' own {type(model).__name__} fails on it: {one_line(error)}"
+            ) from error
+        loss.backward()
+        runs.append([loss.detach(), *(p.grad.clone() for p in model.parameters() if p.grad is not None)])
+    if all(torch.equal(a, b) for a, b in zip(*runs)):
+        return None
+    fields = {
+        name: value for name, value in _numbers(config.to_dict())
+        if isinstance(value, float) and value > 0 and _RANDOM_FIELD.search(name)
+    }  # fmt: skip
+    if not fields:
+        return REASONS["random"].format(
+            "two runs on the same tokens differ",
+            "no dropout, jitter or noise field of its config turns it off",
+        )
+    listed = ", ".join(f"{name}={value}" for name, value in fields.items())
+    return REASONS["random"].format(
+        listed, f"set {' and '.join(f'{n}: 0.0' for n in fields)} in model.config"
+    )
+
+
+_RANDOM_FIELD = re.compile(r"dropout|pdrop|jitter|noise")
+
+
+def _numbers(node: dict, prefix: str = ""):
+    """``(dotted name, value)`` of every leaf of a config dict."""
+    for key, value in node.items():
+        if isinstance(value, dict):
+            yield from _numbers(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
 def verify_config(
     config: PretrainedConfig, lengths: tuple[int, ...] = REAL_LENS, dense_mask_fallback: bool = True
 ) -> Verdict:
@@ -387,14 +526,17 @@ def verify_config(
         with torch.device("meta"):
             probe = AutoModelForCausalLM.from_config(copy.deepcopy(config))
     except Exception as error:  # any failure to build is recorded as the reason, not raised
-        return Verdict("not_buildable", one_line(error))
+        return Verdict("not_buildable", f"transformers cannot build it at a reduced size: {one_line(error)}")
     # where the THD path is not exact, recurrent state crossing samples is the reason whatever the attention does
     mixers = token_mixers(probe)
     recurrent = Verdict("refused", REASONS["recurrent"].format(", ".join(mixers)))
     try:
+        randomness = random_layers(config)
+        if randomness is not None:
+            return Verdict("refused", randomness)
         errors, calls, worst = packed_step_errors(config, lengths=lengths)
     except NotBuildable as error:
-        return Verdict("not_buildable", f"its eager forward fails at a tiny size: {error}")
+        return Verdict("not_buildable", f"{error} (at a reduced size)")
     except Exception as error:  # classified below; the message is kept
         if mixers:
             return recurrent
@@ -412,6 +554,8 @@ def verify_config(
         else:
             if not ("KeyError" in message and THD_ATTENTION in message):
                 refusal = Verdict("refused", REASONS["differs"].format(message))
+                if dense_mask_fallback:  # the THD path cannot run it: the dense mask decides
+                    return verify_dense_mask(config, refusal, lengths, thd_error=message)
         return (
             verify_dense_mask(config, refusal, lengths) if dense_mask_fallback or refusal is None else refusal
         )
@@ -445,12 +589,16 @@ def verify_config(
 
 
 def verify_dense_mask(
-    config: PretrainedConfig, refusal: Verdict | None, lengths: tuple[int, ...] = REAL_LENS
+    config: PretrainedConfig,
+    refusal: Verdict | None,
+    lengths: tuple[int, ...] = REAL_LENS,
+    thd_error: str | None = None,
 ) -> Verdict:
     """The type's own attention code under a dense block-diagonal causal mask
-    (:meth:`ThdAttentionMetadata.block_causal_mask`), verified if exact; otherwise ``refusal`` (the
-    THD path's reason), or for a type whose layers never call the interface (None) the reason
-    naming what the dense-mask run gave."""
+    (:meth:`ThdAttentionMetadata.block_causal_mask`), verified if exact; otherwise the reason of what
+    decided: ``refusal`` (the THD path's reason where it ran and differed), the dense-mask run's
+    result where the THD path could not run at all (``thd_error``, quoted after it), or for a type
+    whose layers never call the interface (``refusal`` None) the dense-mask run's result."""
     try:
         errors, calls, worst = packed_step_errors(config, lengths=lengths, dense_mask=True)
     except Exception as error:  # the reason is recorded, not raised
@@ -465,6 +613,8 @@ def verify_dense_mask(
                 max_error=float(f"{worst:.1e}"),
             )
         why, max_error = "; ".join(errors[:2]), float(f"{worst:.1e}")
+    if thd_error is not None:
+        return Verdict("refused", REASONS["dense_differs"].format(why, thd_error), max_error=max_error)
     if refusal is not None:
         return refusal
     return Verdict("refused", REASONS["no_attention_interface"].format(why), max_error=max_error)

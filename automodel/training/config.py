@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from automodel.models.router_aux import ROUTER_AUX_SCOPES
 from automodel.training.tracking import TrackingConfig
 
 RESUME_MODES = ("auto", "never")
@@ -234,6 +235,10 @@ class TrainerConfig:
     checkpoint_on_signal: on SIGTERM (a scheduler's preemption) or a first Ctrl-C, finish the
         step in flight, write a checkpoint and stop (exit code 143 or 130); a second signal stops
         at once (:mod:`automodel.training.signals`). False: Python's default (killed at once).
+    router_aux_scope: where a MoE class's router load-balancing loss (``output_router_logits``) takes
+        its statistics: ``rank`` (each data-parallel rank's micro-batch, as the class computes it on
+        its own batch; the step's term is their mean) or ``global`` (the micro-batches of all ranks
+        at once, all-reduced).
     """
 
     max_steps: int = 100
@@ -255,6 +260,7 @@ class TrainerConfig:
     loss_normalization: str = "token"
     loss_divisor: float | None = None
     checkpoint_on_signal: bool = True
+    router_aux_scope: str = "rank"
 
     def __post_init__(self) -> None:
         if not isinstance(self.tracking, TrackingConfig):
@@ -290,6 +296,10 @@ class TrainerConfig:
         )
         _check(
             self.resume in RESUME_MODES, f"trainer.resume must be one of {RESUME_MODES}, got {self.resume!r}"
+        )
+        _check(
+            self.router_aux_scope in ROUTER_AUX_SCOPES,
+            f"trainer.router_aux_scope must be one of {ROUTER_AUX_SCOPES}, got {self.router_aux_scope!r}",
         )
         for name in ("overwrite", "export_hf", "bf16_autocast", "progress_bar", "checkpoint_on_signal"):
             _check(

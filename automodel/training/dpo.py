@@ -102,6 +102,15 @@ class DPORecipe(FinetuneRecipe):
                 "remove the override"
             )
 
+    def _check_objective(self, config) -> None:
+        """DPO's loss is the pairs' log-probability margins alone: a router load-balancing term the class
+        would add (``output_router_logits``) is refused, not dropped."""
+        if getattr(config.get_text_config(), "output_router_logits", False):
+            raise ConfigError(
+                f"{config.model_type} has output_router_logits=true: its forward adds a router load-balancing "
+                "loss, which the DPO objective does not compute; set output_router_logits: false in model.config"
+            )
+
     def setup(self) -> None:
         super().setup()
         self.reference = None

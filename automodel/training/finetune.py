@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
+from transformers import PretrainedConfig
 
 from automodel.config import build_section
 from automodel.console import configure_console, on_terminal
@@ -28,10 +29,17 @@ from automodel.data.sft import load_tokenizer, tokenizer_disagreements
 from automodel.distributed.parallel import init_distributed
 from automodel.errors import ConfigError, DataError, ModelError, UserError
 from automodel.models import CausalLMForTraining, build_model, export_model
-from automodel.models.inputs import model_inputs
+from automodel.models.inputs import model_inputs, padding_token_id
 from automodel.models.memory import available_memory, check_memory, memory_terms, model_sizes
 from automodel.models.parallelize import apply_fsdp
-from automodel.models.setup import check_max_positions, checkpoint_checks, config_checks, norm_gradient_scale
+from automodel.models.router_aux import RouterStatistics, combined, load_balancing_loss
+from automodel.models.setup import (
+    check_max_positions,
+    checkpoint_checks,
+    config_checks,
+    length_checks,
+    norm_gradient_scale,
+)
 from automodel.models.spec import ModelSpec
 from automodel.models.support import uses_dense_mask
 from automodel.training.checkpoint import Checkpointer, NonFiniteError
@@ -43,6 +51,8 @@ from automodel.training.run_dir import RECIPE, RunDirectory, check_ranks_agree
 from automodel.training.signals import StopOnSignal, TrainingStopped
 from automodel.training.validation import evaluate
 
+# the metric and term of a MoE class's router load-balancing loss (output_router_logits)
+ROUTER_AUX = "router_aux_loss"
 logger = logging.getLogger("automodel")
 
 # what _shard counts in a micro-batch (samples: those with a label), summed over the step's ranks
@@ -122,33 +132,45 @@ class FinetuneRecipe:
             )
         self._warn_other_tokenizer()
         self._check_checkpoint()
-        padding_idx = self.tokenizer.pad_token_id
         env = LoaderEnv(
             dp_rank=self.dims.dp_rank,
             dp_size=self.dims.dp_size,
             cp_size=self.dims.cp_size,
             seed=self.trainer.seed,
-            padding_idx=padding_idx if padding_idx is not None else 0,
+            padding_idx=padding_token_id(self.hf_config, self.tokenizer.pad_token_id),
         )
         # the packing section against this run (pack size vs cp_size, cache_dir), before tokenizing
         with _as_user_error(ConfigError):
             self.batching.check_run(env)
         # The model before the data work: a checkpoint's weights (NaN, tensors it has no place for), LoRA's
-        # targets and allocations fail before minutes of tokenizing and packing, not after
-        with _as_user_error(ModelError, (ValueError, OSError)):
-            self.model = self._build_model()
+        # targets and allocations fail before minutes of tokenizing and packing, not after. Where the check
+        # waits for the tokenized lengths (DPO pairs without data.max_length), after it: its verdict
+        # decides the model's attention (dense_mask)
+        if self.model_verdict is not None:
+            self._build_trained_model()
         # rank 0 fills the datasets cache, the others read it; a bad row raised in a worker process
         # of datasets.map arrives here as the worker's ValueError
         with _main_rank_first(self.dims.is_main), _as_user_error(DataError):
             dataset, self.val_dataset = self._build_data()
-        if self._longest_sample() is None:  # no bound in the recipe (DPO pairs): the samples themselves
+        if self.model_verdict is None:  # no bound in the recipe (DPO pairs): the tokenized samples'
+            longest = _longest_tokenized(dataset, self.val_dataset)
+            sample_tokens, row_tokens = self._length_bounds(longest)
             with _as_user_error(ModelError):
                 check_max_positions(
                     self.hf_config,
-                    _longest_tokenized(dataset, self.val_dataset),
+                    longest,
                     "the longest tokenized sample",
                     self.model_spec.exceed_max_positions,
                 )
+                self.model_verdict = length_checks(
+                    self.model_spec,
+                    self.hf_config,
+                    cp_size=self.dims.cp_size,
+                    max_sample_tokens=sample_tokens,
+                    row_tokens=row_tokens,
+                    compute_dtype=self._compute_dtype(),
+                )
+            self._build_trained_model()
         # No collective is open while packing: with packing.cache_dir one rank packs and the others
         # wait on the filesystem, so a long pack cannot trip the collective timeout.
         try:
@@ -173,16 +195,25 @@ class FinetuneRecipe:
             )
             logger.info("resumed from %s at step %d", resume_from.path, self.step)
 
+    def _build_trained_model(self) -> None:
+        with _as_user_error(ModelError, (ValueError, OSError)):
+            self.model = self._build_model()
+
     def _check_model_config(self) -> None:
         """Before anything is written: the model config, and the differential check on it
-        (``model.verify``, cached)."""
+        (``model.verify``, cached) at the longest sample and row the run can produce; unknown before
+        tokenizing (DPO pairs without ``data.max_length``), it runs on the tokenized data's, before
+        the model is built."""
+        sample_tokens, row_tokens = self._length_bounds()
         with _as_user_error(ModelError):
+            self._check_objective(self.model_spec.hf_config())
             self.hf_config, self.model_verdict = config_checks(
                 self.model_spec,
                 cp_size=self.dims.cp_size,
-                max_sample_tokens=self._longest_sample(),
-                row_tokens=self._row_tokens(),
+                max_sample_tokens=sample_tokens,
+                row_tokens=row_tokens,
                 compute_dtype=self._compute_dtype(),
+                lengths_measured_later=sample_tokens is None,
             )
 
     def _check_checkpoint(self) -> None:
@@ -199,12 +230,12 @@ class FinetuneRecipe:
         fields = self.model_spec.config_fields()
         if fields is None:
             return
-        row = self._row_tokens()
+        row = self._length_bounds()[1]  # the longest micro-batch row, in tokens
         terms = memory_terms(
             model_sizes(fields),
             dtype_bytes=self.model_spec.torch_dtype.itemsize,
             shards=self.dims.world_size,
-            tokens=row * getattr(self.batching, "micro_batch_size", 1) if row else None,
+            tokens=row,
             micro_batches=self.trainer.grad_accum_steps,
             lora=self.lora,
         )
@@ -264,14 +295,16 @@ class FinetuneRecipe:
                 named, checkpoint, "; ".join(differences), named,
             )  # fmt: skip
 
-    def _longest_sample(self) -> int | None:
-        """The most tokens a sample can have: ``data.max_length``, else the pack size (longer samples
-        are dropped or refused by packing), else unknown."""
-        return getattr(self.data, "max_length", None) or self._row_tokens()
+    def _check_objective(self, config: PretrainedConfig) -> None:
+        """What the objective refuses of the model config, before any data work (none for SFT: every
+        term the class adds to its loss is kept)."""
 
-    def _row_tokens(self) -> int | None:
-        """Tokens of one packed row (micro-batch), when the packing section fixes it."""
-        return getattr(self.batching, "packed_sequence_size", getattr(self.batching, "max_seq_len", None))
+    def _length_bounds(self, longest_sample: int | None = None) -> tuple[int | None, int | None]:
+        """The most tokens of one sample and of one micro-batch row the run can produce: the batching
+        mode's bounds (:meth:`length_bounds`) on samples of at most ``data.max_length`` tokens, or
+        ``longest_sample`` (measured on the tokenized data); None where nothing bounds them yet."""
+        bound = longest_sample if longest_sample is not None else getattr(self.data, "max_length", None)
+        return self.batching.length_bounds(bound, self.dims.cp_size)
 
     def _build_model(self) -> CausalLMForTraining:
         shard = functools.partial(
@@ -298,7 +331,7 @@ class FinetuneRecipe:
             trainable / 1e6,
             f" (LoRA on {self.lora.target_modules}, rank {self.lora.rank})" if self.lora else "",
         )
-        row = self._row_tokens()
+        row = self._length_bounds()[1]
         if model.dense_mask and row:
             logger.info(
                 "%s runs its own attention under a dense [T, T] block-diagonal mask: %.0f MiB per micro-batch of "
@@ -422,18 +455,29 @@ class FinetuneRecipe:
         (:meth:`_micro_batch_terms`, the objective) divided by the step's normalizer
         (:meth:`_loss_normalizer`, from ``counts``: the step's ``_COUNTS`` over all ranks, a device
         tensor). Returns 0-dim device tensors, not read here: ``loss`` (the global loss) first, then
-        the objective's own metrics, normalized alike. :class:`automodel.training.dpo.DPORecipe`
-        replaces the whole method (a mean over pairs)."""
+        the objective's own metrics, normalized alike, and ``router_aux_loss`` where the class adds
+        one (:meth:`_trained_output`): each micro-batch's term, its mean over the step's micro-batches
+        of every rank. :class:`automodel.training.dpo.DPORecipe` replaces the whole method (a mean
+        over pairs)."""
         normalizer = self._loss_normalizer(counts)  # stays on the device: no wait before the backward
-        totals = None
+        totals = aux_total = None
         for i, batch in enumerate(micro_batches):
             self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # reduce once per step
             with self._autocast():
                 terms = self._micro_batch_terms(batch)
-            (terms["loss"] / normalizer.float()).backward()
+            aux = terms.pop(ROUTER_AUX, None)
+            objective = terms["loss"] / normalizer.float()
+            if aux is not None:  # on its own scale: the class's term of this micro-batch
+                objective = objective + aux * self._router_aux_weight(len(micro_batches))
+                aux_total = aux.detach() if aux_total is None else aux_total + aux.detach()
+            objective.backward()
             sums = torch.stack([term.detach() for term in terms.values()])
             totals = sums if totals is None else totals + sums
-        return dict(zip(terms, self._all_reduce(totals, torch.float64) / normalizer))
+        metrics = dict(zip(terms, self._all_reduce(totals, torch.float64) / normalizer))
+        if aux_total is not None:
+            steps = self.dims.world_size * len(micro_batches)
+            metrics[ROUTER_AUX] = self._all_reduce(aux_total, torch.float64) / steps
+        return metrics
 
     def _loss_normalizer(self, counts: torch.Tensor) -> torch.Tensor:
         """The step's divisor (``trainer.loss_normalization``), float64 on the device: its label
@@ -446,11 +490,13 @@ class FinetuneRecipe:
     def _micro_batch_terms(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         """The objective over one micro-batch: 0-dim sums over its label tokens, each token weighted
         for the normalization (:meth:`_weighted_sum`); ``loss`` (differentiable) first, then the
-        objective's metrics. Here the cross-entropy; :class:`automodel.training.kd.KDRecipe` mixes
-        in the divergence from a teacher."""
+        objective's metrics, and the class's router term (:meth:`_trained_output`). Here the
+        cross-entropy; :class:`automodel.training.kd.KDRecipe` mixes in the divergence from a teacher."""
         if "loss_weights" not in batch:  # every token weighs 1: the loss's own sum
-            return {"loss": self._model_output(batch)}
-        return {"loss": self._weighted_sum(-self._model_output(batch, output="log_probs"), batch)}
+            loss, router = self._trained_output(batch)
+            return {"loss": loss, **router}
+        log_probs_T, router = self._trained_output(batch, output="log_probs")
+        return {"loss": self._weighted_sum(-log_probs_T, batch), **router}
 
     @staticmethod
     def _weighted_sum(values_T: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
@@ -473,6 +519,38 @@ class FinetuneRecipe:
             batch["label_positions"],
             **output,
         )
+
+    def _trained_output(self, batch: dict[str, Any], **output: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+        """The trained model's ``output`` on one micro-batch (:meth:`_model_output`), and
+        ``{ROUTER_AUX: the class's router load-balancing term}`` where it adds one under
+        ``output_router_logits`` (:meth:`_router_aux_loss` of this micro-batch's real tokens), else
+        ``{}``."""
+        if self.model.router_aux is None:
+            return self._model_output(batch, **output), {}
+        result, stats = self._model_output(
+            batch, real_T=~batch["padding_mask"].to(self.dims.device), **output
+        )
+        return result, {ROUTER_AUX: self._router_aux_loss(stats)}
+
+    def _router_aux_loss(self, stats: RouterStatistics) -> torch.Tensor:
+        """The class's router load-balancing term (coefficient included) of one micro-batch, from its
+        statistics summed over the CP ranks that share it, or over every rank with
+        ``trainer.router_aux_scope=global``: the same value on each of them."""
+        aux = self.model.router_aux
+        group = None
+        if self.trainer.router_aux_scope == "global":
+            group = dist.group.WORLD
+        elif self.dims.cp_size > 1:
+            group = self.dims.cp_mesh.get_group()
+        return aux.coef * load_balancing_loss(combined(stats, group), aux.num_experts)
+
+    def _router_aux_weight(self, micro_batches: int) -> float:
+        """The weight of each micro-batch's router term in the step's objective: the mean over the
+        step's micro-batches of every data-parallel rank (``rank``), or over its micro-batches whose
+        statistics are already global. Each rank's backward of a term shared by a group gives the
+        gradient of its own tokens (:func:`~automodel.models.router_aux.combined`); the gradient
+        reduction sums them."""
+        return 1.0 / (micro_batches * (self.dims.dp_size if self.trainer.router_aux_scope == "rank" else 1))
 
     def train_step(self, list_host_syncs: bool = False) -> dict[str, Any]:
         """One optimizer step; returns its metrics record. With ``list_host_syncs`` (CUDA), every

@@ -167,12 +167,13 @@ class KDRecipe(FinetuneRecipe):
         super()._check_model_config()
         if self.teacher_spec is None:
             return
+        sample_tokens, row_tokens = self._length_bounds()
         with _teacher_error(self.kd.teacher):
             self.teacher_config, self.teacher_verdict = config_checks(
                 self.teacher_spec,
                 cp_size=self.dims.cp_size,
-                max_sample_tokens=self._longest_sample(),
-                row_tokens=self._row_tokens(),
+                max_sample_tokens=sample_tokens,
+                row_tokens=row_tokens,
                 compute_dtype=self._compute_dtype(self.teacher_spec),
             )
         ours, theirs = (
@@ -250,8 +251,9 @@ class KDRecipe(FinetuneRecipe):
 
     def _micro_batch_terms(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         """``loss`` = (1 - kd_weight) * ce + kd_weight * tau^2 * kl, and ``ce`` and ``kl``, each a sum
-        over the micro-batch's label tokens weighted for the normalization."""
-        ce_T, kl_T = self._model_output(
+        over the micro-batch's label tokens weighted for the normalization, and the student's router
+        term (:meth:`_trained_output`)."""
+        (ce_T, kl_T), router = self._trained_output(
             batch,
             output="distill",
             teacher=self._teacher_head(batch),
@@ -260,7 +262,7 @@ class KDRecipe(FinetuneRecipe):
         )
         ce, kl = self._weighted_sum(ce_T, batch), self._weighted_sum(kl_T, batch)
         loss = (1 - self.kd.kd_weight) * ce + self.kd.kd_weight * self.kd.temperature**2 * kl
-        return {"loss": loss, "ce": ce.detach(), "kl": kl.detach()}
+        return {"loss": loss, "ce": ce.detach(), "kl": kl.detach(), **router}
 
 
 def _teacher_error(teacher: str, errors: tuple[type[Exception], ...] = (ValueError,)):

@@ -156,7 +156,8 @@ cfg = load_recipe("tiny_llama_sft", sys.argv[2:])
 recipe = recipe_class(cfg)(cfg)
 if sys.argv[1] == "stand-in":  # where the cache keeps this config's verdict: one stand-in acceptance written there
     support.verify_config = lambda *a, **k: Verdict("verified", backends=backends_for([]), max_error=0.0)
-config_checks(recipe.model_spec, cp_size=1, max_sample_tokens=recipe._longest_sample(), row_tokens=recipe._row_tokens())
+sample_tokens, row_tokens = recipe.batching.length_bounds(recipe.data.max_length, 1)
+config_checks(recipe.model_spec, cp_size=1, max_sample_tokens=sample_tokens, row_tokens=row_tokens)
 print(max(glob.glob(os.environ["AUTOMODEL_CACHE"] + "/exactness/*.json"), key=os.path.getmtime))
 """
 

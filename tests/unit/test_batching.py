@@ -20,6 +20,7 @@ from automodel.data.batching import (
 )
 from automodel.data.collate import build_row, padded_sequence_thd_collater
 from automodel.data.planning import karmarkar_karp, plan_balanced_packs, plan_packs, plan_token_budget
+from automodel.data.preference import SIDES, PreferenceBatching
 from automodel.data.streaming import StreamingPackedBatching
 from automodel.distributed import make_cp_batch_for_te, process_input_for_thd
 
@@ -361,3 +362,40 @@ def test_each_mode_says_what_a_micro_batch_holds_and_the_log_scales_it_by_dp():
         "global batch per optimizer step: 4 micro-batches (dp 2 x grad_accum_steps 2), each 1 pack of up to 2,048 "
         "tokens: up to 8,192 tokens per step; max_steps 120 covers 480 micro-batches (2x one process's at this "
         f"grad_accum_steps); {tail}")  # fmt: skip
+
+
+@pytest.mark.parametrize("max_sample", [None, 20])
+@pytest.mark.parametrize("cp_size", [1, 2])
+@pytest.mark.parametrize("name", [*MODES, "streaming", "preference"])
+def test_length_bounds_hold_every_micro_batch_of_an_epoch(name, cp_size, max_sample):
+    """What the check at setup is told (``length_bounds``): no sample and no micro-batch row of the
+    mode is longer, with samples of at most ``max_sample`` tokens (data.max_length) or unbounded."""
+    lengths = [min(n, max_sample or n) for n in LENGTHS]
+    env = LoaderEnv(cp_size=cp_size, seed=5)
+    if name == "streaming":
+        mode = StreamingPackedBatching(packed_sequence_size=64, micro_batch_size=2, steps_per_epoch=12)
+        batches = take(mode.build(tagged_dataset(lengths).to_iterable_dataset(), env), 12)
+    elif name == "preference":
+        mode = PreferenceBatching(pairs_per_micro_batch=3)
+        sides = {
+            f"{side}_{c}": tagged_dataset(lengths[k::2])[c]
+            for k, side in enumerate(SIDES)
+            for c in ("input_ids", "labels")
+        }
+        pairs = datasets.Dataset.from_dict(
+            {**sides, **{f"{s}_loss_mask": sides[f"{s}_labels"] for s in SIDES}}
+        )
+        stream = mode.build(pairs, env)
+        batches = take(stream, stream.batches_per_epoch)
+    else:
+        mode = MODES[name]
+        stream = mode.build(tagged_dataset(lengths), env)
+        batches = take(stream, stream.batches_per_epoch)
+    sample, row = mode.length_bounds(max_sample, cp_size)
+    if name == "preference" and max_sample is None:
+        assert (sample, row) == (None, None)  # measured on the tokenized pairs instead
+        return
+    for batch in batches:
+        assert int(batch["seq_lens"][batch["seq_lens"] > 0].max()) <= sample
+        assert batch["input_ids"].numel() <= row
+    assert max(int(b["input_ids"].numel()) for b in batches) > row // 4  # a bound, not a blind guess

@@ -8,6 +8,7 @@ import logging
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoConfig
@@ -15,12 +16,14 @@ from transformers import AutoConfig
 import automodel.data.collate
 import automodel.models.build
 import automodel.models.support
+from automodel.attention import ThdAttentionMetadata
 from automodel.benchmarks.config_check import real_config
 from automodel.config import ConfigError
-from automodel.models import ModelSpec, setup_checks
+from automodel.models import ModelSpec, check_model_config, setup_checks
+from automodel.models.setup import config_checks
 from automodel.models.support import config_verdict, supported_table
-from automodel.models.tiny import width_config
-from automodel.models.verify import PAD_MULTIPLE, check_lengths
+from automodel.models.tiny import _balance, width_config
+from automodel.models.verify import BASE_TOKENS, PAD_MULTIPLE, check_lengths, sample_pairs
 
 
 def verdict(config, tmp_path, sample_tokens, row_tokens=None):
@@ -45,34 +48,96 @@ def test_width_config_keeps_one_layer_of_each_kind_and_every_threshold():
     )
 
     qwen3 = width_config(real_config("qwen3-8b-sliding"))
-    # layers 32..35 slide: layers 0, 1 and 32 are kept, in that order
-    assert qwen3.layer_types == ["full_attention", "full_attention", "sliding_attention"]
+    # layers 32..35 slide (max_window_layers=32, a layer count): the layers on both sides of its boundary
+    # from the start (31, 32) and from the end (3, 4), then 33 and 34 so that as many of the kept layers
+    # lie in the first 32 as in the last 32: the new count (5) reads the same from either end
+    assert qwen3.layer_types == ["full_attention"] * 5 + ["sliding_attention"] * 3
+    assert qwen3.max_window_layers == 5
     assert (qwen3.sliding_window, qwen3.max_position_embeddings) == (4096, 40960)
 
 
+def test_the_depth_cut_keeps_layer_counts_from_either_end_and_per_layer_overrides():
+    """Gemma 3n's last 15 of 35 layers reuse keys and values (num_kv_shared_layers counts from the
+    end); Gemma 4's full-attention layers have twice the head size (per_layer_config, which reading
+    config.head_dim raises for)."""
+    gemma3n = width_config(AutoConfig.for_model("gemma3n_text"))
+    # kept: 0, 1, 4 (first full), 10 (first dense activation), the boundaries 14, 15, 19, 20, then 21..24
+    assert gemma3n.num_hidden_layers == 12 and gemma3n.num_kv_shared_layers == 5
+    assert gemma3n.kv_sharing_modes[-5:] == ["reuse"] * 5 and "reuse" not in gemma3n.kv_sharing_modes[:-5]
+    assert gemma3n.activation_sparsity_pattern == [0.95] * 3 + [0.0] * 9
+    assert gemma3n.intermediate_size == [64] * 12
+    gemma4 = width_config(AutoConfig.for_model("gemma4_text", num_kv_shared_layers=10))
+    overrides = gemma4.to_dict()["per_layer_config"]
+    assert [gemma4.layer_types[int(i)] for i in overrides] == ["full_attention"] * len(overrides)
+    assert {v["head_dim"] for v in overrides.values()} == {16}  # 512 of 256 -> 16 of 8
+    assert gemma4.kv_sharing_modes.count("reuse") == gemma4.num_kv_shared_layers == 4
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(2, 80), st.sets(st.integers(0, 79), max_size=6), st.lists(st.integers(1, 79), max_size=4))
+def test_balance_keeps_as_many_layers_within_each_count_from_either_end(layers, keep, counts):
+    counts = [v for v in counts if v < layers]
+    kept = _balance({i for i in keep if i < layers}, layers, counts)
+    assert kept <= set(range(layers))
+    for v in counts:
+        assert len(kept & set(range(v))) == len(kept & set(range(layers - v, layers)))
+        assert {v - 1, v, layers - v - 1, layers - v} & set(range(layers)) <= kept
+
+
+def test_balance_by_hand():
+    # the docstring's example: Gemma 3n's 35 layers, the last 15 sharing
+    assert sorted(_balance({0, 1, 4, 10}, 35, [15])) == [0, 1, 4, 10, 14, 15, 19, 20, 21, 22, 23, 24]
+
+
 def test_check_lengths_by_hand():
-    # a short sample first, then samples as long as the longest until the row is full
+    # a short sample first, then a long one, then more while the row needs them (at least 64 tokens)
     assert check_lengths(10, 32) == (7, 10, 10)  # padded to 4: 8 + 12 + 12 = 32
-    assert check_lengths(10) == (7, 10, 10)  # no pack size: two longest samples
+    assert check_lengths(10) == (7, 10)  # no pack size: the short sample and a long one
     assert check_lengths(3, 12) == (3, 3, 3)
-    assert check_lengths(9000, 9216) == (7, 9000, 208)  # 8 + 9000 + 208 = 9216
+    # no threshold of the config below 9,000 tokens: a sample of BASE_TOKENS (64), not the full length
+    assert check_lengths(9000, 9216) == (7, 64)
+    # a window of 4,096 below samples of 32k: crossed by 64 tokens
+    assert check_lengths(32768, 65536, [4096]) == (7, 4160)
+    # a threshold at the run's longest sample is never crossed; one just below it is, to the full length
+    assert check_lengths(8192, None, [8192]) == (7, 64)
+    assert check_lengths(8192, None, [8150]) == (7, 8192)
+    # a row-index threshold (a floor of 8,192) past samples of 1,024 in rows of 16,384: the row reaches it
+    lengths = check_lengths(1024, 16384, [8192])
+    assert lengths[:3] == (7, 64, 64) and sum(-(-n // 4) * 4 for n in lengths) == 8192 + 64
+    # a row of 8 tokens with a threshold at 7: no room for the short sample beside a long one
+    assert check_lengths(8, 8, [7]) == (8,)
+    # one-token samples (data.max_length=1) keep their token and their label
+    assert check_lengths(1, 16) == (1, 1, 1, 1)
+    assert [int((y != -100).sum()) for _, y in sample_pairs(64, 0, (1, 2, 3))] == [1, 1, 1]
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.integers(1, 5000), st.integers(4, 20000))
-def test_check_lengths_fill_the_row_and_reach_the_longest_sample(longest, row):
-    lengths = check_lengths(longest, row)
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(1, 5000),
+    st.none() | st.integers(0, 20000),
+    st.lists(st.integers(2, 30000), max_size=4),
+)
+def test_check_lengths_cross_every_reachable_threshold_and_no_more(longest, extra, thresholds):
+    row = None if extra is None else longest + extra  # a row holds at least one longest sample
+    lengths = check_lengths(longest, row, thresholds)
     padded = [-(-n // PAD_MULTIPLE) * PAD_MULTIPLE for n in lengths]
     assert all(1 <= n <= longest for n in lengths)
-    assert sum(padded) <= max(row, padded[0]) and max(row, padded[0]) - sum(padded) < PAD_MULTIPLE
-    if row >= padded[0] + 2 * -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE:
-        assert lengths.count(longest) >= 2
+    if row is not None:  # within the run's row (or the first sample alone)
+        assert sum(padded) <= max(row, padded[0])
+    for v in thresholds:  # each one the run can reach is crossed: by a sample, and by a row index
+        if v < longest:
+            assert max(lengths) > v
+        if row is not None and v < row - 2 * PAD_MULTIPLE:
+            assert sum(padded) > v
+    # no sample longer than a crossing asks (64 tokens past the largest reachable threshold, or 64)
+    needed = max([BASE_TOKENS, *(v + BASE_TOKENS for v in thresholds if v < longest)])
+    assert max(lengths) <= max(min(longest, needed), lengths[0])
 
 
 def test_lfm2_short_convolutions_are_refused_naming_the_layer_kind_and_tokens(tmp_path):
     entry = verdict(real_config("lfm2-1.2b"), tmp_path, sample_tokens=32)
     assert entry["status"] == "refused"
-    assert "Lfm2ShortConv" in entry["reason"] and "of sample 2" in entry["reason"]
+    assert "Lfm2ShortConv" in entry["reason"] and "of sample 1" in entry["reason"]
 
 
 def test_llama4_temperature_tuning_is_refused_past_floor_scale_and_verified_within_it(tmp_path):
@@ -119,7 +184,8 @@ def test_a_planted_position_bug_in_build_row_fails_the_check(tmp_path, monkeypat
         return {**row, "position_ids": np.arange(len(row["position_ids"]))}
 
     monkeypatch.setattr(automodel.data.collate, "build_row", positions_never_restart)
-    entry = verdict(AutoConfig.for_model("gpt2"), tmp_path, sample_tokens=12)
+    no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0)
+    entry = verdict(AutoConfig.for_model("gpt2", **no_dropout), tmp_path, sample_tokens=12)
     assert entry["status"] == "refused" and "logits rel err" in entry["reason"]
 
 
@@ -190,7 +256,116 @@ def test_verify_false_uses_the_tables_verdict_with_a_warning(caplog):
 
 
 def test_bert_generation_as_a_decoder_is_verified_and_as_an_encoder_refused(tmp_path):
-    decoder = AutoConfig.for_model("bert-generation", is_decoder=True, num_hidden_layers=2)
-    encoder = AutoConfig.for_model("bert-generation", is_decoder=False, num_hidden_layers=2)
+    no_dropout = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_hidden_layers=2)
+    decoder = AutoConfig.for_model("bert-generation", is_decoder=True, **no_dropout)
+    encoder = AutoConfig.for_model("bert-generation", is_decoder=False, **no_dropout)
     assert verdict(decoder, tmp_path, sample_tokens=12)["status"] == "verified"
     assert "bidirectional" in verdict(encoder, tmp_path, sample_tokens=12)["reason"]
+
+
+# --- what decided, by its own name ----------------------------------------------------------------
+
+
+def test_where_the_thd_path_cannot_run_the_dense_mask_result_is_the_reason(tmp_path, monkeypatch):
+    """DeepSeek-V3.2's indexer cannot run on the THD path (a TypeError): the dense-mask run decides,
+    and its result is the reason (here a planted mask that lets samples see each other), with the
+    THD attempt's error after it."""
+
+    def causal_across_samples(self, device, dtype):
+        total = self.total_tokens
+        allowed = torch.ones(total, total, dtype=torch.bool, device=device).tril()
+        return torch.zeros(total, total, dtype=dtype, device=device).masked_fill_(
+            ~allowed, torch.finfo(dtype).min
+        )[None, None]
+
+    monkeypatch.setattr(ThdAttentionMetadata, "block_causal_mask", causal_across_samples)
+    config = AutoConfig.for_model("deepseek_v32", num_hidden_layers=2, first_k_dense_replace=1, index_topk=8)
+    entry = verdict(config, tmp_path, sample_tokens=12)
+    assert entry["status"] == "refused"
+    assert entry["reason"].startswith(
+        "under a block-diagonal mask its own attention differs from each sample alone"
+    )
+    assert "logits rel err" in entry["reason"] and entry["reason"].index("logits") < entry["reason"].index(
+        "TypeError"
+    )
+
+
+def test_one_token_samples_are_checked_not_blamed_on_the_model(tmp_path, monkeypatch):
+    """data.max_length=1 was reported as "llama is refused ... ZeroDivisionError" (the check's
+    samples had no label): one-token samples keep their label, and the config is verified."""
+    monkeypatch.setenv("AUTOMODEL_CACHE", str(tmp_path))
+    config, entry = config_checks(TINY_LLAMA_SPEC, cp_size=1, max_sample_tokens=1, row_tokens=2048)
+    assert entry["status"] == "verified"
+
+
+def test_a_config_transformers_cannot_build_is_refused_with_its_error():
+    """hidden_act=gelu_foo was "refused ... KeyError" as if packing were at fault: transformers' own
+    error on the config, named as such, before the check."""
+    spec = ModelSpec(
+        config={**TINY_LLAMA_SPEC.config, "hidden_act": "gelu_foo"}, attention_backend="portable"
+    )
+    with pytest.raises(
+        ConfigError, match="transformers cannot build llama from this config.*KeyError.*gelu_foo"
+    ) as err:
+        config_checks(spec, cp_size=1, max_sample_tokens=16)
+    assert "THD" not in str(err.value)
+
+
+def test_an_unset_routing_size_stays_unset_and_transformers_error_is_named(tmp_path):
+    """num_experts_per_tok=None used to be filled with 2 by the width shrink: the check verified a
+    config whose own forward crashes at step 1 (topk(k=None))."""
+    config = AutoConfig.for_model("deepseek_v3", num_experts_per_tok=None, num_hidden_layers=2)
+    assert width_config(config).num_experts_per_tok is None
+    entry = verdict(config, tmp_path, sample_tokens=16)
+    assert entry["status"] == "not_buildable"
+    assert entry["reason"].startswith(
+        "transformers' own DeepseekV3ForCausalLM fails on it: TypeError: topk()"
+    )
+    with pytest.raises(
+        ConfigError, match="is refused: transformers' own DeepseekV3ForCausalLM.*transformers' own error"
+    ):
+        check_model_config(config, "portable", entry)
+
+
+@pytest.mark.parametrize(
+    "fields, named",
+    [
+        ({}, "router_jitter_noise=0.01"),  # Phi-3.5-MoE's default: sparsemixer samples experts
+        ({"router_jitter_noise": 0.0, "input_jitter_noise": 0.1}, "input_jitter_noise=0.1"),
+    ],
+)
+def test_random_layers_in_train_mode_are_refused_naming_the_field(tmp_path, fields, named):
+    """The check used to zero them (and verify a model the run does not train)."""
+    config = AutoConfig.for_model("phimoe", num_hidden_layers=2, **fields)
+    entry = verdict(config, tmp_path, sample_tokens=16)
+    assert entry["status"] == "refused" and named in entry["reason"], entry
+    assert f"set {named.split('=')[0]}: 0.0" in entry["reason"]
+    deterministic = AutoConfig.for_model("phimoe", num_hidden_layers=2, router_jitter_noise=0.0)
+    assert verdict(deterministic, tmp_path, sample_tokens=16)["status"] == "verified"
+
+
+def test_no_bound_on_the_samples_refuses_a_config_with_a_length_field_naming_data_max_length(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("AUTOMODEL_CACHE", str(tmp_path))
+    fields = {**TINY_LLAMA_SPEC.config, "max_position_embeddings": 64}
+    unbounded = ModelSpec(config=fields, attention_backend="portable", exceed_max_positions=True)
+    with pytest.raises(ConfigError, match="max_position_embeddings=64.*nothing bounds.*set data.max_length"):
+        config_checks(unbounded, cp_size=1, max_sample_tokens=None)
+    # the model's own position limit bounds samples where setup refuses longer ones
+    bounded = ModelSpec(config=fields, attention_backend="portable")
+    assert config_checks(bounded, cp_size=1, max_sample_tokens=None)[1]["status"] == "verified"
+
+
+TINY_LLAMA_SPEC = ModelSpec(
+    config={
+        "model_type": "llama",
+        "num_hidden_layers": 2,
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 64,
+        "vocab_size": 64,
+    },  # fmt: skip
+    attention_backend="portable",
+)

@@ -168,13 +168,9 @@ def test_a_planted_acceptance_does_not_make_a_run_of_a_mamba_hybrid_train(tmp_pa
     )
     recipe = recipe_class(cfg)(cfg)
 
-    def setup_check():
-        config_checks(
-            recipe.model_spec,
-            cp_size=1,
-            max_sample_tokens=recipe._longest_sample(),
-            row_tokens=recipe._row_tokens(),
-        )
+    def setup_check():  # at the lengths the recipe's setup gives it (cp_size 1)
+        sample_tokens, row_tokens = recipe.batching.length_bounds(recipe.data.max_length, 1)
+        config_checks(recipe.model_spec, cp_size=1, max_sample_tokens=sample_tokens, row_tokens=row_tokens)
 
     path = cache_file(monkeypatch, setup_check, tmp_path / "cache" / "exactness")
     path.write_text(json.dumps({"status": "verified"}))
