@@ -38,7 +38,13 @@ def checkpoint(directory: Path, model_type: str, fields: dict) -> Path:
 
 
 def from_checkpoint(path: Path) -> list[str]:
-    return ["model=hf_checkpoint", f"model.pretrained_path={path}", "model.dtype=float32"]
+    # the checkpoint holds weights only: the tokenizer is named
+    return [
+        "model=hf_checkpoint",
+        f"model.pretrained_path={path}",
+        "model.dtype=float32",
+        "data.tokenizer=tiny",
+    ]
 
 
 def test_dyn_bsz_without_max_length_is_checked_at_its_length_cap(tmp_path):

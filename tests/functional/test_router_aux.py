@@ -38,7 +38,7 @@ COMPARED = ("loss", "router_aux_loss", "grad_norm", "label_tokens")
 
 def overrides(output_dir: Path, checkpoint: Path, *extra: str) -> list[str]:
     return [f"trainer.output_dir={output_dir}", "model=hf_checkpoint", f"model.pretrained_path={checkpoint}",
-            "model.dtype=float32", *FAST, *extra]  # fmt: skip
+            "model.dtype=float32", "data.tokenizer=tiny", *FAST, *extra]  # fmt: skip
 
 
 def metrics(output_dir: Path) -> list[dict]:
