@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from automodel.attention import resolve_attention_backend
 from automodel.attention.hf import FEATURES
@@ -151,9 +152,15 @@ def check_buildable(spec: ModelSpec, config: PretrainedConfig) -> None:
         with torch.device("meta"):
             AutoModelForCausalLM.from_config(config, trust_remote_code=spec.trust_remote_code)
     except Exception as error:  # whatever transformers raises is the config's fault: quoted
+        if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:  # e.g. a composite model's text part
+            raise ConfigError(
+                f"model_type {config.model_type!r} (model.config, or config.json of model.pretrained_path) has no "
+                "causal-LM class in transformers (AutoModelForCausalLM builds none for it); train a checkpoint of "
+                "a type `automodel families` lists"
+            ) from None
         raise ConfigError(
-            f"transformers cannot build {config.model_type} from this config (model.config, or config.json of "
-            f"model.pretrained_path): {one_line(error)}; fix the field it names"
+            f"transformers cannot build model_type {config.model_type!r} from this config (model.config, or "
+            f"config.json of model.pretrained_path): {one_line(error)}; fix the field it names"
         ) from None
 
 

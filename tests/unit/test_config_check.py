@@ -305,7 +305,7 @@ def test_a_config_transformers_cannot_build_is_refused_with_its_error():
         config={**TINY_LLAMA_SPEC.config, "hidden_act": "gelu_foo"}, attention_backend="portable"
     )
     with pytest.raises(
-        ConfigError, match="transformers cannot build llama from this config.*KeyError.*gelu_foo"
+        ConfigError, match="transformers cannot build model_type 'llama' from this config.*KeyError.*gelu_foo"
     ) as err:
         config_checks(spec, cp_size=1, max_sample_tokens=16)
     assert "THD" not in str(err.value)

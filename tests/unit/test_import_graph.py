@@ -156,3 +156,13 @@ RECIPE_COMPONENTS = {"automodel.config": ["importlib.import_module(module_name)"
 @pytest.mark.parametrize("module", sorted(module_names()))
 def test_no_import_by_string(module):
     assert string_imports(module_names()[module].read_text()) == RECIPE_COMPONENTS.get(module, [])
+
+
+def test_every_test_module_has_its_own_basename():
+    """pytest imports test modules by basename (``tests`` has no packages): two files of one name, in
+    tests/unit and tests/functional, stop collection with an import-file-mismatch error."""
+    tests = Path(__file__).resolve().parents[1]
+    seen: dict[str, list[str]] = {}
+    for path in sorted(tests.rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(str(path.relative_to(tests)))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}

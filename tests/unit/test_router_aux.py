@@ -2,7 +2,7 @@
 (automodel.models.router_aux): kept by the packed step and exact against the class's own forward on
 the same samples as a padded batch with its attention mask (the check at setup), by hand, and
 refused where an objective does not compute it. The combination across ranks (CP, global
-statistics) runs under torchrun in tests/functional/test_router_aux.py."""
+statistics) runs under torchrun in tests/functional/test_router_aux_recipe.py."""
 
 from __future__ import annotations
 
