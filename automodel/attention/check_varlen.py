@@ -111,14 +111,21 @@ def check_varlen_against_reference(
     return results
 
 
+def _inputs(device, seed, real, padded, h, h_kv) -> tuple[torch.Tensor, ...]:
+    """Seeded q, k, v, the output gradient ``[T, h, d]`` zero on the padding rows (the loss reads
+    real tokens only) and the padding rows' ``[T]`` mask, on ``device``."""
+    pad = padding_rows(real, padded).to(device)
+    q, k, v, dout = (x.to(device) for x in random_inputs(sum(padded), h, h_kv, seed))
+    dout = dout.view(-1, h, HEAD_DIM)
+    dout[pad] = 0
+    return q, k, v, dout, pad
+
+
 def _varlen_vs_sdpa(device, seed, real, padded, h, h_kv, window, case) -> CheckResult:
     cu_real, cu_padded = (
         torch.tensor([0, *lens]).cumsum(0).to(device=device, dtype=torch.int32) for lens in (real, padded)
     )
-    pad = padding_rows(real, padded).to(device)
-    q, k, v, dout = (x.to(device) for x in random_inputs(sum(padded), h, h_kv, seed))
-    dout = dout.view(-1, h, HEAD_DIM)
-    dout[pad] = 0  # the loss reads real tokens only
+    q, k, v, dout, pad = _inputs(device, seed, real, padded, h, h_kv)
     got = _forward_backward(
         varlen_attention, q, k, v, dout, torch.bfloat16,
         cu_seqlens=cu_padded, max_seqlen=max(padded), scale=SCALE, window=window,
@@ -163,10 +170,7 @@ def varlen_cp_vs_varlen(
 
 def _varlen_cp_case(device, seed, cp_size, real, padded, h, h_kv, window, case) -> CheckResult:
     cu_padded = torch.tensor([0, *padded]).cumsum(0).to(torch.int32)
-    pad = padding_rows(real, padded).to(device)
-    q, k, v, dout = (x.to(device) for x in random_inputs(sum(padded), h, h_kv, seed))
-    dout = dout.view(-1, h, HEAD_DIM)
-    dout[pad] = 0  # the loss reads real tokens only
+    q, k, v, dout, pad = _inputs(device, seed, real, padded, h, h_kv)
     want = _forward_backward(
         varlen_attention, q, k, v, dout, torch.bfloat16,
         cu_seqlens=cu_padded.to(device), max_seqlen=max(padded), scale=SCALE, window=window,
