@@ -33,15 +33,11 @@ no token to learn are dropped; every drop, cut and split is logged in rows and t
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import dataclasses
 import functools
 import json
 import logging
 import os
-import signal
-import sys
 from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -70,6 +66,7 @@ from automodel.data.chat import (
 )
 from automodel.data.long_samples import check_long_samples, cut_rows, piece_sums, plan_pieces, report
 from automodel.data.sources import RAW_ROW_COLUMN, RowOrigin
+from automodel.data.workers import forked_workers
 from automodel.errors import DataError
 from automodel.loss import CROSS_ENTROPY_IGNORE_INDEX
 
@@ -339,7 +336,7 @@ def tokenize_sft_dataset(
     _check_tokenizer(tokenizer, format)
 
     raw = [RAW_ROW_COLUMN] if RAW_ROW_COLUMN in dataset.column_names else []
-    with _workers_die_with_this_process():
+    with forked_workers():
         tokenized = dataset.map(
             functools.partial(
                 _encode_batch, fields=list(fields), format=format, tokenizer=tokenizer, columns=fields,
@@ -354,51 +351,6 @@ def tokenize_sft_dataset(
             desc=f"Tokenizing SFT samples ({format})",
         )  # fmt: skip
     return _drop_and_report(tokenized, max_length, long_samples, origin)
-
-
-# The process whose forked children (datasets.map's num_proc workers and its queue manager) are
-# to die with it; None outside tokenizing.
-_workers_parent: int | None = None
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-@contextlib.contextmanager
-def _workers_die_with_this_process():
-    """Within the block, every process forked here gets SIGTERM from the kernel when this one exits,
-    however it exits: a ``kill -9`` of the run during tokenizing left the ``num_proc`` workers
-    tokenizing their shards, and the queue manager running, with nobody to read the result.
-    Linux only (``prctl``); elsewhere the block does nothing.
-
-    A Ctrl-C reaches the whole process group: the workers ignore it (each printed a
-    KeyboardInterrupt traceback) and this process stops the pool, as a KeyboardInterrupt (datasets'
-    cleanup raised a ``multiprocess`` TimeoutError over it)."""
-    global _workers_parent
-    _workers_parent = os.getpid()
-    try:
-        yield
-    except Exception as error:
-        if isinstance(error.__context__, KeyboardInterrupt):
-            raise KeyboardInterrupt("while tokenizing") from None
-        raise
-    finally:
-        _workers_parent = None
-
-
-def _die_with_parent() -> None:
-    """After a fork, in the child: ask for SIGTERM when the parent dies, and ignore the terminal's
-    Ctrl-C, which the parent handles (within the block above)."""
-    global _workers_parent
-    parent, _workers_parent = _workers_parent, None  # the child's own children are not covered
-    if parent is None:
-        return
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent:  # the parent died before the request took effect
-        os._exit(1)
-
-
-if sys.platform == "linux":
-    os.register_at_fork(after_in_child=_die_with_parent)
 
 
 def _resolve_columns(

@@ -38,6 +38,7 @@ from transformers import PreTrainedTokenizerBase
 
 from automodel.data.sft import _special_prefix
 from automodel.data.sources import TXT_SAMPLES, _decode_utf8, data_files
+from automodel.data.workers import forked_workers
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +232,7 @@ def _encoded_batches(batches: Iterator[list[str]], tokenizer, dtype, num_proc: i
     global _worker_tokenizer
     _worker_tokenizer = tokenizer
     try:
-        with multiprocessing.get_context("fork").Pool(num_proc) as pool:
+        with forked_workers(), multiprocessing.get_context("fork").Pool(num_proc) as pool:
             yield from pool.imap(functools.partial(_encode_batch, dtype=dtype), batches, chunksize=1)
     finally:
         _worker_tokenizer = None
