@@ -32,7 +32,9 @@ def package(line: str) -> str | None:
 def ours(lines: list[str]) -> list[str]:
     """The pins of ``lines`` (.ci/constraints.txt) the image installs through: all but the
     container's own builds."""
-    return [line for line in lines if (name := package(line)) is not None and not CONTAINER_BUILDS.match(name)]
+    return [
+        line for line in lines if (name := package(line)) is not None and not CONTAINER_BUILDS.match(name)
+    ]
 
 
 def base_without(base: list[str], pinned: list[str]) -> list[str]:

@@ -47,7 +47,9 @@ def pinned(name: str) -> str:
 
 
 def constraints_script():
-    spec = importlib.util.spec_from_file_location("docker_constraints", REPO_ROOT / "docker" / "constraints.py")
+    spec = importlib.util.spec_from_file_location(
+        "docker_constraints", REPO_ROOT / "docker" / "constraints.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -58,7 +60,9 @@ def installs_the_package_through(installs: list[list[str]]) -> list[str]:
     files = []
     for words in installs:
         if "." in words or "-e" in words and words[words.index("-e") + 1].startswith("."):
-            assert "-c" in words, f"the package is installed without constraints: pip install {' '.join(words)}"
+            assert "-c" in words, (
+                f"the package is installed without constraints: pip install {' '.join(words)}"
+            )
             files.append(words[words.index("-c") + 1])
     return files
 
@@ -74,7 +78,10 @@ def test_the_gpu_image_installs_through_the_constraints_on_a_current_base():
     assert ".ci/constraints.txt" in copied and "docker/constraints.py" in copied
     runs = " ".join(arguments for kind, arguments in steps if kind == "RUN")
     # the constraints installed through are the script's output from the project's pins
-    assert "python docker/constraints.py .ci/constraints.txt /tmp/constraints.txt --base /etc/pip/constraint.txt" in runs
+    assert (
+        "python docker/constraints.py .ci/constraints.txt /tmp/constraints.txt --base /etc/pip/constraint.txt"
+        in runs
+    )
     assert installs_the_package_through(pip_installs(dockerfile)) == ["/tmp/constraints.txt"]
     # nothing in the image replaces the container's torch: no pip install names torch
     assert not any(word.startswith("torch") for words in pip_installs(dockerfile) for word in words)
@@ -103,7 +110,9 @@ def test_the_constraints_script_keeps_the_containers_builds_and_removes_its_conf
         "triton==3.5.0\nnumpy==2.4.6\ntyping_extensions==4.16.0\n"
     )
     base = tmp_path / "constraint.txt"
-    base.write_text("# container\nnumpy==1.26.4\ntorch==2.14.0a0+nv26.9\ntyping-extensions==4.12.2\nsix==1.16.0\n")
+    base.write_text(
+        "# container\nnumpy==1.26.4\ntorch==2.14.0a0+nv26.9\ntyping-extensions==4.12.2\nsix==1.16.0\n"
+    )
     output = tmp_path / "install.txt"
     assert script.main([str(ours), str(output), "--base", str(base)]) == 0
     assert output.read_text() == "Flask==3.1.3\nnumpy==2.4.6\ntyping_extensions==4.16.0\n"
