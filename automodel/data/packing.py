@@ -102,11 +102,11 @@ def pack_dataset(
         A ``datasets.Dataset`` with one row per pack (int32 list columns):
 
         - ``input_ids``, ``labels``, ``position_ids``: ``[S]``. Positions restart at 0 for every
-          sample and count through its CP padding; CP padding and tail padding hold
-          ``padding_idx`` / -100; tail positions continue from the last one (clamped to S-1).
+            sample and count through its CP padding; CP padding and tail padding hold
+            ``padding_idx`` / -100; tail positions continue from the last one (clamped to S-1).
         - ``seq_lens``: ``[D]`` real lengths of the D samples in the pack.
         - ``seq_lens_padded``: ``[D]`` CP-padded lengths, the tail padding added to the last entry,
-          so they sum to S and each is a multiple of 2W.
+            so they sum to S and each is a multiple of 2W.
 
     Example (S=16, W=2, samples [1 2 3] and [4 5 6 7 8])::
 

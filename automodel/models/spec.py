@@ -46,7 +46,7 @@ class ModelSpec:
         compile: compile each decoder layer's forward with ``torch.compile`` (regional, one graph
             per layer class, as torchtitan compiles each block); the THD attention call runs
             eagerly between the compiled parts, so packs with any number of sequences share the
-            compiled layer. Off until a device measurement shows the gain (docs/benchmarks.md). Not
+            compiled layer. Off until a device measurement shows the gain (docs/benchmarks-gpu.md). Not
             with ``activation_checkpointing`` (refused: the checkpointed layers would run uncompiled).
         exceed_max_positions: let samples (``data.max_length``, else the pack size) be longer than
             the config's ``max_position_embeddings`` (refused by default: positions past it were

@@ -358,7 +358,7 @@ def read_table(path: Path = SUPPORTED_TABLE) -> dict:
 
 
 def markdown_table(document: dict) -> str:
-    """The README's supported-families table, printed from the table file."""
+    """The supported table of docs/models.md, printed from the table file."""
     types = document["types"]
     rows = ["| `model_type` | features | backends |", "|---|---|---|"]
     for name, entry in types.items():
@@ -399,7 +399,7 @@ def main(argv: list[str]) -> int:
         help="run the differential check on these types (all causal-LM types when none given) "
         "and update the table",
     )
-    parser.add_argument("--markdown", action="store_true", help="print the README table")
+    parser.add_argument("--markdown", action="store_true", help="print the tables of docs/models.md")
     args = parser.parse_args(argv)
     if args.verify is None:
         document = read_table()

@@ -36,7 +36,7 @@ def _is_real(value) -> bool:
 MAX_LR = 0.1
 
 # Device types where ``optim.fused: null`` picks torch's fused AdamW kernel: where bench gpu measured it
-# faster than torch's default. None yet (docs/benchmarks.md: the figures await a device).
+# faster than torch's default. None yet (docs/benchmarks-gpu.md: the figures await a device).
 FUSED_BY_DEFAULT: tuple[str, ...] = ()
 
 

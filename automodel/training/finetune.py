@@ -626,7 +626,7 @@ class FinetuneRecipe:
         return torch.autocast("cuda", dtype=torch.bfloat16) if self._autocasts() else contextlib.nullcontext()
 
     def _compute_dtype(self, spec: ModelSpec | None = None) -> torch.dtype:
-        """What attention computes in (README: "Every backend gets q, k and v in one compute dtype"):
+        """What attention computes in (docs/gpu.md: "Every backend gets q, k and v in one compute dtype"):
         bf16 under the run's autocast, else ``spec``'s dtype (FSDP2's compute dtype; the model's)."""
         return torch.bfloat16 if self._autocasts() else (spec or self.model_spec).torch_dtype
 

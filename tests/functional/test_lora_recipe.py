@@ -87,8 +87,8 @@ def logits(model: torch.nn.Module) -> torch.Tensor:
 
 
 def readme_lora_snippet() -> str:
-    """The README's Python block that loads the LoRA adapter."""
-    blocks = re.findall(r"```python\n(.*?)```", (REPO_ROOT / "README.md").read_text(), re.S)
+    """The LoRA guide's Python block that loads the adapter (docs/lora.md)."""
+    blocks = re.findall(r"```python\n(.*?)```", (REPO_ROOT / "docs" / "lora.md").read_text(), re.S)
     (snippet,) = [b for b in blocks if "PeftModel.from_pretrained" in b]
     return snippet
 
@@ -130,7 +130,7 @@ def test_lora_recipe_with_validation(tmp_path, monkeypatch):
     trained.load_state_dict(trained_state, strict=True)
     reloaded = peft.PeftModel.from_pretrained(base(), tmp_path / "one" / "adapter")
     torch.testing.assert_close(logits(reloaded), logits(trained), rtol=0, atol=1e-5)
-    # -- the README's snippet as written: the adapter onto the base the run saved (a seeded init exists
+    # -- the guide's snippet as written: the adapter onto the base the run saved (a seeded init exists
     # nowhere else), which its adapter_config names; the model card says what was trained on what
     adapter_config = json.loads((tmp_path / "one" / "adapter" / "adapter_config.json").read_text())
     assert adapter_config["base_model_name_or_path"] == str((tmp_path / "one" / "base").resolve())

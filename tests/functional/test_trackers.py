@@ -32,7 +32,7 @@ FAST = ["data.split='train[:64]'", "data.val_fraction=0.1", "trainer.eval_every=
 TRACKERS = [
     "trainer.tracking.wandb={project: my-sft}",
     "trainer.tracking.mlflow={experiment_name: my-sft}",
-]  # the README's
+]  # docs/tracking.md's
 
 
 def recipe(output_dir: Path, *overrides: str):

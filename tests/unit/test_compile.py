@@ -2,7 +2,7 @@
 
 The tests compile with ``aot_eager`` (dynamo's capture and AOTAutograd's joint graph, run by eager
 kernels): inductor's C++ build takes about a minute per tiny model on a 2-core machine. The same
-packed-vs-each-sample-alone check passes under inductor (docs/benchmarks.md gives the command).
+packed-vs-each-sample-alone check passes under inductor (docs/benchmarks-gpu.md gives the command).
 """
 
 from __future__ import annotations

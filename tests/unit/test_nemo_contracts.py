@@ -1,5 +1,5 @@
 """Inputs and keywords NeMo AutoModel 0.7 accepts in the five data-path functions, and what we make
-of them (README "Differences from NeMo AutoModel"). Expected values are worked out by hand."""
+of them (docs/migrating-from-nemo.md). Expected values are worked out by hand."""
 
 from __future__ import annotations
 

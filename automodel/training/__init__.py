@@ -1,0 +1,1 @@
+"""Training: the recipe classes (SFT, DPO, distillation), checkpoints, the run directory, metrics and trackers."""
