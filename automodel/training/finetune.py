@@ -28,6 +28,7 @@ from automodel.data.batching import LoaderEnv, sample_cap
 from automodel.data.sft import load_tokenizer, tokenizer_disagreements
 from automodel.distributed.parallel import init_distributed
 from automodel.errors import ConfigError, DataError, ModelError, UserError
+from automodel.host_memory import limit_heap_retention
 from automodel.models import CausalLMForTraining, build_model, export_model
 from automodel.models.expert_parallel import expert_parallel_checks
 from automodel.models.inputs import model_inputs, padding_token_id
@@ -79,6 +80,7 @@ class FinetuneRecipe:
         self.output_dir = Path(self.trainer.output_dir)
 
     def setup(self) -> None:
+        limit_heap_retention()  # before any large allocation: freed tensors leave the resident set
         # A process group the caller made (a notebook, a larger job) is used and left open at cleanup.
         self._owns_process_group = not dist.is_initialized()
         try:
