@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"{'ep':>3} | {'experts':>8} {'rest':>7} {'grads':>7} {'AdamW':>7} | {'all-gather':>17} {'reduce-scatter':>17} "
-        f"{'all-to-all':>17} {'all-reduce':>10} | {'step s':>6}"
+        f"{'all-to-all':>17} {'all-reduce KiB':>14} | {'step s':>6}"
     )
     for ep in args.eps:
         mine = [r for r in rows if r["ep"] == ep]
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{top['optimizer_bytes'] / MIB:7.1f} | {computed['all_gather'] / MIB:8.1f} / {moved['all_gather'] / MIB:6.1f} "
             f"{computed['reduce_scatter'] / MIB:8.1f} / {moved['reduce_scatter'] / MIB:6.1f} "
             f"{'<=' if ep > 1 else ''}{computed['all_to_all_max'] / MIB:6.1f} / {moved['all_to_all'] / MIB:6.1f} "
-            f"{moved['all_reduce'] / MIB:10.3f} | {max(r['step_s'] for r in mine):6.2f}",
+            f"{moved['all_reduce'] / 1024:14.1f} | {max(r['step_s'] for r in mine):6.2f}",
             flush=True,
         )  # fmt: skip
     return 0
