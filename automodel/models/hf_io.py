@@ -16,12 +16,14 @@ fills, and a rank reads only the entries that touch its shards. Non-persistent b
 ``inv_freq``, Gemma's ``embed_scale``) are computed on every rank by the model's ``_init_weights``,
 as ``from_pretrained`` computes them.
 
-Export: tensors are gathered one at a time (a collective: every rank calls it), rank 0 casts each to
-the export dtype and, once a group is complete, reverts transformers' conversion and appends the
-published entries to safetensors files whose headers were planned up front from the shapes, so rank
-0 holds one group's full tensors at a time (usually one tensor). The directory is written as
-``<dir>.tmp`` and renamed when complete; a failed write (full disk) removes it and names the path
-and the bytes needed.
+Export (a collective: every rank calls it): rank 0 creates the safetensors files at their full size
+with headers planned up front from the shapes. A conversion group whose published entries each lie
+whole within one rank's shard (a MoE layer's experts, split on the expert dimension by expert
+parallelism or FSDP2) is written by every rank from its own shard, each entry in place; every other
+group is gathered one tensor at a time, and rank 0 casts it to the export dtype, reverts
+transformers' conversion and writes the published entries, so rank 0 holds one group's full tensors
+at a time (usually one tensor). The directory is written as ``<dir>.tmp`` and renamed when complete;
+a failed write on any rank (full disk) removes it and names the path and the bytes needed.
 """
 
 from __future__ import annotations
@@ -412,6 +414,26 @@ def check_finite(tensors: dict[str, torch.Tensor], where: str, *, collective: bo
 # ---- export ------------------------------------------------------------------------------------
 
 
+def full_tensors(
+    hf: nn.Module, merge: Callable[[str, torch.Tensor, Callable], torch.Tensor] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(transformers name, full tensor)`` one at a time, each gathered from every rank's shard
+    (collective). Adapter tensors are skipped; with ``merge``, each ``base_layer`` weight is passed
+    through ``merge(name, weight, gather)`` (LoRA folded in)."""
+    tensors = model_tensors(hf)
+    for name in tensors:
+        if ".lora_" not in name:
+            yield checkpoint_name(name), _full_tensor(name, tensors, merge)
+
+
+def _full_tensor(name: str, tensors: dict[str, torch.Tensor], merge: Callable | None) -> torch.Tensor:
+    """``tensors[name]`` gathered (collective), a ``base_layer`` weight passed through ``merge``."""
+    full = _gather(tensors[name])
+    if merge is not None and ".base_layer." in name:
+        full = merge(name, full, lambda key: _gather(tensors[key]))
+    return full
+
+
 def _gather(tensor: torch.Tensor) -> torch.Tensor:
     """The full tensor; an NF4 frozen base weight (QLoRA) dequantized to float32.
 
@@ -608,9 +630,7 @@ def export_hf(
             continue
         pending = {}  # every rank gathers, in the same order; rank 0 writes
         for name in group.tensors:
-            full = _gather(tensors[name])
-            if merge is not None and ".base_layer." in full_names[name]:
-                full = merge(full_names[name], full, lambda key: _gather(every[key]))
+            full = _full_tensor(full_names[name], every, merge)
             if is_main:
                 pending[name] = full.to(_export_dtype(full, dtype)).cpu()
             del full
