@@ -12,6 +12,8 @@ BENCHMARKS = (
     "lora_memory",
     "sharded_io",
     "init_memory",
+    "run_memory",
+    "ep",
     "tokenize",
     "chat_masks",
     "cli_latency",
@@ -37,6 +39,10 @@ def run_benchmark(name: str, argv: list[str]) -> int:
             from automodel.benchmarks.sharded_io import main
         case "init_memory":
             from automodel.benchmarks.init_memory import main
+        case "run_memory":
+            from automodel.benchmarks.run_memory import main
+        case "ep":
+            from automodel.benchmarks.ep import main
         case "tokenize":
             from automodel.benchmarks.tokenize import main
         case "chat_masks":

@@ -22,6 +22,11 @@ chat SFT data, and prints one table row per case:
   tokens/s per GPU and TFLOP/s counted as NeMo AutoModel counts LoRA: 4 x parameters x tokens
   (forward and the input-gradient half of the backward over every parameter; the adapters' own
   weight gradients are negligible);
+- ``moe``: a Qwen3-MoE model shaped like Qwen3-30B-A3B's layers (64 experts of width 768, top 8;
+  12 layers, 3.9B parameters, 0.9B active per token) on one GPU (every expert on it: expert
+  parallelism needs two GPUs or more, ``parallel.ep_size``), its experts through transformers'
+  grouped GEMM, the first pack size, the best backend; MFU counts the active parameters (the
+  top-k experts of each layer);
 - the loss alone: the chunked cross-entropy against full ``[T, V]`` logits (peak memory above
   the inputs, :mod:`automodel.benchmarks.loss_memory`).
 
@@ -33,7 +38,7 @@ over the samples, taken per token from the data set), peak memory
 the device in one training step, from ``torch.cuda.set_sync_debug_mode`` (each one's source line
 goes to the log and the JSON).
 
-``--cases`` picks the kinds of rows (packed padded ac peer lora; default all but lora). Each row is
+``--cases`` picks the kinds of rows (packed padded ac peer lora moe; default all but lora). Each row is
 printed, and ``--json PATH`` rewritten, as soon as its case finishes: a call cut short keeps every
 finished row.
 
@@ -101,7 +106,23 @@ TINY = {
     "model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 4096,
 }  # fmt: skip
-SHAPES = {"llama3.2-1b": LLAMA3_2_1B, "qwen3-1.7b": QWEN3_1_7B, "llama3.1-8b": LLAMA3_1_8B, "tiny": TINY}
+# Qwen3-30B-A3B's layer (hidden 2048, experts of width 768, top 8 of them, 32 heads of 128, 4 KV heads) with 64 of
+# its 128 experts and 12 of its 48 layers: 3.9B parameters, 0.9B active per token, one GPU's worth with AdamW
+QWEN3_MOE = {
+    "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+    "moe_intermediate_size": 768, "num_experts": 64, "num_experts_per_tok": 8, "decoder_sparse_step": 1,
+    "norm_topk_prob": True, "num_hidden_layers": 12, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "rope_theta": 1000000.0,
+}  # fmt: skip
+TINY_MOE = {
+    "model_type": "qwen3_moe", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+    "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "max_position_embeddings": 4096,
+}  # fmt: skip
+SHAPES = {"llama3.2-1b": LLAMA3_2_1B, "qwen3-1.7b": QWEN3_1_7B, "llama3.1-8b": LLAMA3_1_8B, "tiny": TINY,
+          "qwen3-moe": QWEN3_MOE, "tiny-moe": TINY_MOE}  # fmt: skip
 LORA = ["+peft=lora", "peft.rank=16", "peft.alpha=32", "peft.target_modules=all-linear"]  # the LoRA row
 
 # Peak dense bf16 tensor FLOP/s by device name (vendor data sheets, without sparsity).
@@ -110,8 +131,8 @@ PEAK_BF16 = {"H100 SXM": 989e12, "H100 80GB HBM3": 989e12, "H100 PCIe": 756e12, 
 TOKENIZER_SIZE = 512  # the shipped tiny tokenizer: token ids of the synthetic samples stay below it
 PEER_ROWS = 8  # the HF Trainer's and TRL's default per-device batch size
 PEER_MEMORY_SHARE = 0.9  # of the device's memory, for the peer's padded batches
-KINDS = ("packed", "padded", "ac", "peer", "lora")
-DEFAULT_KINDS = ("packed", "padded", "ac", "peer")
+KINDS = ("packed", "padded", "ac", "peer", "lora", "moe")
+DEFAULT_KINDS = ("packed", "padded", "ac", "peer", "moe")
 
 
 @dataclass
@@ -449,6 +470,8 @@ def cases_for(args: argparse.Namespace, backends: list[str]) -> list[Case]:
         cases += [Case(args.shapes[0], p, best, activation_checkpointing=True) for p in args.pack_sizes]
     if "lora" in args.cases:
         cases.append(Case(args.lora_shape, args.lora_pack_size, best, lora=True))
+    if "moe" in args.cases:
+        cases.append(Case(args.moe_shape, args.pack_sizes[0], best))
     if "peer" in args.cases:
         cases += [Case(s, args.pack_sizes[0], "sdpa", batching="peer") for s in args.shapes]
     return cases
@@ -501,6 +524,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.max_length = args.max_length or (128 if tiny else 4096)
     args.lora_shape = args.lora_shape or ("tiny" if tiny else "llama3.1-8b")
     args.lora_pack_size = args.lora_pack_size or (args.pack_sizes[0] if tiny else 4096)
+    args.moe_shape = "tiny-moe" if tiny else "qwen3-moe"
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must be at least 1")
     if args.trace and not args.profile:
@@ -593,8 +617,13 @@ def step_flops(case: Case, figures: dict, lengths: np.ndarray) -> list[float]:
         return [lora_flops_per_step(figures["parameters"], r) for r in figures["records"]]
     config = SHAPES[case.shape]
     embed = config["vocab_size"] * config["hidden_size"]
-    # every parameter is a matmul weight but the input embedding (and the head, counted apart)
+    # every parameter is a matmul weight but the input embedding (and the head, counted apart); of a MoE
+    # layer's experts, the top-k a token is routed to
     matmul = figures["parameters"] - embed * (1 if config.get("tie_word_embeddings") else 2)
+    if "num_experts" in config:
+        experts = config["num_hidden_layers"] * config["num_experts"] * 3 * config["hidden_size"]
+        experts *= config["moe_intermediate_size"]
+        matmul -= experts * (1 - config["num_experts_per_tok"] / config["num_experts"])
     attention = attention_flops_per_token(config, lengths)
     return [flops_per_step(config, matmul, r, attention) for r in figures["records"]]
 

@@ -1,9 +1,15 @@
-"""Process group and device mesh: the one place that owns parallel degrees.
+"""Process group and device meshes: the one place that owns parallel degrees.
 
 The world is a ``(dp, cp)`` mesh. Ranks of one CP group share micro-batches and split their tokens;
 DP ranks see disjoint micro-batches. FSDP2 shards parameters over the flattened ``dp x cp`` mesh
 (every rank holds a shard; CP ranks compute on different tokens, so their gradients add up):
 :func:`automodel.models.parallelize.apply_fsdp`.
+
+With ``ep_size > 1`` the same ranks also form an ``(efsdp, ep, tp)`` expert mesh: each group of
+``ep_size`` consecutive ranks (an ``ep`` group, across DP and CP alike) holds every expert of a MoE
+layer, ``num_experts / ep_size`` on each rank, and sends each token to its experts' ranks; the
+``efsdp`` ranks (``world / ep_size``, one per ``ep`` group) hold the same experts and FSDP2 shards
+them over these; ``tp`` is 1 (every rank routes its own tokens): :mod:`automodel.models.expert_parallel`.
 """
 
 from __future__ import annotations
@@ -40,15 +46,20 @@ class ParallelConfig:
         cp_comm_type: Transformer Engine's CP communication: ``p2p``, ``all_gather`` or ``a2a``.
         timeout_minutes: collective timeout: a rank that stops answering ends the job after it.
             None: 30 with NCCL, 10 with gloo (CPU jobs are small; a frozen peer should not hold the others long).
+        ep_size: expert-parallel size (ranks that split each MoE layer's experts between them and
+            exchange tokens); must divide the world size and the model's number of experts.
     """
 
     cp_size: int = 1
     cp_comm_type: str = "p2p"
     timeout_minutes: float | None = None
+    ep_size: int = 1
 
     def __post_init__(self) -> None:
-        if isinstance(self.cp_size, bool) or not isinstance(self.cp_size, int) or self.cp_size < 1:
-            raise ValueError(f"cp_size must be a positive int, got {self.cp_size!r}")
+        for name in ("cp_size", "ep_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"parallel.{name} must be a positive int, got {value!r}")
         check_cp_comm_type(self.cp_comm_type)
 
 
@@ -62,6 +73,8 @@ class ParallelDims:
     cp_size: int
     device: torch.device
     mesh: DeviceMesh  # ("dp", "cp")
+    ep_size: int = 1
+    expert_mesh: DeviceMesh | None = None  # ("efsdp", "ep", "tp") when ep_size > 1
 
     @property
     def dp_rank(self) -> int:
@@ -107,11 +120,12 @@ def init_distributed(config: ParallelConfig, on_group: Callable[[], None] | None
             f"(torchrun --nproc-per-node {world_size} -m automodel finetune ...), which sets them all, or unset RANK "
             "and WORLD_SIZE to run one process"
         )
-    if world_size % config.cp_size:
-        raise ValueError(
-            f"parallel.cp_size={config.cp_size} must divide the world size {world_size} "
-            f"(processes launched); use cp_size in {[d for d in range(1, world_size + 1) if world_size % d == 0]}"
-        )
+    for name in ("cp_size", "ep_size"):
+        if world_size % getattr(config, name):
+            raise ValueError(
+                f"parallel.{name}={getattr(config, name)} must divide the world size {world_size} (processes "
+                f"launched); use {name} in {[d for d in range(1, world_size + 1) if world_size % d == 0]}"
+            )
     if use_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
@@ -152,7 +166,19 @@ def init_distributed(config: ParallelConfig, on_group: Callable[[], None] | None
         on_group()
     dp_size = world_size // config.cp_size
     mesh = init_device_mesh(device.type, (dp_size, config.cp_size), mesh_dim_names=("dp", "cp"))
-    return ParallelDims(dist.get_rank(), world_size, dp_size, config.cp_size, device, mesh)
+    expert_mesh = expert_device_mesh(device.type, world_size, config.ep_size) if config.ep_size > 1 else None
+    return ParallelDims(
+        dist.get_rank(), world_size, dp_size, config.cp_size, device, mesh, config.ep_size, expert_mesh
+    )
+
+
+def expert_device_mesh(device_type: str, world_size: int, ep_size: int) -> DeviceMesh:
+    """The ``(efsdp, ep, tp)`` mesh of expert parallelism (module docstring): ``ep`` groups of
+    consecutive ranks, FSDP2 over ``efsdp``, ``tp`` of size 1. One root mesh, as FSDP2 needs for a
+    parameter that is a DTensor over ``ep`` and sharded over ``efsdp``."""
+    return init_device_mesh(
+        device_type, (world_size // ep_size, ep_size, 1), mesh_dim_names=("efsdp", "ep", "tp")
+    )
 
 
 def lost_peer(error: BaseException) -> bool:

@@ -16,17 +16,18 @@ fills, and a rank reads only the entries that touch its shards. Non-persistent b
 ``inv_freq``, Gemma's ``embed_scale``) are computed on every rank by the model's ``_init_weights``,
 as ``from_pretrained`` computes them.
 
-Export: tensors are gathered one at a time (a collective: every rank calls it), rank 0 casts each to
-the export dtype and, once a group is complete, reverts transformers' conversion and appends the
-published entries to safetensors files whose headers were planned up front from the shapes, so rank
-0 holds one group's full tensors at a time (usually one tensor). The directory is written as
-``<dir>.tmp`` and renamed when complete; a failed write (full disk) removes it and names the path
-and the bytes needed.
+Export (a collective: every rank calls it): rank 0 creates the safetensors files at their full size
+with headers planned up front from the shapes. A conversion group whose published entries each lie
+whole within one rank's shard (a MoE layer's experts, split on the expert dimension by expert
+parallelism or FSDP2) is written by every rank from its own shard, each entry in place; every other
+group is gathered one tensor at a time, and rank 0 casts it to the export dtype, reverts
+transformers' conversion and writes the published entries, so rank 0 holds one group's full tensors
+at a time (usually one tensor). The directory is written as ``<dir>.tmp`` and renamed when complete;
+a failed write on any rank (full disk) removes it and names the path and the bytes needed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import logging
@@ -275,12 +276,14 @@ def unused_tensors(hf: PreTrainedModel, stored: dict[str, StoredTensor], match: 
     return sorted(set(stored) - consumed)
 
 
-def load_sharded(hf: PreTrainedModel, path: str | Path, where: str) -> None:
+def load_sharded(hf: PreTrainedModel, path: str | Path, where: str) -> list[str]:
     """Fill ``hf``'s parameters and persistent buffers (sharded by FSDP2 or not) from the safetensors
     checkpoint at ``path``, each rank reading only its slices; then its non-persistent buffers.
     The checkpoint may hold each tensor in the model's layout or in the published one that
     transformers converts at load (:func:`match_checkpoint`). Adapter parameters (peft's ``lora_``)
-    are left alone. Collective when a process group exists.
+    are left alone. Collective when a process group exists. Returns the published-layout entries
+    this rank read whole (a MoE layer's experts: only those of its own shard); every other tensor
+    is read slice by slice.
 
     Raises:
         UnshardableCheckpoint: before any read, with the reason (the caller falls back to a full load).
@@ -308,13 +311,15 @@ def load_sharded(hf: PreTrainedModel, path: str | Path, where: str) -> None:
     init_buffers(hf)
     # a renamed tensor is read slice by slice under its stored name, like the others
     renamed = {next(iter(g.entries)): tensors[g.tensors[0]] for g in match.converted if g.renamed}
+    read: list[str] = []
     with torch.no_grad():
         for group in match.converted:  # one group's index tensor at a time
             if not group.renamed:
                 group_tensors = {name: tensors[name] for name in group.tensors}
-                _scatter_group(group_tensors, _element_sources(hf, group_tensors), stored)
+                read += _scatter_group(group_tensors, _element_sources(hf, group_tensors), stored)
         dcp.load({**match.direct, **renamed}, storage_reader=HuggingFaceStorageReader(str(path)))
     check_finite({**match.direct, **{n: tensors[n] for g in match.converted for n in g.tensors}}, where)
+    return read
 
 
 def _element_sources(hf: PreTrainedModel, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -333,16 +338,18 @@ def _element_sources(hf: PreTrainedModel, tensors: dict[str, torch.Tensor]) -> d
 
 def _scatter_group(
     tensors: dict[str, torch.Tensor], sources: dict[str, torch.Tensor], stored: dict[str, StoredTensor]
-) -> None:
+) -> list[str]:
     """Copy into this rank's part of each of ``tensors`` (one conversion group) the elements of the
     checkpoint entries that land in it (``sources``: :func:`_element_sources`); an entry (one
-    expert's matrix) is read whole, and only when it touches this rank's parts."""
+    expert's matrix) is read whole, and only when it touches this rank's parts. Returns the entries
+    read."""
     from safetensors import safe_open
 
     starts, start = {}, 0
     for name, tensor in tensors.items():
         starts[name] = start
         start += tensor.numel()
+    read = []
     for key, flat in sources.items():
         flat = flat.long()
         values = None
@@ -359,8 +366,10 @@ def _scatter_group(
             if values is None:
                 with safe_open(stored[key].file, framework="pt") as handle:
                     values = handle.get_tensor(key).reshape(-1)
+                read.append(key)
             rows = coords[inside] - low
             local[tuple(rows.unbind(dim=-1))] = values[mine][inside].to(local.device, local.dtype)
+    return read
 
 
 def init_buffers(hf: PreTrainedModel) -> None:
@@ -412,13 +421,17 @@ def full_tensors(
     (collective). Adapter tensors are skipped; with ``merge``, each ``base_layer`` weight is passed
     through ``merge(name, weight, gather)`` (LoRA folded in)."""
     tensors = model_tensors(hf)
-    for name, tensor in tensors.items():
-        if ".lora_" in name:
-            continue
-        full = _gather(tensor)
-        if merge is not None and ".base_layer." in name:
-            full = merge(name, full, lambda key: _gather(tensors[key]))
-        yield checkpoint_name(name), full
+    for name in tensors:
+        if ".lora_" not in name:
+            yield checkpoint_name(name), _full_tensor(name, tensors, merge)
+
+
+def _full_tensor(name: str, tensors: dict[str, torch.Tensor], merge: Callable | None) -> torch.Tensor:
+    """``tensors[name]`` gathered (collective), a ``base_layer`` weight passed through ``merge``."""
+    full = _gather(tensors[name])
+    if merge is not None and ".base_layer." in name:
+        full = merge(name, full, lambda key: _gather(tensors[key]))
+    return full
 
 
 def _gather(tensor: torch.Tensor) -> torch.Tensor:
@@ -471,9 +484,10 @@ def _file_names(count: int) -> list[str]:
     return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
-class _SafetensorsStream:
-    """A safetensors file written tensor by tensor: the header (names, dtypes, shapes, offsets) is
-    known before the data, so each tensor goes to disk as soon as it is gathered."""
+class _SafetensorsFile:
+    """A safetensors file whose header (names, dtypes, shapes, offsets) is planned before any data:
+    rank 0 :meth:`create`s it at its full size, and any rank then writes any of its entries in place
+    (:meth:`write`), in any order, as soon as it has the values."""
 
     def __init__(self, path: Path, entries: dict[str, tuple[tuple[int, ...], torch.dtype]]):
         header, offset = {}, 0
@@ -488,22 +502,67 @@ class _SafetensorsStream:
         header["__metadata__"] = {"format": "pt"}
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-        self.entries, self.pending = entries, list(entries)
-        self.file = open(path, "wb")
-        self.file.write(struct.pack("<Q", len(raw)) + raw)
+        self.path, self.entries, self.header = path, entries, struct.pack("<Q", len(raw)) + raw
+        self.start = {name: len(self.header) + header[name]["data_offsets"][0] for name in entries}
+        self.size = len(self.header) + offset
+        self.file = None
+
+    def create(self) -> None:
+        with open(self.path, "wb") as file:
+            file.write(self.header)
+            file.truncate(self.size)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        if name != self.pending[0] or tuple(tensor.shape) != self.entries[name][0]:
+        shape, dtype = self.entries.get(name, (None, None))
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
             raise RuntimeError(
-                f"export out of plan: got {name} {tuple(tensor.shape)}, expected {self.pending[0]}"
+                f"export out of plan: got {name} {tuple(tensor.shape)} {tensor.dtype}, expected {shape} {dtype}"
             )
-        self.pending.pop(0)
-        self.file.write(
-            tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
-        )
+        if self.file is None:
+            self.file = open(self.path, "r+b")
+        self.file.seek(self.start[name])
+        if tensor.numel():
+            self.file.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
 
     def close(self) -> None:
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
+
+
+def _owned_entries(
+    hf: PreTrainedModel, group: ConversionGroup, tensors: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor] | None:
+    """This rank's checkpoint entries of ``group`` (name -> values, this rank's own tensors) when
+    every entry of the group lies whole within one rank's part of the group's tensors, so that each
+    rank writes its own and nothing is gathered (a MoE layer's experts, split on the expert
+    dimension by expert parallelism or FSDP2); else None. Only a group that the conversion splits
+    into more entries than tensors (one per expert) is a candidate. Collective for a candidate."""
+    group_tensors = {name: tensors[name] for name in group.tensors}
+    if len(group.entries) <= len(group_tensors) or any(is_quantized(t) for t in group_tensors.values()):
+        return None
+    starts, start = {}, 0
+    for name, tensor in group_tensors.items():
+        starts[name] = start
+        start += tensor.numel()
+    sources = _element_sources(hf, group_tensors)
+    owned = torch.zeros(len(sources), dtype=torch.int32)
+    mine = {}
+    for i, (key, flat) in enumerate(sources.items()):
+        flat = flat.long()
+        for name, tensor in group_tensors.items():
+            local, offsets = _local(tensor)
+            if local.numel() == 0 or not starts[name] <= int(flat[0]) < starts[name] + tensor.numel():
+                continue
+            coords = torch.stack(torch.unravel_index(flat - starts[name], tuple(tensor.shape)), dim=-1)
+            low = torch.tensor(offsets)
+            inside = (flat >= starts[name]) & (flat < starts[name] + tensor.numel())
+            inside &= ((coords >= low) & (coords < low + torch.tensor(local.shape))).all(dim=-1)
+            if bool(inside.all()):
+                mine[key] = local.detach()[tuple((coords - low).unbind(dim=-1))].reshape(group.entries[key])
+                owned[i] = 1
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(owned)
+    return mine if bool((owned == 1).all()) else None
 
 
 def export_hf(
@@ -515,25 +574,32 @@ def export_hf(
     merge: Callable | None = None,
     write_extra: Callable[[Path], None] | None = None,
     max_shard_bytes: int = MAX_SHARD_BYTES,
-) -> None:
+) -> list[str]:
     """Write ``hf`` (sharded by FSDP2 or not) as a Hugging Face checkpoint in ``directory``:
     ``config.json``, ``generation_config.json``, safetensors in ``dtype`` (sharded above
     ``max_shard_bytes``, with ``model.safetensors.index.json``), then ``write_extra(tmp_dir)`` (the
-    tokenizer). Collective: every rank calls it; only rank 0 writes and holds one full tensor at a time.
+    tokenizer). Collective: every rank calls it. Rank 0 plans and creates the files; a conversion
+    group whose entries each lie within one rank's shard (a MoE layer's experts) is written by each
+    rank from its own shard (:func:`_owned_entries`); any other tensor is gathered and written by
+    rank 0, which holds one group's full tensors at a time (usually one tensor). With ``merge``,
+    each ``base_layer`` weight is passed through ``merge(name, weight, gather)`` (LoRA folded in).
+    Returns the checkpoint entries this rank wrote.
 
     Raises:
-        ExportWriteError: on every rank, when rank 0 could not write (the path and bytes named);
+        ExportWriteError: on every rank, when a rank could not write (the path and bytes named);
             ``directory`` is then as it was before.
     """
     directory = Path(directory)
     staging = directory.with_name(directory.name + ".tmp")
-    tensors = {checkpoint_name(k): t for k, t in model_tensors(hf).items() if ".lora_" not in k}
+    every = model_tensors(hf)
+    tensors = {checkpoint_name(k): t for k, t in every.items() if ".lora_" not in k}
     groups = conversion_groups(hf, {name: tuple(t.shape) for name, t in tensors.items()})
     plan = export_plan(groups, tensors, dtype, max_shard_bytes)
     names = _file_names(len(plan))
     total = sum(math.prod(s) * torch.empty((), dtype=d).element_size() for f in plan for s, d in f.values())
+    files = [_SafetensorsFile(staging / n, entries) for n, entries in zip(names, plan)]
+    file_of = {key: file for file in files for key in file.entries}
     failure: BaseException | None = None
-    streams: list[_SafetensorsStream] = []
     if is_main:
         try:
             shutil.rmtree(staging, ignore_errors=True)
@@ -543,58 +609,76 @@ def export_hf(
             config.save_pretrained(staging)
             if hf.can_generate():
                 hf.generation_config.save_pretrained(staging)
-            streams = [_SafetensorsStream(staging / n, entries) for n, entries in zip(names, plan)]
+            for file in files:
+                file.create()
         except OSError as error:
             failure = error
-    where = {key: i for i, entries in enumerate(plan) for key in entries}
-    group_of = {name: group for group in groups for name in group.tensors}
-    pending: dict[str, torch.Tensor] = {}  # the gathered tensors of groups not yet complete
-    for name, full in full_tensors(hf, merge):  # every rank gathers, in the same order
+    failed = _any_rank(failure is not None)  # the files exist before any rank writes into them
+    written: list[str] = []
+    full_names = {checkpoint_name(k): k for k in every}
+    for group in groups:
+        if failed:
+            break
+        owned = _owned_entries(hf, group, tensors) if merge is None else None
+        if owned is not None:  # every rank its own entries
+            try:
+                for key, values in owned.items():
+                    file_of[key].write(key, values.to(_export_dtype(values, dtype)).cpu())
+                    written.append(key)
+            except OSError as error:
+                failure = error
+            continue
+        pending = {}  # every rank gathers, in the same order; rank 0 writes
+        for name in group.tensors:
+            full = _full_tensor(full_names[name], every, merge)
+            if is_main:
+                pending[name] = full.to(_export_dtype(full, dtype)).cpu()
+            del full
         if not is_main or failure is not None:
             continue
-        pending[name] = full.to(_export_dtype(full, dtype)).cpu()
-        del full
-        group = group_of[name]
-        if any(n not in pending for n in group.tensors):
-            continue
         try:  # transformers' reverse conversion: the layout save_pretrained writes
-            out = revert_weight_conversion(hf, {n: pending.pop(n) for n in group.tensors})
+            out = revert_weight_conversion(hf, pending)
             for key in group.entries:
-                streams[where[key]].write(key, out.pop(key))
+                file_of[key].write(key, out.pop(key))
+                written.append(key)
         except OSError as error:
             failure = error
-    if is_main and failure is None:
+    for file in files:
         try:
-            for stream in streams:
-                stream.close()
+            file.close()
+        except OSError as error:  # buffered bytes that could not be written
+            failure = failure or error
+    if is_main and not failed and failure is None:
+        try:
             if len(names) > 1:
-                index = {
-                    "metadata": {"total_size": total},
-                    "weight_map": {key: names[i] for key, i in sorted(where.items())},
-                }
+                weight_map = {key: names[i] for i, entries in enumerate(plan) for key in entries}
+                index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
                 (staging / INDEX).write_text(json.dumps(index, indent=2) + "\n")
             if write_extra is not None:
                 write_extra(staging)
         except OSError as error:
             failure = error
-    for stream in streams:  # after a failed write: buffered bytes fail again on close
-        with contextlib.suppress(OSError):
-            stream.close()
     publish(staging, directory, failure, total, is_main)
     logger.info("exported %s (%d file(s), %s bytes of weights in %s)", directory, len(names), f"{total:,}",
                 str(dtype).removeprefix("torch."))  # fmt: skip
+    return written
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is set on any rank (collective when a process group exists)."""
+    value = torch.tensor([float(flag)])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def publish(
     staging: Path, directory: Path, failure: BaseException | None, nbytes: int, is_main: bool
 ) -> None:
-    """Rename rank 0's finished ``staging`` to ``directory``, or, when rank 0 failed to write it,
-    remove it and raise ExportWriteError on every rank (collective when a process group exists;
-    a failure elsewhere than rank 0 is named as such)."""
-    failed = torch.tensor([float(failure is not None)])
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast(failed, src=0)
-    if failed.item():
+    """Rename rank 0's finished ``staging`` to ``directory``, or, when any rank failed to write into
+    it, remove it and raise ExportWriteError on every rank (collective when a process group exists;
+    a failure on another rank than this one is named as such)."""
+    if _any_rank(failure is not None):
         if is_main:
             shutil.rmtree(staging, ignore_errors=True)
         raise write_failure(ExportWriteError, "the export", staging, failure, nbytes)

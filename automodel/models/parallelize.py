@@ -9,12 +9,17 @@ from collections import Counter
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor, Replicate
 
 from automodel.models.build import HEAD_OUTPUT_METHOD, CausalLMForTraining, head_output
+from automodel.models.expert_parallel import apply_expert_parallel
 
 
 def apply_fsdp(
-    model: CausalLMForTraining, mesh: DeviceMesh, compute_dtype: torch.dtype = torch.float32
+    model: CausalLMForTraining,
+    mesh: DeviceMesh,
+    compute_dtype: torch.dtype = torch.float32,
+    expert_mesh: DeviceMesh | None = None,
 ) -> None:
     """FSDP2 over ``mesh``. The units (:func:`fsdp_units`): each decoder layer (``model.decoder_layers``),
     the input embeddings and the output head, each on its own (as torchtitan does), and the rest in the
@@ -34,8 +39,17 @@ def apply_fsdp(
 
     Gradients are summed, not averaged, across ranks: the loss is already divided by the global
     number of label tokens, so the sum is the gradient of the global token-mean loss.
+
+    With ``expert_mesh`` (``parallel.ep_size > 1``) each MoE layer's experts are first split over its
+    ``ep`` dimension (:func:`automodel.models.expert_parallel.apply_expert_parallel`) and each
+    experts module is an FSDP2 unit of its own over ``efsdp``, inside its decoder layer's unit: an
+    expert's gradient is the sum over the tokens every rank of its ``ep`` group sent it (the
+    all-to-all's backward), summed over ``efsdp`` by the reduce-scatter, so over every rank's tokens.
     """
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    if expert_mesh is not None:
+        for experts in apply_expert_parallel(model.transformers_model, expert_mesh):
+            fully_shard(experts, mesh=expert_mesh["efsdp"], mp_policy=policy)
     # One rank: FSDP2 shards nothing, and its one-rank unshard (torch 2.13) copies only the first of a
     # tensor subclass's all-gather inputs (NF4 has three), so frozen parameters (stored in the compute
     # dtype already, never reduced) stay plain tensors outside it.
@@ -95,3 +109,28 @@ def _owns_its_parameters(model: torch.nn.Module, module: torch.nn.Module) -> boo
 
     own, everywhere = references(module), references(model)
     return all(everywhere[key] == count for key, count in own.items())
+
+
+def clip_grad_norm_(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """The total 2-norm of the gradients of ``parameters`` (a 0-dim plain tensor on their device,
+    not read here), after scaling them in place to at most ``max_norm`` (``inf``: left as they are):
+    torch's ``clip_grad_norm_``, for gradients on several device meshes too (expert parallelism: the
+    experts' over ``(efsdp, ep)``, the rest over ``dp x cp``), which one ``clip_grad_norm_`` cannot
+    stack: each mesh's norm is reduced over its own mesh, then they are combined."""
+    parameters = [p for p in parameters if p.grad is not None]
+    groups: dict[object, list[torch.nn.Parameter]] = {}
+    for p in parameters:
+        groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    if len(groups) <= 1:
+        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    for mesh, group in groups.items():
+        # the norm as each group's gradients hold values: replicated over their mesh
+        norm = total if mesh is None else DTensor.from_local(total, mesh, [Replicate()] * mesh.ndim)
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
+    return total

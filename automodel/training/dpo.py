@@ -85,6 +85,8 @@ def dpo_terms(policy_P2: torch.Tensor, reference_P2: torch.Tensor, beta: float) 
 class DPORecipe(FinetuneRecipe):
     """:class:`FinetuneRecipe` with the DPO objective (``dpo`` section, preference data and batching)."""
 
+    EXPERT_PARALLEL = False
+
     def __init__(self, cfg):
         super().__init__(cfg)
         self.dpo = build_section(cfg, "dpo")

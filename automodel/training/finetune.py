@@ -28,10 +28,12 @@ from automodel.data.batching import LoaderEnv, sample_cap
 from automodel.data.sft import load_tokenizer, tokenizer_disagreements
 from automodel.distributed.parallel import init_distributed
 from automodel.errors import ConfigError, DataError, ModelError, UserError
+from automodel.host_memory import limit_heap_retention
 from automodel.models import CausalLMForTraining, build_model, export_model
+from automodel.models.expert_parallel import expert_parallel_checks
 from automodel.models.inputs import model_inputs, padding_token_id
 from automodel.models.memory import available_memory, check_memory, memory_terms, model_sizes
-from automodel.models.parallelize import apply_fsdp
+from automodel.models.parallelize import apply_fsdp, clip_grad_norm_
 from automodel.models.router_aux import RouterStatistics, combined, load_balancing_loss
 from automodel.models.setup import (
     check_max_positions,
@@ -78,6 +80,7 @@ class FinetuneRecipe:
         self.output_dir = Path(self.trainer.output_dir)
 
     def setup(self) -> None:
+        limit_heap_retention()  # before any large allocation: freed tensors leave the resident set
         # A process group the caller made (a notebook, a larger job) is used and left open at cleanup.
         self._owns_process_group = not dist.is_initialized()
         try:
@@ -105,13 +108,16 @@ class FinetuneRecipe:
             self.cfg, self.trainer, self.dims.world_size, self.dims.dp_size
         )
         logger.info(
-            "%s %s: %d steps, world %d = dp %d x cp %d on %s; full config in %s",
+            "%s %s: %d steps, world %d = dp %d x cp %d%s on %s; full config in %s",
             "resuming" if resume_from else "run",
             self.output_dir,
             self.trainer.max_steps,
             self.dims.world_size,
             self.dims.dp_size,
             self.dims.cp_size,
+            f" (experts: ep {self.dims.ep_size} x efsdp {self.dims.world_size // self.dims.ep_size})"
+            if self.dims.ep_size > 1
+            else "",
             self.dims.device,
             self.output_dir / RECIPE,
         )
@@ -215,6 +221,30 @@ class FinetuneRecipe:
                 compute_dtype=self._compute_dtype(),
                 lengths_measured_later=sample_tokens is None,
             )
+        with _as_user_error(ConfigError):
+            self._check_expert_parallel()
+
+    # Whether the objective's every term is verified under parallel.ep_size > 1 (SFT: loss, router term,
+    # gradients, checkpoints and export; tests/functional/test_expert_parallel.py). DPO and KD: not yet.
+    EXPERT_PARALLEL = True
+
+    def _check_expert_parallel(self) -> None:
+        """``parallel.ep_size > 1`` where it is not verified exact (this objective, LoRA) or where the
+        model cannot be split (:func:`expert_parallel_checks`): refused before anything is written."""
+        ep_size = self.parallel_config.ep_size
+        if ep_size == 1:
+            return
+        if not self.EXPERT_PARALLEL:
+            raise ValueError(
+                f"parallel.ep_size={ep_size}: expert parallelism is not verified for {type(self).__name__}'s "
+                "objective yet; set parallel.ep_size=1 (FSDP2 still shards the experts over every rank)"
+            )
+        if self.lora is not None:
+            raise ValueError(
+                f"parallel.ep_size={ep_size} with a peft section (LoRA) is not verified yet; set "
+                "parallel.ep_size=1, or train without peft"
+            )
+        expert_parallel_checks(self.model_spec, self.hf_config, ep_size)
 
     def _check_checkpoint(self) -> None:
         """The tokenizer against the vocabulary, the checkpoint's tensors and the LoRA targets,
@@ -308,7 +338,10 @@ class FinetuneRecipe:
 
     def _build_model(self) -> CausalLMForTraining:
         shard = functools.partial(
-            apply_fsdp, mesh=self.dims.fsdp_mesh, compute_dtype=self.model_spec.torch_dtype
+            apply_fsdp,
+            mesh=self.dims.fsdp_mesh,
+            compute_dtype=self.model_spec.torch_dtype,
+            expert_mesh=self.dims.expert_mesh,
         )
         model = build_model(
             self.model_spec,
@@ -610,8 +643,7 @@ class FinetuneRecipe:
     def _grad_norm_after_clipping(self) -> torch.Tensor:
         """The total gradient norm before clipping, a 0-dim tensor on the device (not read here)."""
         max_norm = self.optim_config.max_grad_norm
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm if max_norm else float("inf"))
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        return clip_grad_norm_(list(self.model.parameters()), max_norm if max_norm else float("inf"))
 
     def _all_reduce(self, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``values`` summed over all ranks, on the collective's device (not read here)."""

@@ -147,6 +147,8 @@ def check_same_tokenizer(
 class KDRecipe(FinetuneRecipe):
     """:class:`FinetuneRecipe` with the distillation objective (a ``kd`` section, SFT data)."""
 
+    EXPERT_PARALLEL = False
+
     def __init__(self, cfg):
         super().__init__(cfg)
         self.kd = build_section(cfg, "kd")

@@ -68,6 +68,7 @@ MUTABLE_KEYS = (
     "trainer.checkpoint_on_signal",
     "parallel.timeout_minutes",
     "parallel.cp_comm_type",
+    "parallel.ep_size",
     "model.attention_backend",
     "model.trust_remote_code",
     "model.exceed_max_positions",

@@ -17,7 +17,7 @@ TE_STANDIN_PATH = Path(__file__).resolve().parents[1] / "te_standin"
 @pytest.fixture(autouse=True)
 def no_gpu_sized_bench_case(monkeypatch: pytest.MonkeyPatch) -> None:
     """Nothing GPU-sized in tests/unit, whatever the machine: a ``bench gpu`` case of any shape but
-    ``tiny`` fails the test that runs it (on a GPU, the full shapes take minutes and tens of GB)."""
+    ``tiny`` (or ``tiny-moe``) fails the test that runs it (on a GPU, the full shapes take minutes and tens of GB)."""
     from automodel.benchmarks import gpu
 
     for name in ("run_case", "run_peer"):
@@ -26,7 +26,7 @@ def no_gpu_sized_bench_case(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _tiny_only(run):
     def tiny_only(case, *args, **kwargs):
-        assert case.shape == "tiny", f"tests/unit ran bench gpu's {case.name!r}: use --tiny"
+        assert case.shape in ("tiny", "tiny-moe"), f"tests/unit ran bench gpu's {case.name!r}: use --tiny"
         return run(case, *args, **kwargs)
 
     return tiny_only

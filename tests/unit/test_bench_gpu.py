@@ -42,11 +42,11 @@ def test_the_unit_suite_picks_no_gpu_sized_case_when_cuda_is_present(monkeypatch
     backends = gpu.available_backends(args.device)
     assert args.device.type == "cuda" and len(backends) > 1  # what a GPU machine sees: te or varlen too
     cases = gpu.cases_for(args, backends)
-    assert {c.shape for c in cases} == {"tiny"} and {c.pack_size for c in cases} == {256}
+    assert {c.shape for c in cases} == {"tiny", "tiny-moe"} and {c.pack_size for c in cases} == {256}
     assert args.max_length == 128 and {c.batching for c in cases} == {"packed", "padded", "peer"}
     full = gpu.parse_args([])
     full_cases = gpu.cases_for(full, backends)
-    assert {c.shape for c in full_cases} == {"llama3.2-1b", "qwen3-1.7b"} and not any(
+    assert {c.shape for c in full_cases} == {"llama3.2-1b", "qwen3-1.7b", "qwen3-moe"} and not any(
         c.lora for c in full_cases
     )
     asked = gpu.cases_for(gpu.parse_args(["--cases", "packed", "lora"]), backends)
@@ -161,6 +161,7 @@ def test_every_shape_gets_a_peer_row():
         pack_sizes=[256, 512],
         lora_shape="tiny",
         lora_pack_size=256,
+        moe_shape="tiny-moe",
         cases=list(gpu.KINDS),
     )
     peers = [c for c in gpu.cases_for(args, ["varlen", "portable"]) if c.batching == "peer"]

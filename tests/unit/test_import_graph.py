@@ -15,7 +15,7 @@ PACKAGE = Path(automodel.__file__).parent
 # Lowest first: a module imports only from its own layer or lower ones.
 LAYERS = (
     ("automodel", "automodel.errors", "automodel.config", "automodel.console", "automodel.te_support",
-     "automodel.loss", "automodel.assets"),
+     "automodel.loss", "automodel.assets", "automodel.host_memory"),
     ("automodel.distributed",),
     ("automodel.data",),
     ("automodel.attention",),
