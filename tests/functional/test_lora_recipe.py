@@ -213,7 +213,8 @@ def test_lora_recipe_with_validation(tmp_path, monkeypatch):
         for key in qbase:
             assert torch.equal(exported[key], qbase[key]), (name, key)
         adapted = peft.PeftModel.from_pretrained(dequantized_base(), tmp_path / name / "adapter")
-        torch.testing.assert_close(logits(adapted), logits(qadapted), rtol=0, atol=1e-5, msg=name)
+        # CP 2 sums in another order: four AdamW steps carry float32 rounding to 1.3e-5 at logits of 1.7
+        torch.testing.assert_close(logits(adapted), logits(qadapted), rtol=1e-5, atol=1e-5, msg=name)
     for name in ("dp2", "cp2"):
         records = read_metrics(tmp_path / name)
         assert [r["val_label_tokens"] for r in records] == [r["val_label_tokens"] for r in one]
