@@ -7,6 +7,9 @@ boolean index) raises, which is exactly the set of operations that make a CUDA h
 
 from __future__ import annotations
 
+import threading
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -18,6 +21,7 @@ from automodel.benchmarks.gpu import attention_flops_per_token, flops_per_step, 
 from automodel.logprobs import packed_log_probs
 from automodel.loss import label_positions
 from automodel.models.build import CausalLMForTraining
+from automodel.training.host_syncs import collect_sync_warnings
 
 META = torch.device("meta")
 SHAPE = dict(
@@ -124,3 +128,26 @@ def test_per_sample_log_prob_sums_never_read_the_device():
     assert result.sums.shape == (3,) and result.label_counts.shape == (3,)
     with pytest.raises((NotImplementedError, RuntimeError)):
         _ = result.token_log_probs
+
+
+def _read_the_device() -> None:
+    # what torch's sync debug mode raises from C++ at a synchronizing call, in its words
+    warnings.warn("called a synchronizing CUDA operation", UserWarning)
+
+
+def test_each_host_wait_keeps_its_thread_and_python_stack(recwarn):
+    with collect_sync_warnings() as found:
+        _read_the_device()
+        worker = threading.Thread(target=_read_the_device, name="pin_memory")
+        worker.start()
+        worker.join()
+        warnings.warn("not a wait", UserWarning)
+    assert len(found) == 2
+    main, other = found
+    assert main.thread == "MainThread" and other.thread == "pin_memory"
+    assert main.where.endswith(": called a synchronizing CUDA operation")
+    assert main.stack[-1].endswith(" in _read_the_device")
+    assert main.stack[-2].endswith(" in test_each_host_wait_keeps_its_thread_and_python_stack")
+    assert other.stack[-2].endswith(" in run")  # the thread's own frames, not the main thread's
+    assert str(other).endswith("[thread pin_memory]") and not str(main).endswith("]")
+    assert [str(w.message) for w in recwarn] == ["not a wait"]  # other warnings are shown as usual

@@ -72,7 +72,9 @@ def test_bf16_parameters_through_fsdp2_give_the_float32_losses_within_bf16_toler
 
 def test_model_loss_chunk_tokens_must_be_a_positive_int():
     for bad in (0, -1, 2.5, True, "1024"):
-        with pytest.raises(ValueError, match=rf"model.loss_chunk_tokens must be a positive int .* got {bad!r}"):
+        with pytest.raises(
+            ValueError, match=rf"model.loss_chunk_tokens must be a positive int .* got {bad!r}"
+        ):
             ModelSpec(config={"model_type": "llama"}, loss_chunk_tokens=bad)
     assert ModelSpec(config={"model_type": "llama"}, loss_chunk_tokens=4096).loss_chunk_tokens == 4096
 
