@@ -302,18 +302,30 @@ def test_a_peer_that_does_not_fit_is_a_skipped_row_and_the_others_stay(tmp_path,
 
 
 def test_every_lever_is_a_case_on_the_first_shape_against_its_baseline():
-    args = gpu.parse_args(["--shapes", "llama3.2-1b", "qwen3-1.7b", "--pack-sizes", "8192", "--cases", "levers"])
+    args = gpu.parse_args(
+        ["--shapes", "llama3.2-1b", "qwen3-1.7b", "--pack-sizes", "8192", "--cases", "levers"]
+    )
     cases = gpu.cases_for(args, ["te", "varlen", "portable"])
     assert [c.lever for c in cases] == list(gpu.LEVERS)  # the baseline first and again last
     assert {c.shape for c in cases} == {"llama3.2-1b"} and {c.pack_size for c in cases} == {8192}
     assert [c.backend for c in cases if c.lever == "te"] == ["te"]
     assert {c.backend for c in cases if c.lever != "te"} == {"varlen"}  # not TE, the best: varlen
-    assert cases[3].name == "llama3.2-1b 8k varlen [compile]" and cases[3].slug == "llama3.2-1b_8k_varlen__compile_"
+    assert (
+        cases[3].name == "llama3.2-1b 8k varlen [compile]"
+        and cases[3].slug == "llama3.2-1b_8k_varlen__compile_"
+    )
     assert [c.profiled for c in cases] == [True] + [False] * (len(cases) - 1)  # --profile: the baseline only
     picked = gpu.parse_args(["--cases", "levers", "--levers", "baseline", "compile"])
     assert [c.lever for c in gpu.cases_for(picked, ["portable"])] == ["baseline", "compile"]
-    recipe = gpu.case_recipe(cases[4], Path("samples.jsonl"), 4096, args, Path("work"))
-    assert recipe.model.loss_chunk_tokens == 8192 and recipe.model.dtype == "float32" or torch.cuda.is_available()
+    args.overrides = ["model.loss_chunk_tokens=64", "optim.lr=0.5"]  # the caller's, for every case
+    chunked, baseline = (
+        gpu.case_recipe(c, Path("s.jsonl"), 4096, args, Path("w")) for c in (cases[4], cases[0])
+    )
+    assert (chunked.model.loss_chunk_tokens, baseline.model.loss_chunk_tokens) == (
+        8192,
+        64,
+    )  # the lever's wins
+    assert chunked.optim.lr == baseline.optim.lr == 0.5
 
 
 def test_levers_run_against_the_baseline_in_one_call(tmp_path, capsys):

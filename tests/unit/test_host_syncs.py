@@ -132,7 +132,7 @@ def test_per_sample_log_prob_sums_never_read_the_device():
 
 def _read_the_device() -> None:
     # what torch's sync debug mode raises from C++ at a synchronizing call, in its words
-    warnings.warn("called a synchronizing CUDA operation", UserWarning)
+    warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
 
 
 def test_each_host_wait_keeps_its_thread_and_python_stack(recwarn):
@@ -141,7 +141,7 @@ def test_each_host_wait_keeps_its_thread_and_python_stack(recwarn):
         worker = threading.Thread(target=_read_the_device, name="pin_memory")
         worker.start()
         worker.join()
-        warnings.warn("not a wait", UserWarning)
+        warnings.warn("not a wait", UserWarning, stacklevel=1)
     assert len(found) == 2
     main, other = found
     assert main.thread == "MainThread" and other.thread == "pin_memory"
