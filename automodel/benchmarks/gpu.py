@@ -259,8 +259,8 @@ def case_recipe(
         f"data.source={data}", "data.format=tokens", f"data.max_length={max_length}", "++data.num_proc=1",
         f"model.attention_backend={case.backend}", f"model.activation_checkpointing={case.activation_checkpointing}",
         f"model.dtype={'bfloat16' if cuda else 'float32'}", "optim.warmup_steps=0",
-        f"trainer.max_steps={args.warmup + args.steps + int(args.profile and case.profiled)}",
-        "trainer.grad_accum_steps=1",
+        # the profiled step's room in every case, profiled or not: one LR schedule for all of them
+        f"trainer.max_steps={args.warmup + args.steps + int(args.profile)}", "trainer.grad_accum_steps=1",
         "trainer.progress_bar=false",
         "trainer.export_hf=false", "trainer.tracking.tensorboard=false", "trainer.resume=never",
         "trainer.overwrite=true", f"trainer.output_dir={workdir / case.slug}",

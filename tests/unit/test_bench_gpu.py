@@ -317,7 +317,10 @@ def test_every_lever_is_a_case_on_the_first_shape_against_its_baseline():
     assert [c.profiled for c in cases] == [True] + [False] * (len(cases) - 1)  # --profile: the baseline only
     picked = gpu.parse_args(["--cases", "levers", "--levers", "baseline", "compile"])
     assert [c.lever for c in gpu.cases_for(picked, ["portable"])] == ["baseline", "compile"]
-    args.overrides = ["model.loss_chunk_tokens=64", "optim.lr=0.5"]  # the caller's, for every case
+    args.overrides, args.profile = (
+        ["model.loss_chunk_tokens=64", "optim.lr=0.5"],
+        True,
+    )  # the caller's, for every case
     chunked, baseline = (
         gpu.case_recipe(c, Path("s.jsonl"), 4096, args, Path("w")) for c in (cases[4], cases[0])
     )
@@ -326,6 +329,8 @@ def test_every_lever_is_a_case_on_the_first_shape_against_its_baseline():
         64,
     )  # the lever's wins
     assert chunked.optim.lr == baseline.optim.lr == 0.5
+    # the profiled baseline and the unprofiled levers share one LR schedule: their losses compare step by step
+    assert chunked.trainer.max_steps == baseline.trainer.max_steps == args.warmup + args.steps + 1
 
 
 def test_levers_run_against_the_baseline_in_one_call(tmp_path, capsys):
