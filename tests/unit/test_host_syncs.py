@@ -21,7 +21,7 @@ from automodel.benchmarks.gpu import attention_flops_per_token, flops_per_step, 
 from automodel.logprobs import packed_log_probs
 from automodel.loss import label_positions
 from automodel.models.build import CausalLMForTraining
-from automodel.training.host_syncs import collect_sync_warnings
+from automodel.training.host_syncs import collect_sync_warnings, record_host_syncs
 
 META = torch.device("meta")
 SHAPE = dict(
@@ -151,3 +151,25 @@ def test_each_host_wait_keeps_its_thread_and_python_stack(recwarn):
     assert other.stack[-2].endswith(" in run")  # the thread's own frames, not the main thread's
     assert str(other).endswith("[thread pin_memory]") and not str(main).endswith("]")
     assert [str(w.message) for w in recwarn] == ["not a wait"]  # other warnings are shown as usual
+
+
+def test_record_host_syncs_turns_torch_s_debug_mode_on_for_the_block_only(monkeypatch):
+    """The CUDA lines, run here against a stand-in of torch.cuda's two calls (their signatures: the mode as
+    an int, set by int or name)."""
+    modes = [0]  # torch's: 0 default (off), 1 warn, 2 error
+
+    def set_sync_debug_mode(debug_mode: int | str) -> None:
+        modes.append({"default": 0, "warn": 1, "error": 2}.get(debug_mode, debug_mode))
+
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: modes[-1])
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", set_sync_debug_mode)
+    with record_host_syncs(torch.device("cuda", 0)) as found:
+        assert modes[-1] == 1
+        _read_the_device()
+    assert modes == [0, 1, 0] and [s.thread for s in found] == ["MainThread"]
+    with pytest.raises(KeyError), record_host_syncs(torch.device("cuda", 0)):
+        raise KeyError("a step that fails")
+    assert modes[-1] == 0  # restored all the same
+    with record_host_syncs(torch.device("cpu")) as none, pytest.warns(UserWarning, match="synchronizing"):
+        _read_the_device()  # no debug mode off CUDA: nothing recorded, the warning shown as any other
+    assert none == [] and modes[-1] == 0
