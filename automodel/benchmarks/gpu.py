@@ -27,7 +27,7 @@ chat SFT data, and prints one table row per case:
   parallelism needs two GPUs or more, ``parallel.ep_size``), its experts through transformers'
   grouped GEMM, the first pack size, the best backend; MFU counts the active parameters (the
   top-k experts of each layer);
-- the loss alone: the chunked cross-entropy against full ``[T, V]`` logits (peak memory above
+- the loss alone (with ``packed`` rows): the chunked cross-entropy against full ``[T, V]`` logits (peak memory above
   the inputs, :mod:`automodel.benchmarks.loss_memory`).
 
 Columns: real tokens/s (padding excluded; median over the measured steps), MFU (model FLOPs over
@@ -38,7 +38,10 @@ over the samples, taken per token from the data set), peak memory
 the device in one training step, from ``torch.cuda.set_sync_debug_mode`` (each one's source line
 goes to the log and the JSON).
 
-``--cases`` picks the kinds of rows (packed padded ac peer lora moe; default all but lora). Each row is
+``--cases`` picks the kinds of rows (packed padded ac peer lora moe levers; default all but lora and levers).
+``levers``: one row per speed lever of ``LEVERS`` (``--levers`` picks some) on the first shape and pack
+size, each against the bench's own recipe run first in the same call (and again last), with its tokens/s
+and memory ratios and how far its losses are from the baseline's. Each row is
 printed, and ``--json PATH`` rewritten, as soon as its case finishes: a call cut short keeps every
 finished row.
 
@@ -53,6 +56,7 @@ the JSON (top kernels and CPU operators by time, the device's idle share:
     automodel bench gpu --tiny --steps 2     # the smoke run (tiny shapes, on any machine)
     automodel bench gpu --shapes llama3.2-1b --pack-sizes 8192 --profile --trace traces
     automodel bench gpu --overrides model.compile=true optim.fused=true   # the speed options, to compare
+    automodel bench gpu --shapes llama3.2-1b --pack-sizes 8192 --cases levers   # every lever against the baseline
 """
 
 from __future__ import annotations
@@ -131,8 +135,22 @@ PEAK_BF16 = {"H100 SXM": 989e12, "H100 80GB HBM3": 989e12, "H100 PCIe": 756e12, 
 TOKENIZER_SIZE = 512  # the shipped tiny tokenizer: token ids of the synthetic samples stay below it
 PEER_ROWS = 8  # the HF Trainer's and TRL's default per-device batch size
 PEER_MEMORY_SHARE = 0.9  # of the device's memory, for the peer's padded batches
-KINDS = ("packed", "padded", "ac", "peer", "lora", "moe")
+KINDS = ("packed", "padded", "ac", "peer", "lora", "moe", "levers")
 DEFAULT_KINDS = ("packed", "padded", "ac", "peer", "moe")
+# The speed levers (``--cases levers``): recipe overrides, each a row on the first shape and pack size against
+# the bench's own recipe ("baseline": bf16 parameters through FSDP2's mixed-precision policy under bf16 autocast,
+# varlen, the loss in chunks of 1024) in the same call; "te" runs Transformer Engine's attention instead.
+# The baseline runs first and again last: the two give the run-to-run spread and show any first-case effect.
+LEVERS = {
+    "baseline": (),
+    "fp32-autocast": ("model.dtype=float32",),  # float32 weights recast to bf16 by autocast at every matmul
+    "bf16-no-autocast": ("trainer.bf16_autocast=false",),  # bf16 parameters, no autocast dispatch
+    "compile": ("model.compile=true",),  # regional torch.compile: fused norms, SwiGLU, RoPE (inductor)
+    "loss-chunk-8192": ("model.loss_chunk_tokens=8192",),  # the loss head in one or two large matmuls
+    "fused-adamw": ("optim.fused=true",),
+    "te": (),  # model.attention_backend=te (the case's backend)
+    "baseline-again": (),
+}
 
 
 @dataclass
@@ -143,12 +161,25 @@ class Case:
     batching: str = "packed"  # or "padded", or "peer" (plain transformers, backend "sdpa")
     activation_checkpointing: bool = False
     lora: bool = False  # LORA's adapters on a frozen base
+    lever: str = ""  # a key of LEVERS: its overrides come last
 
     @property
     def name(self) -> str:
+        if self.lever:
+            return f"{self.shape} {tokens_label(self.pack_size)} {self.backend} [{self.lever}]"
         ac = " +ac" if self.activation_checkpointing else ""
         lora = " lora r16" if self.lora else ""
         return f"{self.shape} {tokens_label(self.pack_size)} {self.backend} {self.batching}{ac}{lora}"
+
+    @property
+    def slug(self) -> str:
+        """The name as a file name (letters, digits and ``.-+_`` only)."""
+        return "".join(c if c.isalnum() or c in ".-+" else "_" for c in self.name)
+
+    @property
+    def profiled(self) -> bool:
+        """Whether ``--profile`` profiles this case: every case but the levers other than the baseline."""
+        return self.lever in ("", "baseline")
 
 
 def tokens_label(tokens: int) -> str:
@@ -222,16 +253,17 @@ def case_recipe(
     case: Case, data: Path, max_length: int, args: argparse.Namespace, workdir: Path
 ) -> DictConfig:
     """The recipe of ``case``: the default recipe on ``data`` with the case's shape, batching, backend
-    (and LoRA), then ``args.overrides``."""
+    (and LoRA), then ``args.overrides``, then the case's lever's."""
     cuda = torch.cuda.is_available()
     overrides = [
         f"data.source={data}", "data.format=tokens", f"data.max_length={max_length}", "++data.num_proc=1",
         f"model.attention_backend={case.backend}", f"model.activation_checkpointing={case.activation_checkpointing}",
         f"model.dtype={'bfloat16' if cuda else 'float32'}", "optim.warmup_steps=0",
+        # the profiled step's room in every case, profiled or not: one LR schedule for all of them
         f"trainer.max_steps={args.warmup + args.steps + int(args.profile)}", "trainer.grad_accum_steps=1",
         "trainer.progress_bar=false",
         "trainer.export_hf=false", "trainer.tracking.tensorboard=false", "trainer.resume=never",
-        "trainer.overwrite=true", f"trainer.output_dir={workdir / case.name.replace(' ', '_')}",
+        "trainer.overwrite=true", f"trainer.output_dir={workdir / case.slug}",
     ]  # fmt: skip
     if case.batching == "packed":
         overrides += ["packing=bfd", f"packing.packed_sequence_size={case.pack_size}"]
@@ -240,7 +272,10 @@ def case_recipe(
         overrides += ["packing=none", f"packing.micro_batch_size={rows}", f"packing.max_length={max_length}"]
     if case.lora:
         overrides += LORA
-    cfg = load_recipe("tiny_llama_sft", overrides + args.overrides)  # the caller's last: they win
+    lever = list(LEVERS[case.lever]) if case.lever else []
+    cfg = load_recipe(
+        "tiny_llama_sft", overrides + args.overrides + lever
+    )  # the caller's, then the lever's, win
     with open_dict(cfg):
         cfg.model.config = OmegaConf.create(SHAPES[case.shape])
     return cfg
@@ -259,8 +294,10 @@ def run_case(case: Case, data: Path, max_length: int, args: argparse.Namespace, 
         for step in range(args.warmup + args.steps):
             records.append(recipe.train_step(list_host_syncs=step == args.warmup - 1))
         parameters = sum(p.numel() for p in recipe.model.parameters())
-        if args.profile:
-            trace = (args.trace or workdir) / f"{case.name.replace(' ', '_')}.trace.json"
+        syncs = [asdict(sync) for sync in recipe.host_syncs_traced]
+        profile = None
+        if args.profile and case.profiled:
+            trace = (args.trace or workdir) / f"{case.slug}.trace.json"
             profile = profile_step(recipe.train_step, recipe.dims.device, trace)
     finally:
         recipe.cleanup()
@@ -268,7 +305,8 @@ def run_case(case: Case, data: Path, max_length: int, args: argparse.Namespace, 
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-    return {**summarize(records, parameters, args.warmup), **({"profile": profile} if args.profile else {})}
+    figures = {**summarize(records, parameters, args.warmup), "host_sync_sites": syncs}
+    return {**figures, **({"profile": profile} if profile is not None else {})}
 
 
 def summarize(records: list[dict], parameters: int, warmup: int) -> dict:
@@ -472,9 +510,22 @@ def cases_for(args: argparse.Namespace, backends: list[str]) -> list[Case]:
         cases.append(Case(args.lora_shape, args.lora_pack_size, best, lora=True))
     if "moe" in args.cases:
         cases.append(Case(args.moe_shape, args.pack_sizes[0], best))
+    if "levers" in args.cases:
+        cases += lever_cases(args, backends)
     if "peer" in args.cases:
         cases += [Case(s, args.pack_sizes[0], "sdpa", batching="peer") for s in args.shapes]
     return cases
+
+
+def lever_cases(args: argparse.Namespace, backends: list[str]) -> list[Case]:
+    """One case per lever of ``args.levers`` (LEVERS' order) on the first shape and pack size: on varlen
+    where it runs (else the best backend here), "te" on Transformer Engine."""
+    base = "varlen" if "varlen" in backends else backends[0]
+    return [
+        Case(args.shapes[0], args.pack_sizes[0], "te" if lever == "te" else base, lever=lever)
+        for lever in LEVERS
+        if lever in args.levers
+    ]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -507,6 +558,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         help="the LoRA row's pack size (default: 4096; tiny: the first pack size)",
     )
+    parser.add_argument(
+        "--levers", nargs="+", choices=list(LEVERS), default=list(LEVERS), metavar="LEVER",
+        help=f"with --cases levers: which levers (default all: {', '.join(LEVERS)})",
+    )  # fmt: skip
     parser.add_argument("--overrides", nargs="+", default=[], metavar="KEY=VALUE",
                         help="recipe overrides for every case, e.g. model.compile=true optim.fused=true")  # fmt: skip
     parser.add_argument(
@@ -577,7 +632,8 @@ def main(argv: list[str] | None = None) -> int:
         write_samples(data, lengths)
         for case in cases_for(args, backends):
             report.add(run_and_measure(case, data, lengths, args, report.peak, Path(tmp)))
-        report.loss_rows = loss_comparison(args, args.device, max(args.pack_sizes))
+        if "packed" in args.cases:  # the loss of the packed rows, alone
+            report.loss_rows = loss_comparison(args, args.device, max(args.pack_sizes))
         report.write()
     print_summary(report.results, report.loss_rows)
     return 1 if any("error" in r for r in report.results) else 0
@@ -590,6 +646,8 @@ def run_and_measure(
     (one failing case must not hide the other figures)."""
     start = time.perf_counter()
     row = {**asdict(case), "name": case.name}
+    if case.lever and case.backend == "te" and te_pytorch() is None:
+        return {**row, "skipped": f"Transformer Engine does not import here ({te_import_failure()})"}
     try:
         if case.batching == "peer":
             figures = run_peer(case, data, args)
@@ -662,7 +720,7 @@ def print_summary(results: list[dict], loss_rows: list[dict]) -> None:
     measured = [r for r in results if "error" not in r and "skipped" not in r]
     best_packed = {}  # the best backend's packed row (cases run best backend first)
     for r in measured:
-        if r["batching"] == "packed" and not (r["activation_checkpointing"] or r["lora"]):
+        if r["batching"] == "packed" and not (r["activation_checkpointing"] or r["lora"] or r.get("lever")):
             best_packed.setdefault((r["shape"], r["pack_size"]), r)
     for r in measured:
         if r["batching"] == "padded" and (r["shape"], r["pack_size"]) in best_packed:
@@ -670,6 +728,8 @@ def print_summary(results: list[dict], loss_rows: list[dict]) -> None:
             print(f"{r['shape']} {tokens_label(r['pack_size'])} {r['backend']}: packed {best['tokens_per_s'] / r['tokens_per_s']:.2f}x "
                   "padded real tokens/s")  # fmt: skip
     for line in peer_ratios(results):
+        print(line)
+    for line in lever_ratios(results):
         print(line)
     for r in measured:
         if r["lora"]:
@@ -683,6 +743,30 @@ def print_summary(results: list[dict], loss_rows: list[dict]) -> None:
     for row in loss_rows:
         print(f"loss {row['case']:<8} T={row['tokens']} V={row['vocab']}: extra {row['extra_gb']:.3f} GB, "
               f"{row['seconds']:.3f} s")  # fmt: skip
+
+
+def lever_ratios(results: list[dict]) -> list[str]:
+    """One line per measured lever against the first "baseline" row: real tokens/s and peak memory
+    ratios, and how far its step losses are from the baseline's (same samples, same seed: a lever that
+    changes the math shows here)."""
+    levers = [r for r in results if r.get("lever") and "error" not in r and "skipped" not in r]
+    base = next((r for r in levers if r["lever"] == "baseline"), None)
+    if base is None:
+        return []
+    lines = []
+    for r in levers:
+        if r is base:
+            continue
+        memory = r["peak_memory_gb"] / base["peak_memory_gb"]
+        losses = [(a["loss"], b["loss"]) for a, b in zip(r["records"], base["records"])]
+        drift = max(abs(a - b) / abs(b) for a, b in losses)
+        lines.append(
+            f"lever {r['lever']} ({r['backend']}): {r['tokens_per_s'] / base['tokens_per_s']:.3f}x real tokens/s "
+            f"({r['tokens_per_s']:,.0f} vs {base['tokens_per_s']:,.0f}), "
+            f"{'-' if memory != memory else f'{memory:.2f}x'} peak memory, "
+            f"losses of {len(losses)} steps within {drift:.1e} (relative) of the baseline's"
+        )
+    return lines
 
 
 def peer_ratios(results: list[dict]) -> list[str]:
@@ -700,6 +784,7 @@ def peer_ratios(results: list[dict]) -> list[str]:
             or r["batching"] != "packed"
             or r["activation_checkpointing"]
             or r["lora"]
+            or r.get("lever")
             or "error" in r
             or "skipped" in r
         ):

@@ -85,12 +85,21 @@ class CausalLMForTraining(nn.Module):
     ``router_aux``: the router load-balancing loss the class adds to its loss under
     ``output_router_logits`` (:class:`~automodel.models.router_aux.RouterAuxLoss`), else None; the
     forward then gives the micro-batch's router statistics to compute it from.
+
+    ``loss_chunk_tokens``: label tokens per chunk of every loss computed through the head
+    (``model.loss_chunk_tokens``); None keeps each loss function's own default.
     """
 
-    def __init__(self, hf: PreTrainedModel | peft.PeftModel, dense_mask: bool = False):
+    def __init__(
+        self,
+        hf: PreTrainedModel | peft.PeftModel,
+        dense_mask: bool = False,
+        loss_chunk_tokens: int | None = None,
+    ):
         super().__init__()
         self.hf = hf
         self.dense_mask = dense_mask
+        self.loss_chunk_tokens = loss_chunk_tokens
         self.router_aux = RouterAuxLoss.of(self.transformers_model)
 
     @property
@@ -186,7 +195,7 @@ class CausalLMForTraining(nn.Module):
         method = getattr(head, HEAD_OUTPUT_METHOD, None) or functools.partial(head_output, head)
         return method(
             hidden_TD, labels_T, label_positions_N, output, logit_transform(self.config), teacher, divergence,
-            temperature,
+            temperature, self.loss_chunk_tokens,
         )  # fmt: skip
 
     def _as_teacher(self, hidden_ND: torch.Tensor) -> TeacherHead:
@@ -238,10 +247,11 @@ def head_output(
     teacher: TeacherHead | None = None,
     divergence: str = "forward_kl",
     temperature: float = 1.0,
+    chunk_tokens: int | None = None,
 ) -> Any:
     """:meth:`CausalLMForTraining.forward`'s ``loss``, ``log_probs`` or ``distill`` output through
     ``head`` (its ``weight`` and ``bias``). A ``teacher`` without a weight is the student's own base:
-    its head is this one.
+    its head is this one. ``chunk_tokens``: the loss functions' ``chunk_tokens`` (None: their default).
 
     The loss reads the head's weight without calling the head's ``forward`` (it computes the logits
     chunk by chunk), so when the head is an FSDP2 unit of its own, :func:`apply_fsdp` makes this
@@ -249,6 +259,8 @@ def head_output(
     method: FSDP2 unshards the head before it, and reduce-scatters the head's gradient right after
     its backward."""
     student = {"bias_V": head.bias, "label_positions_N": label_positions_N, **transform}
+    if chunk_tokens is not None:
+        student["chunk_tokens"] = chunk_tokens
     if output == "loss":
         return chunked_cross_entropy_sum(hidden_TD, head.weight, labels_T, **student)
     if output == "log_probs":
@@ -332,7 +344,7 @@ def build_model(
             dtype=torch.float32,
             trust_remote_code=spec.trust_remote_code,
         )
-    model = CausalLMForTraining(hf, dense_mask=dense_mask).train()
+    model = CausalLMForTraining(hf, dense_mask=dense_mask, loss_chunk_tokens=spec.loss_chunk_tokens).train()
     if not dense_mask:
         backend = resolve_attention_backend(
             spec.attention_backend, compute_dtype=compute_dtype or spec.torch_dtype

@@ -60,6 +60,11 @@ class ModelSpec:
         export_dtype: the dtype of the exported weights: null keeps the checkpoint's own (config.json's
             ``dtype``; float32 where it names none), or ``model.dtype`` for a model built from
             ``model.config``; or ``float32``, ``bfloat16``, ``float16``.
+        loss_chunk_tokens: label tokens per chunk of the loss head (:mod:`automodel.loss`: the logits of
+            that many rows exist at a time, about ``loss_chunk_tokens x vocabulary x 4`` bytes; fewer,
+            larger chunks mean fewer and larger matmuls). Null keeps each loss's own (1024 for the
+            cross-entropy and log-probabilities, 512 for distillation). The loss is the same sum
+            whatever the chunk (only its float rounding order moves).
     """
 
     pretrained_path: str | None = None
@@ -72,6 +77,7 @@ class ModelSpec:
     exceed_max_positions: bool = False
     verify: bool = True
     export_dtype: str | None = None
+    loss_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if (self.pretrained_path is None) == (self.config is None):
@@ -97,6 +103,15 @@ class ModelSpec:
         if not isinstance(self.activation_checkpointing, bool):
             raise ValueError(
                 f"model.activation_checkpointing must be true or false, got {self.activation_checkpointing!r}"
+            )
+        if self.loss_chunk_tokens is not None and (
+            isinstance(self.loss_chunk_tokens, bool)
+            or not isinstance(self.loss_chunk_tokens, int)
+            or self.loss_chunk_tokens < 1
+        ):
+            raise ValueError(
+                f"model.loss_chunk_tokens must be a positive int (label tokens per chunk of the loss head, e.g. "
+                f"1024) or null, got {self.loss_chunk_tokens!r}"
             )
         if not isinstance(self.compile, bool):
             raise ValueError(f"model.compile must be true or false, got {self.compile!r}")

@@ -78,6 +78,7 @@ class FinetuneRecipe:
         self.batching = build_section(cfg, "packing")
         self.lora = build_section(cfg, "peft")  # None: full fine-tuning
         self.output_dir = Path(self.trainer.output_dir)
+        self.host_syncs_traced: list = []  # the host waits of the last step traced (train_step)
 
     def setup(self) -> None:
         limit_heap_retention()  # before any large allocation: freed tensors leave the resident set
@@ -587,8 +588,9 @@ class FinetuneRecipe:
 
     def train_step(self, list_host_syncs: bool = False) -> dict[str, Any]:
         """One optimizer step; returns its metrics record. With ``list_host_syncs`` (CUDA), every
-        place where the step made the host wait for the device is logged and counted in the
-        record's ``host_syncs``."""
+        place where the step made the host wait for the device is logged with the Python stack that
+        raised it, kept in ``host_syncs_traced`` (:class:`~automodel.training.host_syncs.HostSync`
+        each) and counted in the record's ``host_syncs``."""
         if not list_host_syncs:
             record = self._train_step()
         elif self.dims.device.type != "cuda":
@@ -598,8 +600,9 @@ class FinetuneRecipe:
             with record_host_syncs(self.dims.device) as syncs:
                 record = self._train_step()
             record["host_syncs"] = len(syncs)
+            self.host_syncs_traced = syncs
             logger.info("step %d waited for the device %d times%s", self.step + 1, len(syncs),
-                        "".join(f"\n  {s}" for s in syncs))  # fmt: skip
+                        "".join(f"\n  {s}" + "".join(f"\n      {f}" for f in s.stack) for s in syncs))  # fmt: skip
         self.step += 1
         return record
 

@@ -16,10 +16,12 @@ import torch
 
 from automodel.benchmarks import gpu
 from automodel.cli import main as cli_main
+from automodel.te_support import te_pytorch
 
-# The suite's run of the bench: tiny shapes whatever the machine (CUDA present or not).
+# The suite's run of the bench: tiny shapes whatever the machine (CUDA present or not); the levers have
+# their own test (test_levers_run_against_the_baseline_in_one_call).
 BENCH_ARGV = ["bench", "gpu", "--tiny", "--steps", "1", "--warmup", "1", "--pack-sizes", "256",
-              "--cases", *gpu.KINDS]  # fmt: skip
+              "--cases", *(kind for kind in gpu.KINDS if kind != "levers")]  # fmt: skip
 
 
 def cuda_reported(monkeypatch: pytest.MonkeyPatch, memory_gib: float = 80) -> None:
@@ -163,6 +165,7 @@ def test_every_shape_gets_a_peer_row():
         lora_pack_size=256,
         moe_shape="tiny-moe",
         cases=list(gpu.KINDS),
+        levers=list(gpu.LEVERS),
     )
     peers = [c for c in gpu.cases_for(args, ["varlen", "portable"]) if c.batching == "peer"]
     assert [(c.shape, c.backend) for c in peers] == [("tiny", "sdpa"), ("llama3.2-1b", "sdpa")]
@@ -296,3 +299,60 @@ def test_a_peer_that_does_not_fit_is_a_skipped_row_and_the_others_stay(tmp_path,
     assert rows["tiny 256 sdpa peer"]["skipped"] == "one padded row of 4096 tokens does not fit in 80 GiB"
     best = gpu.available_backends(torch.device("cuda" if torch.cuda.is_available() else "cpu"))[0]
     assert rows[f"tiny 256 {best} packed"]["tokens_per_s"] > 0
+
+
+def test_every_lever_is_a_case_on_the_first_shape_against_its_baseline():
+    args = gpu.parse_args(
+        ["--shapes", "llama3.2-1b", "qwen3-1.7b", "--pack-sizes", "8192", "--cases", "levers"]
+    )
+    cases = gpu.cases_for(args, ["te", "varlen", "portable"])
+    assert [c.lever for c in cases] == list(gpu.LEVERS)  # the baseline first and again last
+    assert {c.shape for c in cases} == {"llama3.2-1b"} and {c.pack_size for c in cases} == {8192}
+    assert [c.backend for c in cases if c.lever == "te"] == ["te"]
+    assert {c.backend for c in cases if c.lever != "te"} == {"varlen"}  # not TE, the best: varlen
+    assert (
+        cases[3].name == "llama3.2-1b 8k varlen [compile]"
+        and cases[3].slug == "llama3.2-1b_8k_varlen__compile_"
+    )
+    assert [c.profiled for c in cases] == [True] + [False] * (len(cases) - 1)  # --profile: the baseline only
+    picked = gpu.parse_args(["--cases", "levers", "--levers", "baseline", "compile"])
+    assert [c.lever for c in gpu.cases_for(picked, ["portable"])] == ["baseline", "compile"]
+    args.overrides, args.profile = (
+        ["model.loss_chunk_tokens=64", "optim.lr=0.5"],
+        True,
+    )  # the caller's, for every case
+    chunked, baseline = (
+        gpu.case_recipe(c, Path("s.jsonl"), 4096, args, Path("w")) for c in (cases[4], cases[0])
+    )
+    assert (chunked.model.loss_chunk_tokens, baseline.model.loss_chunk_tokens) == (
+        8192,
+        64,
+    )  # the lever's wins
+    assert chunked.optim.lr == baseline.optim.lr == 0.5
+    # the profiled baseline and the unprofiled levers share one LR schedule: their losses compare step by step
+    assert chunked.trainer.max_steps == baseline.trainer.max_steps == args.warmup + args.steps + 1
+
+
+def test_levers_run_against_the_baseline_in_one_call(tmp_path, capsys):
+    out = tmp_path / "levers.json"
+    argv = ["--tiny", "--steps", "1", "--warmup", "1", "--pack-sizes", "256", "--cases", "levers", "--levers",
+            "baseline", "loss-chunk-8192", "te", "baseline-again", "--json", str(out)]  # fmt: skip
+    gpu.main(argv)
+    table = capsys.readouterr().out
+    rows = {r["lever"]: r for r in json.loads(out.read_text())["cases"]}
+    assert list(rows) == ["baseline", "loss-chunk-8192", "te", "baseline-again"]
+    if te_pytorch() is None:
+        assert rows["te"]["skipped"].startswith("Transformer Engine does not import here (")
+    base = rows["baseline"]
+    assert [len(r["records"]) for r in (base, rows["baseline-again"])] == [2, 2]
+    # the same samples, seed and math: the repeat's losses are the baseline's, bit for bit on CPU
+    assert [r["loss"] for r in rows["baseline-again"]["records"]] == [r["loss"] for r in base["records"][:2]]
+    chunked = [r["loss"] for r in rows["loss-chunk-8192"]["records"]]
+    assert chunked == pytest.approx([r["loss"] for r in base["records"][:2]], rel=1e-5)
+    speed = rows["baseline-again"]["tokens_per_s"] / base["tokens_per_s"]
+    assert (
+        f"lever baseline-again ({base['backend']}): {speed:.3f}x real tokens/s "
+        f"({rows['baseline-again']['tokens_per_s']:,.0f} vs {base['tokens_per_s']:,.0f}), - peak memory, "
+        "losses of 2 steps within 0.0e+00 (relative) of the baseline's"
+    ) in table
+    assert "lever loss-chunk-8192 (" in table and "lever te " not in table  # a skipped lever has no line

@@ -7,6 +7,9 @@ boolean index) raises, which is exactly the set of operations that make a CUDA h
 
 from __future__ import annotations
 
+import threading
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -18,6 +21,7 @@ from automodel.benchmarks.gpu import attention_flops_per_token, flops_per_step, 
 from automodel.logprobs import packed_log_probs
 from automodel.loss import label_positions
 from automodel.models.build import CausalLMForTraining
+from automodel.training.host_syncs import collect_sync_warnings, record_host_syncs
 
 META = torch.device("meta")
 SHAPE = dict(
@@ -124,3 +128,48 @@ def test_per_sample_log_prob_sums_never_read_the_device():
     assert result.sums.shape == (3,) and result.label_counts.shape == (3,)
     with pytest.raises((NotImplementedError, RuntimeError)):
         _ = result.token_log_probs
+
+
+def _read_the_device() -> None:
+    # what torch's sync debug mode raises from C++ at a synchronizing call, in its words
+    warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+
+
+def test_each_host_wait_keeps_its_thread_and_python_stack(recwarn):
+    with collect_sync_warnings() as found:
+        _read_the_device()
+        worker = threading.Thread(target=_read_the_device, name="pin_memory")
+        worker.start()
+        worker.join()
+        warnings.warn("not a wait", UserWarning, stacklevel=1)
+    assert len(found) == 2
+    main, other = found
+    assert main.thread == "MainThread" and other.thread == "pin_memory"
+    assert main.where.endswith(": called a synchronizing CUDA operation")
+    assert main.stack[-1].endswith(" in _read_the_device")
+    assert main.stack[-2].endswith(" in test_each_host_wait_keeps_its_thread_and_python_stack")
+    assert other.stack[-2].endswith(" in run")  # the thread's own frames, not the main thread's
+    assert str(other).endswith("[thread pin_memory]") and not str(main).endswith("]")
+    assert [str(w.message) for w in recwarn] == ["not a wait"]  # other warnings are shown as usual
+
+
+def test_record_host_syncs_turns_torch_s_debug_mode_on_for_the_block_only(monkeypatch):
+    """The CUDA lines, run here against a stand-in of torch.cuda's two calls (their signatures: the mode as
+    an int, set by int or name)."""
+    modes = [0]  # torch's: 0 default (off), 1 warn, 2 error
+
+    def set_sync_debug_mode(debug_mode: int | str) -> None:
+        modes.append({"default": 0, "warn": 1, "error": 2}.get(debug_mode, debug_mode))
+
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: modes[-1])
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", set_sync_debug_mode)
+    with record_host_syncs(torch.device("cuda", 0)) as found:
+        assert modes[-1] == 1
+        _read_the_device()
+    assert modes == [0, 1, 0] and [s.thread for s in found] == ["MainThread"]
+    with pytest.raises(KeyError), record_host_syncs(torch.device("cuda", 0)):
+        raise KeyError("a step that fails")
+    assert modes[-1] == 0  # restored all the same
+    with record_host_syncs(torch.device("cpu")) as none, pytest.warns(UserWarning, match="synchronizing"):
+        _read_the_device()  # no debug mode off CUDA: nothing recorded, the warning shown as any other
+    assert none == [] and modes[-1] == 0
