@@ -41,6 +41,7 @@ from automodel.attention.hf import (
     attach_thd_attention,
     register_thd_attention,
 )
+from automodel.attention.mixers import attach_stateful_mixers, checkpoint_context_fn, layout_scope
 from automodel.data.chat import end_of_turn_token_id
 from automodel.loss import (
     TeacherHead,
@@ -59,6 +60,7 @@ from automodel.models.hf_io import (
     publish,
 )
 from automodel.models.lora import LoraConfig, export_adapter
+from automodel.models.mixers import decoder_of, stateful_mixer_classes
 from automodel.models.router_aux import RouterAuxLoss, router_statistics
 from automodel.models.sharded_init import UninitializedTensor, init_sharded
 from automodel.models.spec import ModelSpec
@@ -104,13 +106,8 @@ class CausalLMForTraining(nn.Module):
 
     @property
     def decoder(self) -> nn.Module:
-        """The base model that maps ids to final hidden states: ``get_decoder()``, else the child
-        that is itself a transformers model (Llama 4 text's is not at ``base_model_prefix``)."""
-        hf = self.transformers_model
-        decoder = hf.get_decoder()
-        if decoder is hf or not isinstance(decoder, PreTrainedModel):  # ModernBERT's `decoder` is its head
-            decoder = next(m for m in hf.children() if isinstance(m, PreTrainedModel))
-        return decoder
+        """The base model that maps ids to final hidden states (:func:`~automodel.models.mixers.decoder_of`)."""
+        return decoder_of(self.transformers_model)
 
     @property
     def decoder_layers(self) -> nn.ModuleList:
@@ -208,7 +205,9 @@ class CausalLMForTraining(nn.Module):
         self, input_ids_T: torch.Tensor, position_ids_T: torch.Tensor, thd_layout: ThdAttentionMetadata
     ) -> Any:
         """The decoder's output on one packed row (``last_hidden_state`` ``[1, T, D]``, and the
-        ``router_logits`` of each MoE layer where the config records them)."""
+        ``router_logits`` of each MoE layer where the config records them). The layout is held for
+        the stateful token mixers too (:func:`~automodel.attention.mixers.layout_scope`), which
+        transformers calls without it."""
         if self.dense_mask:
             # the compute dtype: the embeddings stay in the root unit for a dense-mask model (fsdp_units),
             # so FSDP2 has unsharded them here
@@ -216,12 +215,13 @@ class CausalLMForTraining(nn.Module):
             layout = {"attention_mask": thd_layout.block_causal_mask(input_ids_T.device, dtype)}
         else:
             layout = {"thd_layout": thd_layout}
-        return self.decoder(
-            input_ids=input_ids_T[None],
-            position_ids=batched_position_ids(self.config, position_ids_T),
-            use_cache=False,
-            **layout,
-        )
+        with layout_scope(thd_layout):
+            return self.decoder(
+                input_ids=input_ids_T[None],
+                position_ids=batched_position_ids(self.config, position_ids_T),
+                use_cache=False,
+                **layout,
+            )
 
 
 HEAD_OUTPUT_METHOD = "automodel_head_output"
@@ -338,8 +338,12 @@ def build_model(
             spec.attention_backend, compute_dtype=compute_dtype or spec.torch_dtype
         )
         attach_thd_attention(hf, backend, cp_comm_type)
+    attach_stateful_mixers(hf, stateful_mixer_classes(config, spec.trust_remote_code))
     if spec.activation_checkpointing:
-        hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        # the recompute of a layer in the backward sees the layout its forward saw (stateful mixers)
+        hf.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_context_fn}
+        )
     if lora is not None:
         with torch.device("meta"):
             model.hf = lora.apply(hf)
