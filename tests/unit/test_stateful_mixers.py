@@ -148,7 +148,9 @@ def model_and_row(config, **spec_fields):
 def loss_and_grads(model, row) -> tuple[float, dict[str, torch.Tensor]]:
     loss = model(*row)
     loss.backward()
-    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return float(loss.detach()), {
+        n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+    }
 
 
 def test_activation_checkpointing_recomputes_the_mixers_on_their_own_layout():

@@ -26,7 +26,6 @@ from automodel.models import ModelSpec, build_model, export_model, setup_checks
 from automodel.models.parallelize import apply_fsdp
 from automodel.models.support import supported_table, uses_dense_mask
 
-
 CHECKPOINTED = ("llama", "qwen3_5_text", "nemotron_h", "lfm2")  # activation checkpointing under CP 2
 
 
