@@ -8,7 +8,9 @@ decoder's children downward, each module that is not an attention caller nor hol
 on its recorded inputs with the first token changed. Where a later token's output changes, the
 module mixes tokens: it is a stateful mixer, and the walk does not descend into it (the outermost
 such module, e.g. a Gated DeltaNet, not the ``Conv1d`` inside it). A module that holds an attention
-caller (a decoder layer, a hybrid block) is looked into.
+caller (a decoder layer, a hybrid block) is looked into. A model whose layers cannot run the
+registered attention (their own attention code, run under a dense mask) is left to the differential
+check: no module is named.
 
 Shape legend: T = the probe's tokens.
 """
@@ -63,12 +65,16 @@ def _probe(config: PretrainedConfig, trust_remote_code: bool) -> tuple[type, ...
     register_thd_attention()
     with torch.random.fork_rng(devices=[]), torch.device("cpu"):
         torch.manual_seed(0)
-        hf = AutoModelForCausalLM.from_config(
-            copy.deepcopy(checked),
-            attn_implementation=THD_ATTENTION,
-            dtype=torch.float32,
-            trust_remote_code=trust_remote_code,
-        ).eval()
+        try:
+            hf = AutoModelForCausalLM.from_config(
+                copy.deepcopy(checked),
+                attn_implementation=THD_ATTENTION,
+                dtype=torch.float32,
+                trust_remote_code=trust_remote_code,
+            ).eval()
+        except KeyError as error:  # its attention classes are looked up by name (Falcon's): own attention code
+            logger.debug("mixer probe: %s has no THD attention (%s)", config.model_type, error)
+            return ()
         attach_thd_attention(hf, "portable")
         decoder = decoder_of(hf)
         recorded: dict[nn.Module, tuple[tuple, dict]] = {}
@@ -97,6 +103,9 @@ def _probe(config: PretrainedConfig, trust_remote_code: bool) -> tuple[type, ...
                     use_cache=False,
                     thd_layout=layout,
                 )
+        except Exception as error:  # its layers cannot run the THD attention (own attention code): none
+            logger.debug("mixer probe: %s does not run on the THD path (%s)", type(hf).__name__, error)
+            return ()
         finally:
             for hook in hooks:
                 hook.remove()
