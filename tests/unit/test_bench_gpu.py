@@ -46,7 +46,7 @@ def test_the_unit_suite_picks_no_gpu_sized_case_when_cuda_is_present(monkeypatch
     assert args.max_length == 128 and {c.batching for c in cases} == {"packed", "padded", "peer"}
     full = gpu.parse_args([])
     full_cases = gpu.cases_for(full, backends)
-    assert {c.shape for c in full_cases} == {"llama3.2-1b", "qwen3-1.7b"} and not any(
+    assert {c.shape for c in full_cases} == {"llama3.2-1b", "qwen3-1.7b", "qwen3.5-2b"} and not any(
         c.lora for c in full_cases
     )
     asked = gpu.cases_for(gpu.parse_args(["--cases", "packed", "lora"]), backends)
