@@ -338,7 +338,8 @@ def build_model(
             spec.attention_backend, compute_dtype=compute_dtype or spec.torch_dtype
         )
         attach_thd_attention(hf, backend, cp_comm_type)
-    attach_stateful_mixers(hf, stateful_mixer_classes(config, spec.trust_remote_code))
+    if not dense_mask:  # the THD path; a type run under a dense mask was verified without them
+        attach_stateful_mixers(hf, stateful_mixer_classes(config, spec.trust_remote_code))
     if spec.activation_checkpointing:
         # the recompute of a layer in the backward sees the layout its forward saw (stateful mixers)
         hf.activation_checkpointing_enable(

@@ -5,8 +5,8 @@ Found by what the modules do, not by their names (:func:`stateful_mixer_classes`
 of the config (:func:`~automodel.models.tiny.width_config`, one layer of each kind) runs one
 sequence with the registered THD attention, every module's inputs recorded; then, from the
 decoder's children downward, each module that is not an attention caller nor holds one runs again
-on its recorded inputs with the first token changed. Where a later token's output changes, the
-module mixes tokens: it is a stateful mixer, and the walk does not descend into it (the outermost
+on its recorded inputs with the first token changed. Where a later token's output moves (beyond
+rounding: ``MIXING_SHARE``), the module mixes tokens: it is a stateful mixer, and the walk does not descend into it (the outermost
 such module, e.g. a Gated DeltaNet, not the ``Conv1d`` inside it). A module that holds an attention
 caller (a decoder layer, a hybrid block) is looked into. A model whose layers cannot run the
 registered attention (their own attention code, run under a dense mask) is left to the differential
@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,7 +39,10 @@ from automodel.models.tiny import width_config
 logger = logging.getLogger(__name__)
 
 PROBE_TOKENS = 16
-_FOUND: dict[tuple[str, bool], tuple[type, ...]] = {}
+# a later token's output moved by more than this share of the output's scale: mixing, not rounding (a
+# MoE block's expert batches change with one token's routing, and their matmuls round differently)
+MIXING_SHARE = 1e-4
+_FOUND: dict[tuple[str, bool], MixerProbe] = {}
 
 
 def decoder_of(hf: PreTrainedModel) -> nn.Module:
@@ -50,17 +54,30 @@ def decoder_of(hf: PreTrainedModel) -> nn.Module:
     return decoder
 
 
+@dataclass(frozen=True)
+class MixerProbe:
+    """What the probe found: ``classes``, the stateful mixers' (outermost first met); and whether any
+    layer called the registered attention (``calls_attention``: a hybrid when both)."""
+
+    classes: tuple[type, ...] = ()
+    calls_attention: bool = False
+
+
 def stateful_mixer_classes(config: PretrainedConfig, trust_remote_code: bool = False) -> tuple[type, ...]:
-    """The classes of the modules of ``config``'s causal LM that mix tokens besides its attention,
-    outermost first met (:mod:`this module's <automodel.models.mixers>` probe); ``()`` for a model
-    whose tokens meet only in attention. Remembered per config for the process."""
+    """The classes of the modules of ``config``'s causal LM that mix tokens besides its attention
+    (:func:`probe_mixers`); ``()`` for a model whose tokens meet only in attention."""
+    return probe_mixers(config, trust_remote_code).classes
+
+
+def probe_mixers(config: PretrainedConfig, trust_remote_code: bool = False) -> MixerProbe:
+    """This module's probe on ``config`` (its docstring), remembered per config for the process."""
     key = (config.to_json_string(use_diff=False), trust_remote_code)
     if key not in _FOUND:
         _FOUND[key] = _probe(config, trust_remote_code)
     return _FOUND[key]
 
 
-def _probe(config: PretrainedConfig, trust_remote_code: bool) -> tuple[type, ...]:
+def _probe(config: PretrainedConfig, trust_remote_code: bool) -> MixerProbe:
     checked = width_config(config)
     register_thd_attention()
     with torch.random.fork_rng(devices=[]), torch.device("cpu"):
@@ -72,9 +89,11 @@ def _probe(config: PretrainedConfig, trust_remote_code: bool) -> tuple[type, ...
                 dtype=torch.float32,
                 trust_remote_code=trust_remote_code,
             ).eval()
-        except KeyError as error:  # its attention classes are looked up by name (Falcon's): own attention code
+        except (
+            KeyError
+        ) as error:  # its attention classes are looked up by name (Falcon's): own attention code
             logger.debug("mixer probe: %s has no THD attention (%s)", config.model_type, error)
-            return ()
+            return MixerProbe()
         attach_thd_attention(hf, "portable")
         decoder = decoder_of(hf)
         recorded: dict[nn.Module, tuple[tuple, dict]] = {}
@@ -105,14 +124,14 @@ def _probe(config: PretrainedConfig, trust_remote_code: bool) -> tuple[type, ...
                 )
         except Exception as error:  # its layers cannot run the THD attention (own attention code): none
             logger.debug("mixer probe: %s does not run on the THD path (%s)", type(hf).__name__, error)
-            return ()
+            return MixerProbe()
         finally:
             for hook in hooks:
                 hook.remove()
         callers = set(attention_callers(hf))
         holders = {type(m) for m in decoder.modules() if any(c in callers for c in m.modules())}
         found = {type(m): None for m in _mixers_below(decoder, holders, callers, recorded)}
-    return tuple(found)
+    return MixerProbe(tuple(found), bool(callers))
 
 
 def _mixers_below(
@@ -137,7 +156,7 @@ def _mixers_below(
 @torch.no_grad()
 def _mixes_tokens(module: nn.Module, args: tuple, kwargs: dict) -> bool:
     """Whether changing the first token of ``module``'s per-token float inputs (``[1, T, ...]``)
-    changes its output at any later token."""
+    moves its output at a later token by more than ``MIXING_SHARE`` of the output's scale."""
     try:
         before = _first_per_token(module(*args, **kwargs))
         changed_args, changed_kwargs = _changed_first_token((args, kwargs))
@@ -147,7 +166,8 @@ def _mixes_tokens(module: nn.Module, args: tuple, kwargs: dict) -> bool:
         return False
     if before is None or after is None:
         return False
-    return not torch.equal(before[:, 1:], after[:, 1:])
+    moved = float((after[:, 1:] - before[:, 1:]).abs().max())
+    return moved > MIXING_SHARE * float(before[:, 1:].abs().max())
 
 
 def _changed_first_token(node: Any, change: bool = True) -> Any:

@@ -56,7 +56,7 @@ from automodel.models.build import (
     own_attention_implementation,
 )
 from automodel.models.inputs import model_inputs, padding_token_id
-from automodel.models.mixers import stateful_mixer_classes
+from automodel.models.mixers import probe_mixers
 from automodel.models.router_aux import load_balancing_loss
 from automodel.models.spec import ModelSpec
 from automodel.models.tiny import depth_config, length_fields
@@ -568,10 +568,14 @@ def verify_config(
         return Verdict("not_buildable", f"transformers cannot build it at a reduced size: {one_line(error)}")
     try:
         try:
-            mixers = [c.__name__ for c in stateful_mixer_classes(config)]
+            probe = probe_mixers(config)
         except Exception as error:  # the probe runs transformers' own class on the config
             model_class = AutoModelForCausalLM._model_mapping[type(config)].__name__
             raise NotBuildable(model_class, one_line(error)) from error
+        mixers = [c.__name__ for c in probe.classes]
+        # a hybrid: where it is not exact, its mixers are the first suspects; a model whose layers never
+        # call the registered attention is judged as one (its own attention code under a dense mask)
+        hybrid = bool(mixers) and probe.calls_attention
         randomness = random_layers(config)
         if randomness is not None:
             return Verdict("refused", randomness)
@@ -580,8 +584,11 @@ def verify_config(
         return not_buildable(error, own_config)
     except Exception as error:  # classified below; the message is kept
         message = one_line(error)
-        if mixers:  # run per sample, they are the first suspects
-            return Verdict("refused", f"{REASONS['recurrent'].format(', '.join(mixers))}: {message}")
+        if hybrid:
+            refusal = Verdict("refused", f"{REASONS['recurrent'].format(', '.join(mixers))}: {message}")
+            return verify_dense_mask(config, refusal, lengths) if dense_mask_fallback else refusal
+        if mixers:  # never calls the registered attention: its own attention code decides
+            return verify_dense_mask(config, None, lengths)
         refusal = None  # transformers' attention table has no entry for the name: its own attention code
         for marker, reason in (
             ("without thd_layout", REASONS["drops_layout"]),
@@ -613,13 +620,14 @@ def verify_config(
             ignores=ignores,
             max_error=float(f"{worst:.1e}"),
         )
-    if mixers:
-        return Verdict(
+    max_error = float(f"{worst:.1e}")
+    if hybrid:
+        refusal = Verdict(
             "refused",
             f"{REASONS['recurrent'].format(', '.join(mixers))}: {'; '.join(errors[:2])}",
-            max_error=float(f"{worst:.1e}"),
+            max_error=max_error,
         )
-    max_error = float(f"{worst:.1e}")
+        return verify_dense_mask(config, refusal, lengths) if dense_mask_fallback else refusal
     if not calls.modules:
         refusal = None
     elif _head_is_more_than_lm_head(config):
@@ -647,9 +655,8 @@ def verify_dense_mask(
     except Exception as error:  # the reason is recorded, not raised
         why, max_error = one_line(error), None
     else:
-        if not errors:
-            mixers = [c.__name__ for c in stateful_mixer_classes(config)]
-            features = sorted(set(features_of(config, calls, mixers)) | {"dense_mask"})
+        if not errors:  # the stateful mixers are not wrapped under a dense mask (build_model)
+            features = sorted(set(features_of(config, calls)) | {"dense_mask"})
             return Verdict(
                 "verified",
                 features=features,
