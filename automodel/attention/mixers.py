@@ -11,8 +11,15 @@ sequence of the row as if that were its whole input, with transformers' cache of
 padding follows its real tokens, so in causal mixing it never reaches them; the module's output
 on padding is finite and carries no label.
 
-The reference path is torch alone on any device: the sequences of one padded length go through
-the module as one batch, so a row costs one call per distinct sequence length and O(T) work in all.
+Two backends, chosen per mixer class (:func:`automodel.models.mixers.mixer_kernel_classes`):
+
+- ``reference``: torch alone on any device. The sequences of one padded length go through the
+  module as one batch, so a row costs one call per distinct sequence length and O(T) work in all.
+- ``kernels``: one call per layer, the module's own forward with the layout as the keywords
+  transformers hands to the kernels it calls where they are installed (:func:`kernel_keywords`):
+  flash-linear-attention's chunked gated delta rule and KDA take ``cu_seqlens``, causal-conv1d's
+  convolution and mamba-ssm's Mamba-2 scan take ``seq_idx``. transformers' torch fallbacks refuse
+  those keywords, so the path never silently runs without them.
 
 How the layout reaches a module that transformers calls without it: :func:`layout_scope` holds it
 in a context variable around the decoder's forward; under activation checkpointing the recompute
@@ -78,16 +85,24 @@ def checkpoint_context_fn() -> tuple[Any, layout_scope]:
     return layout_scope(_LAYOUT.get()), layout_scope(_LAYOUT.get())
 
 
-def attach_stateful_mixers(model: nn.Module, classes: Iterable[type]) -> list[nn.Module]:
-    """Wrap the forward of every module of ``model`` whose class is one of ``classes`` so that it
-    runs per sequence of the current layout (:func:`per_sequence_forward`). The module tree, its
-    parameters and ``state_dict()`` names stay as they are. Returns the wrapped modules."""
-    classes = tuple(classes)
+MIXER_BACKENDS = ("auto", "reference", "kernels")
+
+
+def attach_stateful_mixers(
+    model: nn.Module, classes: Iterable[type], kernels: Iterable[type] = ()
+) -> list[nn.Module]:
+    """Wrap the forward of every module of ``model`` whose class is one of ``classes`` so that each
+    sample of the current layout starts from an empty state (:func:`mixer_forward`): through its
+    own kernels, one call per layer, for a class in ``kernels``, else per sequence (the reference
+    path). The module tree, its parameters and ``state_dict()`` names stay as they are. Returns the
+    wrapped modules."""
+    classes, kernels = tuple(classes), tuple(kernels)
     wrapped = []
     for module in model.modules():
         if classes and isinstance(module, classes) and not module.__dict__.get(_WRAPPED):
-            module.forward = torch.compiler.disable(functools.partial(per_sequence_forward, module.forward))
-            module.__dict__[_WRAPPED] = True
+            backend = "kernels" if kernels and isinstance(module, kernels) else "reference"
+            module.forward = torch.compiler.disable(functools.partial(mixer_forward, module.forward, backend))
+            module.__dict__[_WRAPPED] = backend
             wrapped.append(module)
     return wrapped
 
@@ -97,15 +112,36 @@ def stateful_mixer_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if m.__dict__.get(_WRAPPED)]
 
 
-def per_sequence_forward(forward: Callable, *args: Any, **kwargs: Any) -> Any:
-    """``forward`` (a stateful mixer's own) on each padded sequence of the current layout alone.
+def mixer_backend_of(module: nn.Module) -> str | None:
+    """``reference`` or ``kernels``: how :func:`attach_stateful_mixers` runs ``module`` (None: not wrapped)."""
+    return module.__dict__.get(_WRAPPED)
+
+
+def kernel_keywords(meta: ThdAttentionMetadata, device: torch.device) -> dict[str, Any]:
+    """The layout as the keywords transformers' stateful mixers hand to their kernels: the padded
+    sequences' offsets (``cu_seq_lens_q``/``_k``, int32 ``[N+1]``: flash-linear-attention's
+    ``cu_seqlens``), their longest (``max_length_q``/``_k``) and each token's sequence
+    (``seq_idx``, int32 ``[1, T]``: causal-conv1d's and mamba-ssm's)."""
+    cu_seqlens = meta.on_device("cu_seqlens_padded", device)
+    return {
+        "cu_seq_lens_q": cu_seqlens,
+        "cu_seq_lens_k": cu_seqlens,
+        "max_length_q": meta.max_seqlen,
+        "max_length_k": meta.max_seqlen,
+        "seq_idx": meta.sequence_index(device),
+    }
+
+
+def mixer_forward(forward: Callable, backend: str, *args: Any, **kwargs: Any) -> Any:
+    """``forward`` (a stateful mixer's own) with every sample of the current layout starting from an
+    empty state, with no cache and no attention mask.
 
     Every tensor argument laid out per token (``[1, t, ...]``: hidden states, rotary cos/sin) is
-    cut into the layout's sequences (whole sequences, all-gathered first under CP); sequences of one
-    padded length go through ``forward`` as one batch ``[k, L, ...]``, with no cache and no
-    attention mask. Per-token outputs ``[k, L, ...]`` are put back in row order (this rank's tokens
-    under CP); any other tensor output (a final state ``[k, ...]``) comes back per sequence, in
-    sequence order."""
+    all-gathered first under CP (the whole row). ``reference``: cut into the layout's padded
+    sequences; those of one padded length go through ``forward`` as one batch ``[k, L, ...]``;
+    per-token outputs ``[k, L, ...]`` are put back in row order, any other tensor output (a final
+    state ``[k, ...]``) comes back per sequence, in sequence order. ``kernels``: one call on the
+    row with :func:`kernel_keywords`. Under CP the per-token outputs keep this rank's tokens."""
     meta = _LAYOUT.get()
     if meta is None:
         raise ValueError(
@@ -131,6 +167,10 @@ def per_sequence_forward(forward: Callable, *args: Any, **kwargs: Any) -> Any:
         order = inverse_permutation(meta.partition_indices.flatten()).to(device, non_blocking=True)
         for i in per_token:
             leaves[i] = gather_tokens(leaves[i][0], meta.cp_group)[order][None]
+    if backend == "kernels":
+        row_args, row_kwargs = rebuild(leaves)
+        out = forward(*row_args, **row_kwargs, **kernel_keywords(meta, device))
+        return _local(out, meta, device)
     groups = _sequences_by_length(meta)
     outputs, rows = [], []
     for length, starts in groups.items():
@@ -181,6 +221,16 @@ def _merge(outputs: list[Any], rows: list[torch.Tensor], meta: ThdAttentionMetad
         else:  # one value per sequence (a final state): in sequence order
             merged.append(torch.cat(parts)[sequence_order])
     return rebuild(merged)
+
+
+def _local(output: Any, meta: ThdAttentionMetadata, device) -> Any:
+    """A call on the whole row's output with this rank's tokens kept under CP."""
+    if meta.cp_size == 1:
+        return output
+    keep = meta.partition_indices[meta.cp_rank].to(device, non_blocking=True)
+    leaves, rebuild = _flatten(output)
+    total = meta.total_tokens
+    return rebuild([x[:, keep] if _is_per_token(x, total) else x for x in leaves])
 
 
 def _flatten(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:

@@ -60,7 +60,7 @@ from automodel.models.hf_io import (
     publish,
 )
 from automodel.models.lora import LoraConfig, export_adapter
-from automodel.models.mixers import decoder_of, stateful_mixer_classes
+from automodel.models.mixers import decoder_of, mixer_kernel_classes, stateful_mixer_classes
 from automodel.models.router_aux import RouterAuxLoss, router_statistics
 from automodel.models.sharded_init import UninitializedTensor, init_sharded
 from automodel.models.spec import ModelSpec
@@ -339,7 +339,11 @@ def build_model(
         )
         attach_thd_attention(hf, backend, cp_comm_type)
     if not dense_mask:  # the THD path; a type run under a dense mask was verified without them
-        attach_stateful_mixers(hf, stateful_mixer_classes(config, spec.trust_remote_code))
+        attach_stateful_mixers(
+            hf,
+            stateful_mixer_classes(config, spec.trust_remote_code),
+            kernels=mixer_kernel_classes(config, spec.mixer_backend, device, spec.trust_remote_code),
+        )
     if spec.activation_checkpointing:
         # the recompute of a layer in the backward sees the layout its forward saw (stateful mixers)
         hf.activation_checkpointing_enable(

@@ -18,9 +18,12 @@ Shape legend: T = the probe's tokens.
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
+import re
+import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,6 +37,7 @@ from automodel.attention.hf import (
     attention_callers,
     register_thd_attention,
 )
+from automodel.attention.mixers import MIXER_BACKENDS, layout_scope, mixer_forward
 from automodel.models.tiny import width_config
 
 logger = logging.getLogger(__name__)
@@ -56,11 +60,13 @@ def decoder_of(hf: PreTrainedModel) -> nn.Module:
 
 @dataclass(frozen=True)
 class MixerProbe:
-    """What the probe found: ``classes``, the stateful mixers' (outermost first met); and whether any
-    layer called the registered attention (``calls_attention``: a hybrid when both)."""
+    """What the probe found: ``classes``, the stateful mixers' (outermost first met); whether any
+    layer called the registered attention (``calls_attention``: a hybrid when both); and for each
+    class one module of the reduced copy with the inputs it got (``modules``, for the kernels' check)."""
 
     classes: tuple[type, ...] = ()
     calls_attention: bool = False
+    modules: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 def stateful_mixer_classes(config: PretrainedConfig, trust_remote_code: bool = False) -> tuple[type, ...]:
@@ -130,8 +136,10 @@ def _probe(config: PretrainedConfig, trust_remote_code: bool) -> MixerProbe:
                 hook.remove()
         callers = set(attention_callers(hf))
         holders = {type(m) for m in decoder.modules() if any(c in callers for c in m.modules())}
-        found = {type(m): None for m in _mixers_below(decoder, holders, callers, recorded)}
-    return MixerProbe(tuple(found), bool(callers))
+        found = {}
+        for module in _mixers_below(decoder, holders, callers, recorded):
+            found.setdefault(type(module), (module, *recorded[module]))
+    return MixerProbe(tuple(found), bool(callers), found)
 
 
 def _mixers_below(
@@ -193,3 +201,159 @@ def _first_per_token(output: Any) -> torch.Tensor | None:
     if isinstance(output, dict):
         return next((t for t in map(_first_per_token, output.values()) if t is not None), None)
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernels that take sample boundaries, where installed (model.mixer_backend)
+
+# the most a kernel's output may differ from the reference path's on the check's row (both float32;
+# the kernels' tensor-core sums round more): a state crossing a boundary moves it by far more
+KERNEL_RTOL = 5e-3
+# the check's row of PROBE_TOKENS: three sequences, one of a single token
+KERNEL_CHECK_LENGTHS = (5, 1, PROBE_TOKENS - 6)
+
+
+@dataclass(frozen=True)
+class KernelFunction:
+    """A function a mixer class calls that transformers takes from a package where installed
+    (``use_kernel_func_from_hub_with_fallback``), else its torch fallback."""
+
+    name: str
+    package: str
+    installed: bool
+    takes_layout: bool  # its installed implementation takes cu_seqlens or seq_idx
+
+
+def kernel_functions(cls: type) -> list[KernelFunction]:
+    """The package kernels ``cls``'s code calls, read from transformers' fallback wrappers in its
+    module (their closure holds the package and whether it was found)."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return []
+    namespace = vars(sys.modules[cls.__module__])
+    found = []
+    for name in sorted(set(re.findall(r"\b([A-Za-z_]\w*)\(", source))):
+        function = namespace.get(name)
+        if not callable(function) or getattr(function, "__closure__", None) is None:
+            continue
+        cells = inspect.getclosurevars(function).nonlocals
+        if "is_new_implementation" not in cells or "package" not in cells:
+            continue
+        params = set(cells.get("applicable_params") or ())
+        found.append(
+            KernelFunction(
+                name, cells["package"], bool(cells["is_new_implementation"]), bool(params & LAYOUT_PARAMS)
+            )
+        )
+    return found
+
+
+LAYOUT_PARAMS = {"cu_seqlens", "seq_idx"}
+
+
+def kernels_missing(cls: type) -> str | None:
+    """Why ``cls`` cannot run through its kernels with the layout here, or None: it calls no package
+    kernel, a package is not installed, or none of its kernels takes ``cu_seqlens`` / ``seq_idx``."""
+    functions = kernel_functions(cls)
+    if not functions:
+        return f"{cls.__name__} calls no package kernel (torch code only)"
+    missing = sorted({f.package for f in functions if not f.installed})
+    if missing:
+        return f"{cls.__name__} needs {', '.join(missing)} (not installed)"
+    if not any(f.takes_layout for f in functions):
+        return f"{cls.__name__}'s kernels take no sample boundaries (cu_seqlens, seq_idx)"
+    return None
+
+
+def kernel_error(
+    config: PretrainedConfig, cls: type, device: torch.device, trust_remote_code: bool = False
+) -> float:
+    """Relative error of ``cls``'s kernel path against its reference path on ``device`` (float32), on
+    the reduced copy's module and inputs as a row of three sequences (``KERNEL_CHECK_LENGTHS``): the
+    largest over the output, the inputs' gradients and the parameters' gradients (a fixed random
+    projection of the output as the loss), each against its own norm."""
+    module, args, kwargs = probe_mixers(config, trust_remote_code).modules[cls]
+    module = copy.deepcopy(module).to(device).float().train()
+    bounds = torch.tensor([0, *torch.tensor(KERNEL_CHECK_LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    layout = ThdAttentionMetadata(bounds, bounds.clone(), max(KERNEL_CHECK_LENGTHS))
+    results = []
+    for backend in ("reference", "kernels"):
+        inputs = _on(device, (args, kwargs))
+        leaves = [x for x in _tensors(inputs) if x.is_floating_point()]
+        for x in leaves:
+            x.requires_grad_()
+        module.zero_grad(set_to_none=True)
+        with layout_scope(layout):
+            out = _first_per_token(mixer_forward(module.forward, backend, *inputs[0], **inputs[1])).float()
+        weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(device)
+        (out * weight).sum().backward()
+        grads = [x.grad for x in leaves] + [p.grad for p in module.parameters()]
+        results.append([out.detach(), *(g for g in grads if g is not None)])
+    reference, kernels = results
+    if len(reference) != len(kernels):
+        return float("inf")
+    return max(float((k - r).norm()) / max(float(r.norm()), 1e-12) for r, k in zip(reference, kernels))
+
+
+def _tensors(node: Any) -> Iterator[torch.Tensor]:
+    if isinstance(node, torch.Tensor):
+        yield node
+    elif isinstance(node, (tuple, list)):
+        for x in node:
+            yield from _tensors(x)
+    elif type(node) is dict:
+        for x in node.values():
+            yield from _tensors(x)
+
+
+def _on(device: torch.device, node: Any) -> Any:
+    if isinstance(node, torch.Tensor):
+        return node.to(device)
+    if isinstance(node, (tuple, list)) and not hasattr(node, "_fields"):
+        return type(node)(_on(device, x) for x in node)
+    if type(node) is dict:
+        return {k: _on(device, v) for k, v in node.items()}
+    return node
+
+
+def mixer_kernel_classes(
+    config: PretrainedConfig, backend: str, device: torch.device, trust_remote_code: bool = False
+) -> tuple[type, ...]:
+    """The stateful mixer classes that run through their own kernels for ``model.mixer_backend``:
+    none for ``reference``; for ``auto`` on CUDA each class whose kernels are installed, take the
+    layout (:func:`kernels_missing`) and match the reference path on ``device``
+    (:func:`kernel_error` within ``KERNEL_RTOL``); for ``kernels`` every class, or a ValueError
+    naming the first that cannot (setup refuses it earlier, :func:`automodel.models.setup.check_mixer_backend`). Remembered
+    per config, backend and device for the process."""
+    if backend not in MIXER_BACKENDS:
+        raise ValueError(f"model.mixer_backend must be one of {MIXER_BACKENDS}, got {backend!r}")
+    key = (config.to_json_string(use_diff=False), backend, str(device), trust_remote_code)
+    if key not in _CHOSEN:
+        _CHOSEN[key] = _kernel_classes(config, backend, device, trust_remote_code)
+    return _CHOSEN[key]
+
+
+_CHOSEN: dict[tuple, tuple[type, ...]] = {}
+
+
+def _kernel_classes(
+    config: PretrainedConfig, backend: str, device: torch.device, trust_remote_code: bool
+) -> tuple[type, ...]:
+    classes = stateful_mixer_classes(config, trust_remote_code)
+    if backend == "reference" or not classes or (backend == "auto" and device.type != "cuda"):
+        return ()
+    chosen = []
+    for cls in classes:
+        why = kernels_missing(cls)
+        if why is None:
+            error = kernel_error(config, cls, device, trust_remote_code)
+            if error > KERNEL_RTOL:
+                why = f"{cls.__name__}'s kernels differ from its reference path by {error:.1e} on {device}"
+        if why is None:
+            chosen.append(cls)
+        elif backend == "kernels":
+            raise ValueError(f"model.mixer_backend=kernels: {why}; use model.mixer_backend=auto or reference")
+        else:
+            logger.info("stateful mixer %s runs its reference path (per sample): %s", cls.__name__, why)
+    return tuple(chosen)

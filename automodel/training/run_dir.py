@@ -69,6 +69,7 @@ MUTABLE_KEYS = (
     "parallel.timeout_minutes",
     "parallel.cp_comm_type",
     "model.attention_backend",
+    "model.mixer_backend",
     "model.trust_remote_code",
     "model.exceed_max_positions",
     "model.verify",
