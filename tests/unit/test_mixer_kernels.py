@@ -17,6 +17,7 @@ import torch
 
 from automodel.attention import ThdAttentionMetadata
 from automodel.models import ModelSpec
+from automodel.models.check_mixers import mixer_kernel_rows
 from automodel.models.mixers import kernels_missing, mixer_kernel_classes, stateful_mixer_classes
 from automodel.models.setup import check_mixer_backend
 from automodel.models.tiny import tiny_config
@@ -24,7 +25,7 @@ from automodel.models.tiny import tiny_config
 HERE = Path(__file__).parent
 
 
-def with_standins(**env: str) -> dict:
+def with_standins() -> dict:
     paths = [str(HERE / "mixer_standin"), str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")]
     result = subprocess.run(
         [sys.executable, str(HERE / "mixer_kernels_check.py")],
@@ -32,7 +33,6 @@ def with_standins(**env: str) -> dict:
             **os.environ,
             "OMP_NUM_THREADS": "1",
             "PYTHONPATH": os.pathsep.join(p for p in paths if p),
-            **env,
         },
         capture_output=True,
         text=True,
@@ -42,7 +42,7 @@ def with_standins(**env: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def test_the_kernel_path_equals_the_reference_path_through_strict_standins():
+def test_the_kernel_path_equals_the_reference_path_through_strict_standins_and_a_wrong_kernel_is_refused():
     found = with_standins()
     assert found["missing"] is None  # installed, and its kernels take cu_seqlens / seq_idx
     assert found["error"] <= 1e-5 and found["chosen"] == ["Qwen3_5GatedDeltaNet"]
@@ -52,11 +52,12 @@ def test_the_kernel_path_equals_the_reference_path_through_strict_standins():
     assert {"fn": "causal_conv1d_fn", "seq_idx": True} in found["calls"]
     assert not any(call.get("cu_seqlens") is False or call.get("seq_idx") is False for call in found["calls"])
     assert found["grad_names_equal"] and found["loss_error"] <= 1e-5 and found["grad_error"] <= 1e-5
-
-
-def test_a_kernel_that_ignores_the_boundaries_is_refused():
-    found = with_standins(STANDIN_IGNORE_LAYOUT="1")
-    assert "differ from its reference path" in found["refused"], found
+    # check-gpu's rows: the Gated DeltaNet families PASS through the stand-ins, the others SKIP (no mamba-ssm)
+    assert found["rows"]["qwen3_5_text Qwen3_5GatedDeltaNet"] == "PASS"
+    assert found["rows"]["nemotron_h NemotronHMamba2Mixer"] == "SKIP"
+    assert "FAIL" not in found["rows"].values(), found["rows"]
+    # a kernel that ignores the boundaries differs from the reference path: refused
+    assert "Qwen3_5GatedDeltaNet's kernels differ from its reference path" in found["refused"], found
 
 
 def test_without_the_packages_the_reference_path_runs_and_kernels_are_refused_at_setup(monkeypatch):
@@ -75,6 +76,16 @@ def test_without_the_packages_the_reference_path_runs_and_kernels_are_refused_at
         ValueError, match=r"needs causal_conv1d, fla \(not installed\); pip install 'automodel\[mixers\]'"
     ):
         check_mixer_backend(spec, config)
+
+
+def test_check_gpu_skips_each_mixer_whose_kernels_are_not_installed_naming_why():
+    rows = {row.case: row for row in mixer_kernel_rows(torch.device("cpu"))}
+    assert {row.status for row in rows.values()} == {"SKIP"}
+    assert (
+        rows["qwen3_5_text Qwen3_5GatedDeltaNet"].detail
+        == "Qwen3_5GatedDeltaNet needs causal_conv1d, fla (not installed)"
+    )
+    assert "jamba JambaMambaMixer" in rows and "lfm2 Lfm2ShortConv" in rows
 
 
 def test_the_sequence_index_names_each_tokens_padded_sequence():
