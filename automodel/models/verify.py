@@ -530,10 +530,14 @@ def runs_at_own_sizes(config: PretrainedConfig) -> bool | None:
 
 def not_buildable(error: NotBuildable, own_config: PretrainedConfig | None) -> Verdict:
     """The verdict when transformers' own class fails on the checked (reduced-size) config: named as
-    transformers' failure only where it fails at ``own_config``'s sizes too (:func:`runs_at_own_sizes`)."""
+    transformers' failure where it fails at ``own_config``'s sizes too (:func:`runs_at_own_sizes`),
+    or, where the meta device cannot tell, where the error is not about shapes (a field the config
+    leaves None); a shape error there is the reduction's."""
     own = None if own_config is None else runs_at_own_sizes(own_config)
     if own is False:
         return Verdict("not_buildable", f"{error} (at its own sizes too)")
+    if own is None and not re.search(r"\bsize\b|\bshape\b|dimension", error.error):
+        return Verdict("not_buildable", f"{error} (at a reduced size)")
     if own:
         return Verdict(
             "not_buildable",
