@@ -175,6 +175,8 @@ def test_a_planted_acceptance_does_not_make_a_run_of_a_refused_hybrid_train(tmp_
 
     path = cache_file(monkeypatch, setup_check, tmp_path / "cache" / "exactness")
     path.write_text(json.dumps({"status": "verified"}))
-    with pytest.raises(ConfigError, match="model_type 'inkling_text'.* is refused on the THD path: recurrent"):
+    with pytest.raises(
+        ConfigError, match="model_type 'inkling_text'.* is refused on the THD path: recurrent"
+    ):
         run(cfg)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
