@@ -74,11 +74,6 @@ class layout_scope:  # noqa: N801  (a context manager used like a function)
         _LAYOUT.reset(self._tokens.pop())
 
 
-def current_layout() -> ThdAttentionMetadata | None:
-    """The layout of the row being computed (None outside :func:`layout_scope`)."""
-    return _LAYOUT.get()
-
-
 def checkpoint_context_fn() -> tuple[Any, layout_scope]:
     """``context_fn`` for ``torch.utils.checkpoint`` (non-reentrant): the layer's recompute in the
     backward sees the layout its forward saw."""

@@ -9,6 +9,7 @@ one-token sample, tail padding) on each family; activation checkpointing's recom
 
 from __future__ import annotations
 
+import argparse
 import copy
 
 import pytest
@@ -205,3 +206,17 @@ def test_a_reduced_copy_that_transformers_cannot_run_does_not_blame_the_config()
     assert verdict.status == "not_buildable"
     assert verdict.reason.startswith("the check's reduced-size copy of it does not run"), verdict.reason
     assert "while the config does at its own sizes" in verdict.reason
+
+
+def test_the_hybrid_benchmark_runs_a_tiny_case():
+    """``automodel bench hybrid``'s one-mode run on a tiny shape (figures: docs/benchmarks.md)."""
+    from automodel.benchmarks import hybrid
+
+    args = argparse.Namespace(
+        hidden=32, layers=4, vocab=256, samples=6, median=20, max_length=64, pack_size=128, micro_batch=4,
+        repeats=1, seed=0,
+    )  # fmt: skip
+    for mode in hybrid.MODES:
+        row = hybrid.run_mode(mode, args)
+        assert row["mode"] == mode and 0 < row["fill"] <= 1 and row["tokens_per_s"] > 0
+        assert row["mixer_share"] > 0 and row["real_tokens"] == int(hybrid.sample_lengths(6, 20, 64, 0).sum())
