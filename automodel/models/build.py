@@ -339,11 +339,7 @@ def build_model(
         )
         attach_thd_attention(hf, backend, cp_comm_type)
     if not dense_mask:  # the THD path; a type run under a dense mask was verified without them
-        attach_stateful_mixers(
-            hf,
-            stateful_mixer_classes(config, spec.trust_remote_code),
-            kernels=mixer_kernel_classes(config, spec.mixer_backend, device, spec.trust_remote_code),
-        )
+        attach_mixers(hf, spec, config, device)
     if spec.activation_checkpointing:
         # the recompute of a layer in the backward sees the layout its forward saw (stateful mixers)
         hf.activation_checkpointing_enable(
@@ -370,6 +366,32 @@ def build_model(
     if spec.compile:
         compile_decoder_layers(model)
     return model
+
+
+def attach_mixers(
+    hf: PreTrainedModel, spec: ModelSpec, config: PretrainedConfig, device: torch.device
+) -> None:
+    """Wrap ``hf``'s stateful token mixers to start fresh at every packed sample
+    (:func:`~automodel.attention.mixers.attach_stateful_mixers`), through their kernels where
+    ``spec.mixer_backend`` picks them. Where the probe cannot run a reduced copy of ``config``, none
+    is wrapped, with a warning: the check at setup (``model.verify``) is then what stands between the
+    run and a leak."""
+    try:
+        classes = stateful_mixer_classes(config, spec.trust_remote_code)
+    except Exception as error:  # noqa: BLE001  (the probe runs transformers' class on a reduced copy)
+        logger.warning(
+            "the stateful-mixer probe cannot run a reduced copy of this config (%s): no token mixer is run per "
+            "sample; with model.verify=true the check at setup decides whether it trains exactly",
+            f"{type(error).__name__}: {error}".splitlines()[0],
+        )
+        return
+    if classes:
+        kernels = mixer_kernel_classes(config, spec.mixer_backend, device, spec.trust_remote_code)
+        attach_stateful_mixers(hf, classes, kernels=kernels)
+        logger.info(
+            "stateful token mixers run per sample: %s",
+            ", ".join(f"{c.__name__} ({'kernels' if c in kernels else 'reference'})" for c in classes),
+        )
 
 
 COMPILE_BACKEND = (
