@@ -220,3 +220,21 @@ def test_the_hybrid_benchmark_runs_a_tiny_case():
         row = hybrid.run_mode(mode, args)
         assert row["mode"] == mode and 0 < row["fill"] <= 1 and row["tokens_per_s"] > 0
         assert row["mixer_share"] > 0 and row["real_tokens"] == int(hybrid.sample_lengths(6, 20, 64, 0).sum())
+
+
+def test_every_buffer_is_set_as_from_pretrained_sets_it(tmp_path):
+    """Falcon-H1's model-level ``_init_weights`` sets the ``mup_vector`` buffer it gives every Mamba
+    mixer; the build left it as ``to_empty`` found the memory (NaN losses, now and then)."""
+    config = tiny_config("falcon_h1")
+    config.ssm_multipliers = [0.5, 2.0, 1.5, 0.25, 3.0]
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "ckpt")
+    spec = ModelSpec(pretrained_path=str(tmp_path / "ckpt"), attention_backend="portable")
+    model = build.build_model(
+        spec, spec.hf_config(), device=torch.device("cpu"), shard=lambda m: None, seed=0
+    )
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
+    buffers = dict(model.hf.named_buffers())
+    for name, value in reference.named_buffers():
+        torch.testing.assert_close(buffers[name], value, msg=name)
+    assert any("mup_vector" in name for name in buffers)
