@@ -42,7 +42,7 @@ USAGE = """automodel <command> [...]    (automodel --version; --debug: traceback
   bench tokenize [...]             tokenizing and packing a generated text corpus against datasets.map; peak memory
   bench chat_masks [...]           chat rows masked from their own template: rows and tokens per CPU second
   bench cli_latency [...]          how fast the CLI answers --cfg job, typos and bad values
-  check-gpu [...]                  Transformer Engine against the portable attention on this machine's GPUs
+  check-gpu [...]                  Transformer Engine against the portable attention, hybrids' mixer kernels against their reference, on this machine's GPUs
   families [--verify [TYPE ...]]   the supported model types; --verify re-runs the differential check
   torchrun [OPTIONS] COMMAND ...   torchrun's launch of automodel COMMAND on every rank, with automodel's exit
                                    codes (2: input error, printed once; 143/130: stopped on a signal)
@@ -202,9 +202,18 @@ def _dispatch(command: str, rest: list[str], argv: list[str], debug: bool = Fals
 
         return families(rest)
     if command == "check-gpu":
-        from automodel.attention.check_gpu import main as check_gpu
+        import torch
 
-        return check_gpu(rest)
+        from automodel.attention.check_gpu import main as check_gpu
+        from automodel.attention.check_kit import EXIT_FAILED, all_passed, format_table
+        from automodel.models.check_mixers import mixer_kernel_rows
+
+        code = check_gpu(rest)
+        if not torch.cuda.is_available():
+            return code
+        rows = mixer_kernel_rows(torch.device("cuda", torch.cuda.current_device()))
+        print(format_table(rows))
+        return code if all_passed(rows) else EXIT_FAILED
     print(f"automodel: unknown command {' '.join(argv[:2])!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -177,7 +177,12 @@ def attach_thd_attention(model: nn.Module, backend: str, cp_comm_type: str = "p2
 
 def thd_cores(model: nn.Module) -> list[_Core]:
     """The cores built so far, one per module that has called the attention interface."""
-    return [m.__dict__[_CORE] for m in model.modules() if _CORE in m.__dict__]
+    return [m.__dict__[_CORE] for m in attention_callers(model)]
+
+
+def attention_callers(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that have called the attention interface so far."""
+    return [m for m in model.modules() if _CORE in m.__dict__]
 
 
 def _core_for(module: nn.Module, query, key, value, scaling: float | None) -> _Core:

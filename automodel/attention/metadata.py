@@ -95,6 +95,17 @@ class ThdAttentionMetadata:
             mark_sequence_count_dynamic(self.device_copies[key])
         return self.device_copies[key]
 
+    def sequence_index(self, device: torch.device) -> torch.Tensor:
+        """``[1, T]`` int32: the index of each token's (padded) sequence, on ``device``, made once per
+        batch (mamba-ssm's and causal-conv1d's ``seq_idx``)."""
+        key = ("sequence_index", torch.device(device))
+        if key not in self.device_copies:
+            index = torch.repeat_interleave(
+                torch.arange(len(self.padded_lens), dtype=torch.int32), self.padded_lens
+            )
+            self.device_copies[key] = index[None].to(device, non_blocking=True)
+        return self.device_copies[key]
+
     def prefetch(self, device: torch.device) -> ThdAttentionMetadata:
         """Queue the device copies of the layout before the forward, so no layer waits on one."""
         for name in ("cu_seqlens", "cu_seqlens_padded"):

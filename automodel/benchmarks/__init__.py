@@ -17,6 +17,7 @@ BENCHMARKS = (
     "tokenize",
     "chat_masks",
     "cli_latency",
+    "hybrid",
 )
 
 
@@ -49,6 +50,8 @@ def run_benchmark(name: str, argv: list[str]) -> int:
             from automodel.benchmarks.chat_masks import main
         case "cli_latency":
             from automodel.benchmarks.cli_latency import main
+        case "hybrid":
+            from automodel.benchmarks.hybrid import main
         case _:
             raise ValueError(f"unknown benchmark {name!r}; one of {BENCHMARKS}")
     return main(argv)

@@ -1,6 +1,7 @@
 """Every GPU figure in one command: ``automodel bench gpu``.
 
-Trains random-init models shaped like Llama 3.2 1B and Qwen3 1.7B (config only, no weights) with
+Trains random-init models shaped like Llama 3.2 1B, Qwen3 1.7B and a 2B Qwen3.5 (a hybrid: three Gated
+DeltaNet layers to one attention layer, its mixers run per sample; config only, no weights) with
 the real recipe path (``FinetuneRecipe``: data, packing, FSDP2 with bf16 compute on fp32 master
 weights, the registered THD attention, the chunked loss, AdamW), on a seeded length mix typical of
 chat SFT data, and prints one table row per case:
@@ -106,6 +107,17 @@ LLAMA3_1_8B = {
     "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                      "original_max_position_embeddings": 8192},
 }  # fmt: skip
+# Qwen3.5's layout and head shapes (transformers' Qwen3_5TextConfig: three Gated DeltaNet layers to one
+# gated attention layer, 16 key and value heads of 128 for the linear attention, 8 query / 2 key-value
+# heads of 256 for the attention) at 2k hidden and 24 layers
+QWEN3_5_2B = {
+    "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 2048, "intermediate_size": 6144,
+    "num_hidden_layers": 24, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 16, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 6,
+}  # fmt: skip
 TINY = {
     "model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 4096,
@@ -125,8 +137,8 @@ TINY_MOE = {
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
     "max_position_embeddings": 4096,
 }  # fmt: skip
-SHAPES = {"llama3.2-1b": LLAMA3_2_1B, "qwen3-1.7b": QWEN3_1_7B, "llama3.1-8b": LLAMA3_1_8B, "tiny": TINY,
-          "qwen3-moe": QWEN3_MOE, "tiny-moe": TINY_MOE}  # fmt: skip
+SHAPES = {"llama3.2-1b": LLAMA3_2_1B, "qwen3-1.7b": QWEN3_1_7B, "qwen3.5-2b": QWEN3_5_2B, "llama3.1-8b": LLAMA3_1_8B,
+          "tiny": TINY, "qwen3-moe": QWEN3_MOE, "tiny-moe": TINY_MOE}  # fmt: skip
 LORA = ["+peft=lora", "peft.rank=16", "peft.alpha=32", "peft.target_modules=all-linear"]  # the LoRA row
 
 # Peak dense bf16 tensor FLOP/s by device name (vendor data sheets, without sparsity).
@@ -223,10 +235,12 @@ def available_backends(device: torch.device) -> list[str]:
 def attention_flops_per_token(config: dict, lengths: np.ndarray) -> float:
     """Causal attention's forward + backward FLOPs per token, averaged over samples of ``lengths``:
     QK^T and PV are 2 x len^2 x heads x head_dim each for a full square, half of it causal, times 3
-    for the backward, per layer."""
+    for the backward, per attention layer (a hybrid's ``layer_types`` name them; its linear-attention
+    layers' recurrence is not counted)."""
     per_layer = 6 * config["num_attention_heads"] * config["head_dim"]
+    layer_types = config.get("layer_types")
     return (
-        config["num_hidden_layers"]
+        (layer_types.count("full_attention") if layer_types else config["num_hidden_layers"])
         * per_layer
         * float((lengths.astype(np.float64) ** 2).sum() / lengths.sum())
     )
@@ -536,7 +550,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--tiny", action="store_true", help="tiny shapes and packs on any machine (the default without CUDA)"
     )
-    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), help="default: llama3.2-1b qwen3-1.7b")
+    parser.add_argument(
+        "--shapes", nargs="+", choices=sorted(SHAPES), help="default: llama3.2-1b qwen3-1.7b qwen3.5-2b"
+    )
     parser.add_argument("--pack-sizes", nargs="+", type=int, help="default: 8192 16384 (tiny: 256 512)")
     parser.add_argument(
         "--cases", nargs="+", choices=KINDS,
@@ -574,7 +590,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tiny = args.tiny or args.device.type != "cuda"
     args.cases = args.cases or [*DEFAULT_KINDS, *(["lora"] if args.lora_shape else [])]
-    args.shapes = args.shapes or (["tiny"] if tiny else ["llama3.2-1b", "qwen3-1.7b"])
+    args.shapes = args.shapes or (["tiny"] if tiny else ["llama3.2-1b", "qwen3-1.7b", "qwen3.5-2b"])
     args.pack_sizes = args.pack_sizes or ([256, 512] if tiny else [8192, 16384])
     args.max_length = args.max_length or (128 if tiny else 4096)
     args.lora_shape = args.lora_shape or ("tiny" if tiny else "llama3.1-8b")

@@ -41,6 +41,7 @@ from automodel.attention.hf import (
     attach_thd_attention,
     register_thd_attention,
 )
+from automodel.attention.mixers import attach_stateful_mixers, checkpoint_context_fn, layout_scope
 from automodel.data.chat import end_of_turn_token_id
 from automodel.loss import (
     TeacherHead,
@@ -59,6 +60,7 @@ from automodel.models.hf_io import (
     publish,
 )
 from automodel.models.lora import LoraConfig, export_adapter
+from automodel.models.mixers import decoder_of, mixer_kernel_classes, stateful_mixer_classes
 from automodel.models.router_aux import RouterAuxLoss, router_statistics
 from automodel.models.sharded_init import UninitializedTensor, init_sharded
 from automodel.models.spec import ModelSpec
@@ -113,13 +115,8 @@ class CausalLMForTraining(nn.Module):
 
     @property
     def decoder(self) -> nn.Module:
-        """The base model that maps ids to final hidden states: ``get_decoder()``, else the child
-        that is itself a transformers model (Llama 4 text's is not at ``base_model_prefix``)."""
-        hf = self.transformers_model
-        decoder = hf.get_decoder()
-        if decoder is hf or not isinstance(decoder, PreTrainedModel):  # ModernBERT's `decoder` is its head
-            decoder = next(m for m in hf.children() if isinstance(m, PreTrainedModel))
-        return decoder
+        """The base model that maps ids to final hidden states (:func:`~automodel.models.mixers.decoder_of`)."""
+        return decoder_of(self.transformers_model)
 
     @property
     def decoder_layers(self) -> nn.ModuleList:
@@ -217,7 +214,9 @@ class CausalLMForTraining(nn.Module):
         self, input_ids_T: torch.Tensor, position_ids_T: torch.Tensor, thd_layout: ThdAttentionMetadata
     ) -> Any:
         """The decoder's output on one packed row (``last_hidden_state`` ``[1, T, D]``, and the
-        ``router_logits`` of each MoE layer where the config records them)."""
+        ``router_logits`` of each MoE layer where the config records them). The layout is held for
+        the stateful token mixers too (:func:`~automodel.attention.mixers.layout_scope`), which
+        transformers calls without it."""
         if self.dense_mask:
             # the compute dtype: the embeddings stay in the root unit for a dense-mask model (fsdp_units),
             # so FSDP2 has unsharded them here
@@ -225,12 +224,13 @@ class CausalLMForTraining(nn.Module):
             layout = {"attention_mask": thd_layout.block_causal_mask(input_ids_T.device, dtype)}
         else:
             layout = {"thd_layout": thd_layout}
-        return self.decoder(
-            input_ids=input_ids_T[None],
-            position_ids=batched_position_ids(self.config, position_ids_T),
-            use_cache=False,
-            **layout,
-        )
+        with layout_scope(thd_layout):
+            return self.decoder(
+                input_ids=input_ids_T[None],
+                position_ids=batched_position_ids(self.config, position_ids_T),
+                use_cache=False,
+                **layout,
+            )
 
 
 HEAD_OUTPUT_METHOD = "automodel_head_output"
@@ -350,8 +350,13 @@ def build_model(
             spec.attention_backend, compute_dtype=compute_dtype or spec.torch_dtype
         )
         attach_thd_attention(hf, backend, cp_comm_type)
+    if not dense_mask:  # the THD path; a type run under a dense mask was verified without them
+        attach_mixers(hf, spec, config, device)
     if spec.activation_checkpointing:
-        hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        # the recompute of a layer in the backward sees the layout its forward saw (stateful mixers)
+        hf.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False, "context_fn": checkpoint_context_fn}
+        )
     if lora is not None:
         with torch.device("meta"):
             model.hf = lora.apply(hf)
@@ -373,6 +378,32 @@ def build_model(
     if spec.compile:
         compile_decoder_layers(model)
     return model
+
+
+def attach_mixers(
+    hf: PreTrainedModel, spec: ModelSpec, config: PretrainedConfig, device: torch.device
+) -> None:
+    """Wrap ``hf``'s stateful token mixers to start fresh at every packed sample
+    (:func:`~automodel.attention.mixers.attach_stateful_mixers`), through their kernels where
+    ``spec.mixer_backend`` picks them. Where the probe cannot run a reduced copy of ``config``, none
+    is wrapped, with a warning: the check at setup (``model.verify``) is then what stands between the
+    run and a leak."""
+    try:
+        classes = stateful_mixer_classes(config, spec.trust_remote_code)
+    except Exception as error:  # noqa: BLE001  (the probe runs transformers' class on a reduced copy)
+        logger.warning(
+            "the stateful-mixer probe cannot run a reduced copy of this config (%s): no token mixer is run per "
+            "sample; with model.verify=true the check at setup decides whether it trains exactly",
+            f"{type(error).__name__}: {error}".splitlines()[0],
+        )
+        return
+    if classes:
+        kernels = mixer_kernel_classes(config, spec.mixer_backend, device, spec.trust_remote_code)
+        attach_stateful_mixers(hf, classes, kernels=kernels)
+        logger.info(
+            "stateful token mixers run per sample: %s",
+            ", ".join(f"{c.__name__} ({'kernels' if c in kernels else 'reference'})" for c in classes),
+        )
 
 
 COMPILE_BACKEND = (

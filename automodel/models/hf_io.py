@@ -28,6 +28,7 @@ a failed write on any rank (full disk) removes it and names the path and the byt
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -376,17 +377,37 @@ def init_buffers(hf: PreTrainedModel) -> None:
     """Non-persistent buffers (RoPE ``inv_freq``, Gemma's ``embed_scale``, a vision tower's
     ``position_ids``), on this rank, each module by the ``_init_weights`` of the transformers model
     that holds it (a composite model's towers have their own), as ``from_pretrained`` computes them;
-    the modules' parameters are marked initialized so that it leaves them alone."""
+    then each such transformers model by its own ``_init_weights``, which sets the buffers it gave
+    its layers (Falcon-H1's ``mup_vector`` on every Mamba mixer). Every parameter and persistent
+    buffer is marked initialized meanwhile, so that only the non-persistent buffers are written."""
+    owners = {}
     for module, owner in _with_owner(hf, hf):
-        if not module._non_persistent_buffers_set:
-            continue
-        params = list(module.parameters(recurse=False))
-        for param in params:
-            param._is_hf_initialized = True
-        with torch.no_grad():
-            owner._init_weights(module)
-        for param in params:
-            del param._is_hf_initialized
+        if module._non_persistent_buffers_set:
+            owners[id(owner)] = owner
+            with _initialized(module, recurse=False), torch.no_grad():
+                owner._init_weights(module)
+    for owner in owners.values():
+        with _initialized(owner, recurse=True), torch.no_grad():
+            owner._init_weights(owner)
+
+
+@contextlib.contextmanager
+def _initialized(module: nn.Module, recurse: bool) -> Iterator[None]:
+    """``module``'s parameters and persistent buffers marked as initialized (transformers' init
+    functions leave them alone) while inside."""
+    tensors = [*module.parameters(recurse=recurse)]
+    for holder in module.modules() if recurse else [module]:
+        tensors += [
+            b for n, b in holder.named_buffers(recurse=False) if n not in holder._non_persistent_buffers_set
+        ]
+    marked = [t for t in tensors if not getattr(t, "_is_hf_initialized", False)]
+    for tensor in marked:
+        tensor._is_hf_initialized = True
+    try:
+        yield
+    finally:
+        for tensor in marked:
+            del tensor._is_hf_initialized
 
 
 def _with_owner(module: nn.Module, owner: PreTrainedModel) -> Iterator[tuple[nn.Module, PreTrainedModel]]:

@@ -28,6 +28,7 @@ from automodel.attention.hf import FEATURES
 from automodel.attention.varlen import FLASH_DTYPES, varlen_missing
 from automodel.config import ConfigError
 from automodel.models.lora import LoraConfig
+from automodel.models.mixers import kernels_missing, stateful_mixer_classes
 from automodel.models.spec import ModelSpec, check_sizes
 from automodel.models.support import config_verdict, table_verdict
 from automodel.models.tiny import config_fields, length_fields
@@ -105,6 +106,7 @@ def config_checks(
         )
     # after the features: a feature no backend computes is the first thing to fix
     check_backend_device(backend, compute_dtype)
+    check_mixer_backend(spec, config)
     return config, entry
 
 
@@ -411,6 +413,25 @@ def check_max_positions(
             f"samples may have {sample_tokens} tokens ({source}) but the model's max_position_embeddings is "
             f"{limit}; set data.max_length <= {limit}, or model.exceed_max_positions=true to train past it anyway"
         )
+
+
+def check_mixer_backend(spec: ModelSpec, config: PretrainedConfig) -> None:
+    """ValueError at setup for ``model.mixer_backend=kernels`` without CUDA, or where a stateful
+    mixer class of the model has no installed kernel that takes sample boundaries
+    (:func:`~automodel.models.mixers.kernels_missing`); ``auto`` and ``reference`` run anywhere."""
+    if spec.mixer_backend != "kernels":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(
+            "model.mixer_backend='kernels' runs flash-linear-attention, causal-conv1d and mamba-ssm kernels, which "
+            "need a CUDA GPU, and this machine has none; use model.mixer_backend=auto or reference"
+        )
+    for cls in stateful_mixer_classes(config, spec.trust_remote_code):
+        why = kernels_missing(cls)
+        if why is not None:
+            raise ValueError(
+                f"model.mixer_backend='kernels': {why}; pip install 'automodel[mixers]', or use model.mixer_backend=auto"
+            )
 
 
 def check_backend_device(backend: str, compute_dtype: torch.dtype) -> None:

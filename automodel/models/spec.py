@@ -19,6 +19,7 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto import modeling_auto
 
 from automodel.attention import ATTENTION_BACKENDS
+from automodel.attention.mixers import MIXER_BACKENDS
 from automodel.config import refuse_remote_code
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -39,6 +40,11 @@ class ModelSpec:
             portable; TE and varlen only where attention computes in bf16/fp16, the run's compute
             dtype: bf16 under ``trainer.bf16_autocast`` on CUDA, else this ``dtype``), ``te``,
             ``varlen`` or ``portable``.
+        mixer_backend: how a hybrid's stateful token mixers (Gated DeltaNet, Mamba, short
+            convolutions...) start fresh at every packed sample: ``auto`` (on CUDA, a mixer class's own
+            kernels where flash-linear-attention / causal-conv1d / mamba-ssm are installed, take the
+            sample boundaries and match the reference path on the device; else the reference path),
+            ``reference`` (torch, per sample, any device) or ``kernels`` (required; CUDA).
         dtype: compute dtype. ``bfloat16`` keeps float32 master weights and optimizer state and
             computes in bf16 through FSDP2's MixedPrecisionPolicy (gradients reduced in float32);
             under LoRA the frozen base is stored in this dtype (models/frozen_base.py).
@@ -70,6 +76,7 @@ class ModelSpec:
     pretrained_path: str | None = None
     config: dict[str, Any] | None = None
     attention_backend: str = "auto"
+    mixer_backend: str = "auto"
     dtype: str = "float32"
     activation_checkpointing: bool = False
     compile: bool = False
@@ -95,6 +102,10 @@ class ModelSpec:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"model.attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
+        if self.mixer_backend not in MIXER_BACKENDS:
+            raise ValueError(
+                f"model.mixer_backend must be one of {MIXER_BACKENDS}, got {self.mixer_backend!r}"
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"model.dtype must be one of {list(DTYPES)}, got {self.dtype!r}")

@@ -30,20 +30,24 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import transformers
-from transformers import PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import automodel
 from automodel.config import ConfigError, automodel_cache_dir
+from automodel.models.mixers import stateful_mixer_classes
 from automodel.models.tiny import WINDOW, length_fields, tiny_config, width_config
 from automodel.models.verify import (
     BASE_TOKENS,
+    MIXER_CHUNK,
+    REAL_LENS,
     REASONS,
     RTOL,
     Verdict,
     backends_for,
     check_lengths,
     features_of,
+    mixer_lengths,
     one_line,
     packed_step_errors,
     verify_config,
@@ -98,20 +102,33 @@ def config_verdict(
     (:func:`cache_binding`): a second run pays nothing, and an entry that does not match is checked
     again. Under ``torch.distributed`` rank 0 runs it and every rank gets its verdict."""
     checked = width_config(config)
-    thresholds = length_fields(checked).values()
+    thresholds = [*length_fields(checked).values(), *([MIXER_CHUNK] if _has_stateful_mixers(checked) else [])]
     lengths = check_lengths(sample_tokens or row_tokens or BASE_TOKENS, row_tokens, thresholds)
     binding = cache_binding(checked, lengths)
     path = (cache_dir or exactness_cache_dir()) / cache_file_name(checked.model_type, binding)
     entry = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
-        entry[0] = _cached_or_checked(checked, lengths, path, binding)
+        entry[0] = _cached_or_checked(checked, lengths, path, binding, own_config=config)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(entry, src=0)
     return entry[0]
 
 
+def _has_stateful_mixers(config: PretrainedConfig) -> bool:
+    """Whether ``config``'s model mixes tokens besides attention (False where the probe cannot run
+    it: the check then names why)."""
+    try:
+        return bool(stateful_mixer_classes(config))
+    except Exception:  # noqa: BLE001  (the differential check reports the failure)
+        return False
+
+
 def _cached_or_checked(
-    checked: PretrainedConfig, lengths: tuple[int, ...], path: Path, binding: dict
+    checked: PretrainedConfig,
+    lengths: tuple[int, ...],
+    path: Path,
+    binding: dict,
+    own_config: PretrainedConfig | None = None,
 ) -> dict:
     what = f"{checked.model_type}, {checked.num_hidden_layers} layers, samples {list(lengths)}"
     cached = read_cached_verdict(path, binding)
@@ -124,7 +141,7 @@ def _cached_or_checked(
     # type that needs it, and one the table has not seen or could not check (a newer release's)
     default = supported_table().get(checked.model_type) or {}
     thd_verified = default.get("status") == "verified" and not uses_dense_mask(default)
-    verdict = verify_config(checked, lengths, dense_mask_fallback=not thd_verified)
+    verdict = verify_config(checked, lengths, dense_mask_fallback=not thd_verified, own_config=own_config)
     entry = {k: v for k, v in asdict(verdict).items() if v not in ("", [], None)}
     if verdict.status != "verified":  # not cached: a refusal stops the run, and may come from the machine
         return entry
@@ -288,12 +305,15 @@ SUPPORTED_TABLE = Path(__file__).with_name("supported.json")
 
 def verify(model_type: str) -> Verdict:
     """The differential for one type's default config (:func:`tiny_config`), with the reason when it
-    fails. A window left off by default (``sliding_window: null``) is verified switched on too."""
+    fails: on ``REAL_LENS``, or for a model with stateful token mixers on :func:`mixer_lengths` (a
+    sample past their chunk sizes, a one-token sample). A window left off by default
+    (``sliding_window: null``) is verified switched on too."""
     try:
         config = tiny_config(model_type)
     except Exception as error:  # any failure to build is recorded as the reason, not raised
         return Verdict("not_buildable", one_line(error))
-    verdict = verify_config(config)
+    lengths = mixer_lengths(config) if _has_stateful_mixers(config) else REAL_LENS
+    verdict = verify_config(config, lengths, own_config=AutoConfig.for_model(model_type, is_decoder=True))
     if verdict.status == "verified" and getattr(config, "sliding_window", 0) is None:
         windowed = copy.deepcopy(config)
         windowed.sliding_window = WINDOW

@@ -68,7 +68,41 @@ _TINY = {
     "window_size": WINDOW,  # GPT-Neo's local attention layers
     "attention_chunk_size": WINDOW,
     "rotary_dim": 4,
+    # linear attention (Gated DeltaNet, KDA): key/value heads and their dims
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_num_heads": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "linear_head_dim": 8,
+    # Mamba and Mamba-2 mixers: heads, head dim, state, groups (dividing the heads), time-step rank
+    "mamba_n_heads": 8,
+    "mamba_num_heads": 8,
+    "n_mamba_heads": 8,
+    "mamba_d_head": 8,
+    "mamba_head_dim": 8,
+    "mamba_headdim": 8,
+    "mamba_d_ssm": 64,
+    "mamba_d_state": 16,
+    "ssm_state_size": 16,
+    "state_size": 16,
+    "mamba_n_groups": 2,
+    "mamba_ngroups": 2,
+    "n_groups": 2,
+    "mamba_dt_rank": 8,
+    # Mamba-2's scan chunk: a length, below the samples of the sweep (kept by width_config)
+    "chunk_size": 16,
+    "mamba_chunk_size": 16,
 }
+
+# Mamba-2 splits its inner width (``mamba_d_ssm`` where set, else expand x hidden size) into heads of
+# a head dim: (heads, head dim) field pairs whose product the shrink keeps equal to the inner width
+_MAMBA_HEADS = (
+    ("mamba_n_heads", "mamba_d_head"),
+    ("mamba_num_heads", "mamba_head_dim"),
+    ("n_mamba_heads", "mamba_headdim"),
+    ("num_heads", "head_dim"),
+)
 
 
 _ZERO = (
@@ -122,6 +156,14 @@ def width_config(config: PretrainedConfig) -> PretrainedConfig:
     return config
 
 
+def depth_config(config: PretrainedConfig) -> PretrainedConfig:
+    """``config`` at its own widths, cut in depth to one layer of each kind (:func:`_cut_depth`)."""
+    config = copy.deepcopy(config)
+    for part in _parts(config):
+        _cut_depth(part)
+    return config
+
+
 def _parts(config: PretrainedConfig) -> list[PretrainedConfig]:
     """``config`` and its sub-configs (a composite model's text and vision configs)."""
     subs = [getattr(config, name, None) for name in getattr(config, "sub_configs", {}) or {}]
@@ -139,6 +181,8 @@ _DEPTH_AND_LENGTHS = {
     "sliding_window",
     "window_size",
     "attention_chunk_size",
+    "chunk_size",
+    "mamba_chunk_size",
 }
 
 
@@ -307,6 +351,32 @@ def _scaled(value: int, before: int, after: int) -> int:
     return max(1, value * after // before)
 
 
+def _mamba_heads(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
+    """The Mamba-2 head count or head dim that keeps heads x head dim equal to the inner width
+    after the shrink, for each pair of :data:`_MAMBA_HEADS` whose product was the inner width before
+    (a pair that was not, such as an attention's heads and head dim, is left alone)."""
+
+    def inner(fields: dict[str, Any]) -> int | None:
+        if _is_int(fields.get("mamba_d_ssm")):
+            return fields["mamba_d_ssm"]
+        expand = next((fields[n] for n in ("mamba_expand", "expand") if _is_int(fields.get(n))), None)
+        hidden = fields.get("hidden_size")
+        return expand * hidden if expand is not None and _is_int(hidden) else None
+
+    width_before, width_after, changed = inner(before), inner(after), {}
+    for heads, dim in _MAMBA_HEADS:
+        values = before.get(heads), before.get(dim), after.get(heads), after.get(dim)
+        if width_before is None or width_after is None or not all(_is_int(v) for v in values):
+            continue
+        if values[0] * values[1] != width_before or values[2] * values[3] == width_after:
+            continue
+        if width_after % values[2] == 0 and width_after >= values[2]:
+            changed[dim] = width_after // values[2]
+        else:
+            changed[heads] = max(1, width_after // values[3])
+    return changed
+
+
 def _shrink(config: PretrainedConfig, widths_only: bool = False) -> None:
     """Every width of ``config`` down to :data:`_TINY`'s (per-layer lists element by element,
     per-layer overrides in proportion), special token ids inside the new vocabulary. With
@@ -336,6 +406,9 @@ def _shrink(config: PretrainedConfig, widths_only: bool = False) -> None:
     heads = shrunk.get("num_attention_heads")
     if widths_only and fields.get("num_key_value_heads") == fields.get("num_attention_heads") is not None:
         new["num_key_value_heads"] = heads  # multi-head attention stays multi-head
+    if fields.get("linear_num_key_heads") == fields.get("linear_num_value_heads") is not None:
+        new["linear_num_value_heads"] = shrunk["linear_num_key_heads"]  # as many value heads as key heads
+    new.update(_mamba_heads(fields, {**fields, **new}))
     if not widths_only:
         if "head_dim" in fields and fields["head_dim"] is None and _is_int(heads):
             new["head_dim"] = shrunk["hidden_size"] // heads

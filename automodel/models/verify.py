@@ -9,7 +9,10 @@ with each sample run alone through the same class in its own attention (SDPA whe
 it, else eager): the loss, the logits and every gradient (float64 model on both sides, the loss
 head in float32; relative error <= ``RTOL``). Where the registered attention is never called or
 not exact, the type's own attention under a block-diagonal dense mask is checked the same way
-(feature ``dense_mask``); recurrent or convolutional token mixers are refused without it.
+(feature ``dense_mask``). A model whose layers mix tokens besides attention (recurrent, state-space,
+short-convolution mixers: :mod:`automodel.models.mixers`) is checked with those mixers run per
+sample (feature ``stateful_mixer``), on a row with a sample past their chunk sizes, a one-token
+sample and padding after the last sample.
 
 ``automodel families --verify`` (:mod:`automodel.models.support`) runs it over every type of
 transformers' causal-LM table and writes ``automodel/models/supported.json``, which setup reads
@@ -53,17 +56,30 @@ from automodel.models.build import (
     own_attention_implementation,
 )
 from automodel.models.inputs import model_inputs, padding_token_id
+from automodel.models.mixers import probe_mixers
 from automodel.models.router_aux import load_balancing_loss
 from automodel.models.spec import ModelSpec
+from automodel.models.tiny import depth_config, length_fields
 
 RTOL = 1e-5
 GRAD_FLOOR = 1e-9  # of the largest gradient's norm: the scale below which a gradient is zero
 REAL_LENS = (7, 12, 5, 9)  # packed sample lengths; windows and chunks below are shorter than most
 PAD_MULTIPLE = 4
+# the chunk of the gated delta rule (transformers' torch path and flash-linear-attention's kernels);
+# a stateful mixer's check crosses it and the config's own chunk sizes (tiny Mamba-2: 16)
+MIXER_CHUNK = 64
+TAIL_PADDING = PAD_MULTIPLE  # padding after the last sample of every checked row
 
 
 class NotBuildable(Exception):
-    """transformers' own model cannot run the tiny config."""
+    """transformers' own model (``model_class``, a class name) cannot run the checked config."""
+
+    def __init__(self, model_class: str, error: str):
+        super().__init__(model_class, error)
+        self.model_class, self.error = model_class, error
+
+    def __str__(self) -> str:
+        return f"transformers' own {self.model_class} fails on it: {self.error}"
 
 
 @dataclass
@@ -158,17 +174,32 @@ def check_lengths(
     return tuple(lengths)
 
 
+def mixer_lengths(config: PretrainedConfig) -> tuple[int, ...]:
+    """The sweep's row for a model with stateful token mixers: a one-token sample, and a sample past
+    ``MIXER_CHUNK`` and every chunk or block length of ``config`` (a Mamba-2 ``chunk_size``, a
+    lightning attention's ``block_size``), so that state crosses a chunk inside a sample.
+
+    Example (a tiny Mamba-2 config, ``chunk_size`` 16): ``(7, 1, 70, 12)``."""
+    chunks = [v for k, v in length_fields(config).items() if re.search("chunk|block", k.rsplit(".", 1)[-1])]
+    return (7, 1, max([MIXER_CHUNK, *chunks]) + 6, 12)
+
+
 def _padded(n: int) -> int:
     return -(-n // PAD_MULTIPLE) * PAD_MULTIPLE
 
 
 def packed_row(samples, vocab_size: int, padding_idx: int = 0) -> dict:
     """The samples as the run lays them out: ``build_row`` (each padded to ``PAD_MULTIPLE``, as for
-    two CP ranks, with ``padding_idx``) -> ``packed_sequence_thd_collater`` -> :func:`model_inputs`
-    (one rank), the recipe's own road to the model. Looked up in :mod:`automodel.data.collate` at each
-    call, so the check runs whatever the data path is."""
+    two CP ranks, with ``padding_idx``, and ``TAIL_PADDING`` slots after the last, as in a row padded
+    to its pack size) -> ``packed_sequence_thd_collater`` -> :func:`model_inputs` (one rank), the
+    recipe's own road to the model. Looked up in :mod:`automodel.data.collate` at each call, so the
+    check runs whatever the data path is."""
+    length = sum(_padded(len(x)) for x, _ in samples) + TAIL_PADDING
     row = collate.build_row(
-        [{"input_ids": x.numpy(), "labels": y.numpy()} for x, y in samples], padding_idx, PAD_MULTIPLE // 2
+        [{"input_ids": x.numpy(), "labels": y.numpy()} for x, y in samples],
+        padding_idx,
+        PAD_MULTIPLE // 2,
+        length,
     )
     return model_inputs(collate.packed_sequence_thd_collater([row]), vocab_size=vocab_size)
 
@@ -229,9 +260,7 @@ def _reference(config: PretrainedConfig, state: dict, samples) -> tuple[float, t
         try:
             out = model(input_ids=x[None], use_cache=False)
         except Exception as error:  # transformers' own model cannot run this config
-            raise NotBuildable(
-                f"transformers' own {type(model).__name__} fails on it: {one_line(error)}"
-            ) from error
+            raise NotBuildable(type(model).__name__, one_line(error)) from error
         batch_terms |= any(k.endswith("loss") and k != "loss" and v is not None for k, v in out.items())
         logits_LV = out.logits[0]
         loss = (
@@ -377,7 +406,8 @@ REASONS = {
     "code), and under a block-diagonal mask instead they differ from each sample alone ({})",
     "drops_layout": "its layers drop the forward keywords before attention, so the layout (thd_layout) never "
     "reaches it",
-    "recurrent": "recurrent, state-space or convolutional token mixing ({}) carries state across packed samples",
+    "recurrent": "recurrent, state-space or convolutional token mixing ({}) differs from each sample alone even "
+    "run per sample",
     "own_mask": "its layers pass their own attention mask, which the THD path (no dense mask) cannot honour",
     "bidirectional": "its attention is bidirectional (is_causal=False), not causal within each sample",
     "head": "its output head is more than lm_head on the final hidden states (a projection between them), which "
@@ -390,36 +420,6 @@ REASONS = {
     "random": "its forward in train mode draws random numbers ({}), which a packed row cannot draw as each sample "
     "alone would; {}",
 }
-_RECURRENT_NAMES = (
-    "mamba",
-    "rwkv",
-    "recurrent",
-    "lstm",
-    "linearattention",
-    "linear_attention",
-    "deltanet",
-    "shortconv",
-    "conv",
-    "mixer",
-    "lightning",
-)
-
-
-def token_mixers(model: nn.Module) -> list[str]:
-    """Class names of modules that mix tokens other than attention (state-space, recurrent,
-    convolution across the sequence): evidence for a refusal reason, not the test itself. Not
-    counted: image convolutions (``Conv2d``), GPT-2's ``Conv1D`` (a Linear), norms and whole models,
-    which carry a mixer's family name without mixing tokens."""
-    from transformers.pytorch_utils import Conv1D
-
-    found = set()
-    for module in model.modules():
-        name = type(module).__name__.lower()
-        if isinstance(module, (Conv1D, nn.Conv2d, nn.Conv3d, PreTrainedModel)) or "norm" in name:
-            continue
-        if isinstance(module, nn.Conv1d) or any(key in name for key in _RECURRENT_NAMES):
-            found.add(type(module).__name__)
-    return sorted(found)
 
 
 def _head_is_more_than_lm_head(config: PretrainedConfig, seed: int = 0) -> bool:
@@ -478,9 +478,7 @@ def random_layers(config: PretrainedConfig, seed: int = 0) -> str | None:
         try:
             loss = model(input_ids=ids, use_cache=False).logits.square().mean()
         except Exception as error:  # transformers' own model cannot run this config
-            raise NotBuildable(
-                f"transformers' own {type(model).__name__} fails on it: {one_line(error)}"
-            ) from error
+            raise NotBuildable(type(model).__name__, one_line(error)) from error
         loss.backward()
         runs.append([loss.detach(), *(p.grad.clone() for p in model.parameters() if p.grad is not None)])
     if all(torch.equal(a, b) for a, b in zip(*runs)):
@@ -512,35 +510,89 @@ def _numbers(node: dict, prefix: str = ""):
             yield f"{prefix}{key}", value
 
 
+def runs_at_own_sizes(config: PretrainedConfig) -> bool | None:
+    """Whether transformers' own class runs ``config`` at its own widths (cut in depth to one layer
+    of each kind: :func:`~automodel.models.tiny.depth_config`) on the meta device, on 8 tokens: True
+    when it does, False when it raises, None when the meta device cannot tell (an op with no meta
+    kernel, or one that reads values)."""
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(depth_config(config))
+            model(input_ids=torch.ones(1, 8, dtype=torch.long), use_cache=False)
+    except (NotImplementedError, RuntimeError) as error:
+        return (
+            False if "meta" not in str(error).lower() and not isinstance(error, NotImplementedError) else None
+        )
+    except Exception:  # noqa: BLE001  (any other error of transformers' own forward)
+        return False
+    return True
+
+
+def not_buildable(error: NotBuildable, own_config: PretrainedConfig | None) -> Verdict:
+    """The verdict when transformers' own class fails on the checked (reduced-size) config: named as
+    transformers' failure where it fails at ``own_config``'s sizes too (:func:`runs_at_own_sizes`),
+    or, where the meta device cannot tell, where the error is not about shapes (a field the config
+    leaves None); a shape error there is the reduction's."""
+    own = None if own_config is None else runs_at_own_sizes(own_config)
+    if own is False:
+        return Verdict("not_buildable", f"{error} (at its own sizes too)")
+    if own is None and not re.search(r"\bsize\b|\bshape\b|dimension", error.error):
+        return Verdict("not_buildable", f"{error} (at a reduced size)")
+    if own:
+        return Verdict(
+            "not_buildable",
+            f"the check's reduced-size copy of it does not run in transformers' {error.model_class} "
+            f"({error.error}), while the config does at its own sizes: a width the check cannot shrink",
+        )
+    return Verdict(
+        "not_buildable",
+        f"its reduced-size copy does not run in transformers' {error.model_class}: {error.error}",
+    )
+
+
 def verify_config(
-    config: PretrainedConfig, lengths: tuple[int, ...] = REAL_LENS, dense_mask_fallback: bool = True
+    config: PretrainedConfig,
+    lengths: tuple[int, ...] = REAL_LENS,
+    dense_mask_fallback: bool = True,
+    own_config: PretrainedConfig | None = None,
 ) -> Verdict:
     """The differential for ``config`` on one packed row of ``lengths`` samples, with the reason when
     it fails. Where the registered THD attention is not exact (or never called), the type's own
     attention under a dense block-diagonal mask is checked next (:func:`verify_dense_mask`); with
     ``dense_mask_fallback`` off only where the layers never call the registered attention (the mask
-    is O(T^2): the setup check tries it for the other types only where the type needs it)."""
+    is O(T^2): the setup check tries it for the other types only where the type needs it).
+    ``own_config``: the config ``config`` was reduced from, to tell whether a failure of
+    transformers' own class is the config's or the reduction's (:func:`not_buildable`)."""
     config = copy.deepcopy(config)
     config._experts_implementation = "eager"  # every float64 model below: grouped GEMM has no float64 kernel
     try:
         with torch.device("meta"):
-            probe = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+            AutoModelForCausalLM.from_config(copy.deepcopy(config))
     except Exception as error:  # any failure to build is recorded as the reason, not raised
         return Verdict("not_buildable", f"transformers cannot build it at a reduced size: {one_line(error)}")
-    # where the THD path is not exact, recurrent state crossing samples is the reason whatever the attention does
-    mixers = token_mixers(probe)
-    recurrent = Verdict("refused", REASONS["recurrent"].format(", ".join(mixers)))
     try:
+        try:
+            probe = probe_mixers(config)
+        except Exception as error:  # the probe runs transformers' own class on the config
+            model_class = AutoModelForCausalLM._model_mapping[type(config)].__name__
+            raise NotBuildable(model_class, one_line(error)) from error
+        mixers = [c.__name__ for c in probe.classes]
+        # a hybrid: where it is not exact, its mixers are the first suspects; a model whose layers never
+        # call the registered attention is judged as one (its own attention code under a dense mask)
+        hybrid = bool(mixers) and probe.calls_attention
         randomness = random_layers(config)
         if randomness is not None:
             return Verdict("refused", randomness)
         errors, calls, worst = packed_step_errors(config, lengths=lengths)
     except NotBuildable as error:
-        return Verdict("not_buildable", f"{error} (at a reduced size)")
+        return not_buildable(error, own_config)
     except Exception as error:  # classified below; the message is kept
-        if mixers:
-            return recurrent
         message = one_line(error)
+        if hybrid:
+            refusal = Verdict("refused", f"{REASONS['recurrent'].format(', '.join(mixers))}: {message}")
+            return verify_dense_mask(config, refusal, lengths) if dense_mask_fallback else refusal
+        if mixers:  # never calls the registered attention: its own attention code decides
+            return verify_dense_mask(config, None, lengths)
         refusal = None  # transformers' attention table has no entry for the name: its own attention code
         for marker, reason in (
             ("without thd_layout", REASONS["drops_layout"]),
@@ -560,7 +612,7 @@ def verify_config(
             verify_dense_mask(config, refusal, lengths) if dense_mask_fallback or refusal is None else refusal
         )
     if not errors:
-        features = features_of(config, calls)
+        features = features_of(config, calls, mixers)
         # a window field that no layer applies (verified exact with it set): setup need not restrict it
         ignores = (
             ["sliding_window"] if getattr(config, "sliding_window", None) and "window" not in features else []
@@ -572,11 +624,14 @@ def verify_config(
             ignores=ignores,
             max_error=float(f"{worst:.1e}"),
         )
-    if mixers:
-        return Verdict(
-            "refused", f"{recurrent.reason}: {'; '.join(errors[:2])}", max_error=float(f"{worst:.1e}")
-        )
     max_error = float(f"{worst:.1e}")
+    if hybrid:
+        refusal = Verdict(
+            "refused",
+            f"{REASONS['recurrent'].format(', '.join(mixers))}: {'; '.join(errors[:2])}",
+            max_error=max_error,
+        )
+        return verify_dense_mask(config, refusal, lengths) if dense_mask_fallback else refusal
     if not calls.modules:
         refusal = None
     elif _head_is_more_than_lm_head(config):
@@ -604,7 +659,7 @@ def verify_dense_mask(
     except Exception as error:  # the reason is recorded, not raised
         why, max_error = one_line(error), None
     else:
-        if not errors:
+        if not errors:  # the stateful mixers are not wrapped under a dense mask (build_model)
             features = sorted(set(features_of(config, calls)) | {"dense_mask"})
             return Verdict(
                 "verified",
@@ -625,9 +680,12 @@ def one_line(error: BaseException) -> str:
     return text[:200]
 
 
-def features_of(config: PretrainedConfig, calls: _Calls) -> list[str]:
-
+def features_of(config: PretrainedConfig, calls: _Calls, mixers: Iterable[str] = ()) -> list[str]:
+    """What the verified model uses: the attention features its layers passed (``calls``), the
+    family's logit transform, MoE, and ``stateful_mixer`` where ``mixers`` (class names) ran per sample."""
     features = set(calls.features)
+    if mixers:
+        features.add("stateful_mixer")
     transform = logit_transform(config)
     if transform["logit_scale"] != 1.0:
         features.add("logit_scale")

@@ -70,6 +70,7 @@ MUTABLE_KEYS = (
     "parallel.cp_comm_type",
     "parallel.ep_size",
     "model.attention_backend",
+    "model.mixer_backend",
     "model.trust_remote_code",
     "model.exceed_max_positions",
     "model.verify",

@@ -48,9 +48,12 @@ def test_the_unit_suite_picks_no_gpu_sized_case_when_cuda_is_present(monkeypatch
     assert args.max_length == 128 and {c.batching for c in cases} == {"packed", "padded", "peer"}
     full = gpu.parse_args([])
     full_cases = gpu.cases_for(full, backends)
-    assert {c.shape for c in full_cases} == {"llama3.2-1b", "qwen3-1.7b", "qwen3-moe"} and not any(
-        c.lora for c in full_cases
-    )
+    assert {c.shape for c in full_cases} == {
+        "llama3.2-1b",
+        "qwen3-1.7b",
+        "qwen3.5-2b",
+        "qwen3-moe",
+    } and not any(c.lora for c in full_cases)
     asked = gpu.cases_for(gpu.parse_args(["--cases", "packed", "lora"]), backends)
     assert [c.name for c in asked if c.lora] == [f"llama3.1-8b 4k {backends[0]} packed lora r16"]
     by_shape = gpu.cases_for(

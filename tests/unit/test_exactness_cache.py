@@ -32,8 +32,9 @@ def verdict(config, cache: Path) -> dict:
 
 
 def hybrid() -> AutoConfig:
-    """A Mamba hybrid (Jamba: Mamba mixers between attention layers): the check refuses it."""
-    return AutoConfig.for_model("jamba")
+    """A hybrid the check refuses (Inkling: short convolutions beside attention, not exact even with
+    the convolutions run per sample)."""
+    return AutoConfig.for_model("inkling_text")
 
 
 def llama() -> AutoConfig:
@@ -58,7 +59,7 @@ def warnings_of(caplog) -> list[str]:
     ]
 
 
-def test_a_planted_acceptance_does_not_make_a_mamba_hybrid_pass(tmp_path, monkeypatch, caplog):
+def test_a_planted_acceptance_does_not_make_a_refused_hybrid_pass(tmp_path, monkeypatch, caplog):
     check = functools.partial(verdict, hybrid(), tmp_path)
     path = cache_file(monkeypatch, check, tmp_path)
     path.write_text(json.dumps({"status": "verified"}))
@@ -150,14 +151,14 @@ def test_a_fifo_in_place_of_an_entry_is_not_waited_on(tmp_path, monkeypatch, cap
     assert path.is_file()  # the check's own entry replaced it
 
 
-def test_a_planted_acceptance_does_not_make_a_run_of_a_mamba_hybrid_train(tmp_path, monkeypatch):
-    """As a user would meet it: the recipe with model_type=jamba and an acceptance planted where the
+def test_a_planted_acceptance_does_not_make_a_run_of_a_refused_hybrid_train(tmp_path, monkeypatch):
+    """As a user would meet it: the recipe with model_type=inkling_text and an acceptance planted where the
     cache keeps that config's verdict. The run stops at setup with the check's refusal."""
     monkeypatch.setenv("AUTOMODEL_CACHE", str(tmp_path / "cache"))
     cfg = load_recipe(
         "tiny_llama_sft",
         [
-            "model.config.model_type=jamba",
+            "model.config.model_type=inkling_text",
             "data.split='train[:64]'",
             "packing.packed_sequence_size=256",
             "trainer.max_steps=1",
@@ -174,6 +175,8 @@ def test_a_planted_acceptance_does_not_make_a_run_of_a_mamba_hybrid_train(tmp_pa
 
     path = cache_file(monkeypatch, setup_check, tmp_path / "cache" / "exactness")
     path.write_text(json.dumps({"status": "verified"}))
-    with pytest.raises(ConfigError, match="model_type 'jamba'.* is refused on the THD path: recurrent"):
+    with pytest.raises(
+        ConfigError, match="model_type 'inkling_text'.* is refused on the THD path: recurrent"
+    ):
         run(cfg)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

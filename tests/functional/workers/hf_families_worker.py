@@ -1,7 +1,8 @@
 """torchrun worker (2 ranks, gloo): for each family checkpoint in ``--checkpoints``, the step-1 loss
 and gradients under DP 2 and CP 2 (FSDP2 over both ranks; CP 2 refused at setup for a type run under
 a dense mask) equal each sample run alone with eager attention; the export reloads in transformers with no missing or unexpected keys and equal logits.
-Then bf16 mixed precision against float32 (Llama), and activation checkpointing.
+Then bf16 mixed precision against float32 (Llama), and activation checkpointing (Llama and the hybrids
+under CP 2: their stateful mixers all-gather the row and recompute on its layout in the backward).
 
 Prints one ``FAIL`` line per mismatch and exits 1 if any.
 """
@@ -24,6 +25,8 @@ from automodel.config import ConfigError
 from automodel.models import ModelSpec, build_model, export_model, setup_checks
 from automodel.models.parallelize import apply_fsdp
 from automodel.models.support import supported_table, uses_dense_mask
+
+CHECKPOINTED = ("llama", "qwen3_5_text", "nemotron_h", "lfm2")  # activation checkpointing under CP 2
 
 
 def build(path: Path, mesh, dtype: str = "float32", checkpointing: bool = False):
@@ -145,7 +148,7 @@ def main() -> int:
                 except ConfigError as error:
                     assert "cannot be sharded" in str(error), error
                 continue
-            model = build(path, mesh, checkpointing=(family == "llama" and mode == "cp2"))
+            model = build(path, mesh, checkpointing=(family in CHECKPOINTED and mode == "cp2"))
             loss = step_one(model, mode, sample_list, mesh["cp"].get_group())
             errors += [f"{mode} {e}" for e in compare(family, loss, full_grads(model), ref_loss, ref_grads)]
         errors += check_export(model, path, args.checkpoints / "exports" / family, ref_model)

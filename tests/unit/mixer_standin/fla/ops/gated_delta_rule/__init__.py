@@ -1,0 +1,98 @@
+"""Stand-in for ``fla.ops.gated_delta_rule`` (README.md beside): the real signatures and argument
+checks; each sequence of ``cu_seqlens`` computed alone by transformers' own torch reference."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+CALLS: list[dict] = []
+
+
+def _reference(name: str):
+    """transformers' torch function the stand-in computes with (the unwrapped one: the wrapped name
+    dispatches to this stand-in)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    return getattr(modeling_qwen3_5, name).__wrapped__
+
+
+def _check(q, k, v, g, beta, initial_state, cu_seqlens, kwargs):
+    if "head_first" in kwargs:
+        raise DeprecationWarning("head_first has been removed. Inputs must be in `[B, T, H, ...]` format.")
+    if q.shape[2] != k.shape[2] or v.shape[2] % q.shape[2]:
+        raise ValueError(f"heads: q {q.shape[2]}, k {k.shape[2]}, v {v.shape[2]} (v a multiple of q/k)")
+    if g.shape != v.shape[:3] or beta.shape != v.shape[:3]:
+        raise ValueError(f"g and beta must be [B, T, HV], got {tuple(g.shape)}, {tuple(beta.shape)}")
+    if cu_seqlens is not None:
+        if q.shape[0] != 1:
+            raise ValueError(
+                f"The batch size is expected to be 1 rather than {q.shape[0]} when using `cu_seqlens`."
+            )
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(
+                f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
+            )
+        if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != q.shape[1]:
+            raise ValueError(f"cu_seqlens must run from 0 to T={q.shape[1]}, got {cu_seqlens.tolist()}")
+        if initial_state is not None and initial_state.shape[0] != len(cu_seqlens) - 1:
+            raise ValueError(
+                "The number of initial states is expected to be equal to the number of input sequences"
+            )
+
+
+def _per_sequence(
+    name, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens
+):
+    if scale is not None and scale != k.shape[-1] ** -0.5:
+        raise NotImplementedError("the stand-in computes with the default scale, k.shape[-1] ** -0.5")
+    if os.environ.get("STANDIN_IGNORE_LAYOUT") == "1" or cu_seqlens is None:
+        bounds = [0, q.shape[1]]
+    else:
+        bounds = cu_seqlens.tolist()
+    function, outs, states = _reference(name), [], []
+    for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if b == a:
+            continue
+        state = None if initial_state is None else initial_state[i : i + 1]
+        o, s = function(
+            q[:, a:b], k[:, a:b], v[:, a:b], g=g[:, a:b], beta=beta[:, a:b], initial_state=state,
+            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        )  # fmt: skip
+        outs.append(o)
+        states.append(s)
+    return torch.cat(outs, dim=1), (torch.cat(states) if output_final_state else None)
+
+
+def chunk_gated_delta_rule(
+    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+    use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False, cu_seqlens=None,
+    cu_seqlens_cpu=None, cp_context=None, **kwargs,
+):  # fmt: skip
+    """q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, g and beta ``[B, T, HV]``; with ``cu_seqlens`` B is 1
+    and each sequence starts from ``initial_state[i]`` (zero when None) -> (o ``[B, T, HV, V]``,
+    final states ``[N, HV, K, V]`` or None)."""
+    _check(q, k, v, g, beta, initial_state, cu_seqlens, kwargs)
+    if use_beta_sigmoid_in_kernel or allow_neg_eigval or state_v_first or cp_context is not None:
+        raise NotImplementedError("the stand-in computes the plain gated delta rule")
+    if kwargs.get("chunk_size", 64) not in (16, 32, 64):
+        raise ValueError("`chunk_size` must be 16, 32, or 64 for Gated Delta Rule")
+    CALLS.append({"fn": "chunk_gated_delta_rule", "cu_seqlens": cu_seqlens is not None})
+    return _per_sequence(
+        "torch_chunk_gated_delta_rule", q, k, v, g, beta, scale, initial_state, output_final_state,
+        use_qk_l2norm_in_kernel, cu_seqlens,
+    )  # fmt: skip
+
+
+def fused_recurrent_gated_delta_rule(
+    q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+    use_qk_l2norm_in_kernel=False, **kwargs,
+):  # fmt: skip
+    """The token-by-token form (decoding), same arguments and results as :func:`chunk_gated_delta_rule`."""
+    _check(q, k, v, g, beta, initial_state, cu_seqlens, kwargs)
+    CALLS.append({"fn": "fused_recurrent_gated_delta_rule", "cu_seqlens": cu_seqlens is not None})
+    return _per_sequence(
+        "torch_recurrent_gated_delta_rule", q, k, v, g, beta, scale, initial_state, output_final_state,
+        use_qk_l2norm_in_kernel, cu_seqlens,
+    )  # fmt: skip
