@@ -424,20 +424,22 @@ def test_bad_messages_input(conversations, match):
 def test_a_role_is_used_where_the_template_renders_it():
     """A role other than system/user/assistant is taken when the template renders it (the word template
     writes any role), and named with its row where the template fails on it (the tiny one raises) or
-    drops it; a tool's output is never learned."""
-    conversation = [*chat(("user", "what is two plus two"), ("tool", "four"), ("assistant", "four"))]
+    drops it; a tool's output (Llama's ``ipython`` role) is never learned."""
+    conversation = [*chat(("user", "what is two plus two"), ("ipython", "four"), ("assistant", "four"))]
     dataset = datasets.Dataset.from_dict({"messages": [conversation]})
     (row,) = rows(tokenize_sft_dataset(dataset, word_tokenizer(), format="messages"))
-    # <s> USER: what is two plus two TOOL: four ASSISTANT: four </s>  ("TOOL:" is unknown: 15)
+    # <s> USER: what is two plus two IPYTHON: four ASSISTANT: four </s>  ("IPYTHON:" is unknown: 15)
     assert row["input_ids"] == [1, 4, 6, 7, 8, 9, 8, 15, 10, 5, 10]
     assert row["loss_mask"] == [0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1]  # the tool's "four" is not learned
     bad = datasets.Dataset.from_dict({"messages": [chat(("user", "hi"), ("assistant", "ok")), conversation]})
-    with pytest.raises(ValueError, match=r"row 2: field 'messages' .*message 1: role 'tool': the chat template "
-                       r"fails on it \(TemplateError: role must be system, user or assistant, got tool\)"):  # fmt: skip
+    with pytest.raises(ValueError, match=r"row 2: field 'messages' .*message 1: role 'ipython': the chat template "
+                       r"fails on it \(TemplateError: role must be system, user or assistant, got ipython\)"):  # fmt: skip
         tokenize_sft_dataset(bad, load_tokenizer("tiny"), format="messages")
-    dropping = WORD_TEMPLATE.replace("{% for m in messages %}", "{% for m in messages if m.role != 'tool' %}")
+    dropping = WORD_TEMPLATE.replace(
+        "{% for m in messages %}", "{% for m in messages if m.role != 'ipython' %}"
+    )
     with pytest.raises(
-        ValueError, match=r"row 2: .*message 1: role 'tool' is not rendered by the chat template"
+        ValueError, match=r"row 2: .*message 1: role 'ipython' is not rendered by the chat template"
     ):
         tokenize_sft_dataset(bad, word_tokenizer(dropping), format="messages")
 
