@@ -370,9 +370,13 @@ def _resolve_columns(
         if column in present:
             fields[field] = column
         elif field in required:
+            fitting = [
+                name for name, (needed, _) in FORMATS.items() if name != format and set(needed) <= present
+            ]
+            other = f"format={fitting[0]!r}, whose fields these columns are" if fitting else "another format"
             raise ValueError(
                 f"format={format!r} needs field {field!r}, but column {column!r} is not in the dataset (columns: "
-                f"{sorted(present)}); map it with columns={{'{field}': <column>}} or pick another format"
+                f"{sorted(present)}); map it with columns={{'{field}': <column>}} or pick {other}"
                 + _unread_rows(dataset, origin)
             )
     return fields

@@ -245,3 +245,12 @@ def test_reasoning_the_template_does_not_write_is_reported(name, dropped, caplog
         "they are not trained; first: dataset row 1"
     ) in caplog.text
     assert caplog.text.count("does not write the reasoning trace") == 1
+
+
+def test_a_shape_read_as_another_format_names_its_own():
+    """xLAM rows read as ``messages`` (the default of the chat data group) name ``format='xlam'``."""
+    rows, origin = load_sft_source(EXAMPLES / "xlam.json")
+    with pytest.raises(
+        ValueError, match=r"needs field 'messages'.* or pick format='xlam', whose fields these columns"
+    ):
+        tokenize_sft_dataset(rows, TOKENIZERS["qwen3"], format="messages", origin=origin)
