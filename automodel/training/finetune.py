@@ -727,10 +727,13 @@ def _as_user_error(
     kind: type[UserError], errors: tuple[type[Exception], ...] = (ValueError,), prefix: str = ""
 ):
     """The boundary checks of one stage raise ValueError naming the field and the fix: the user's
-    input, reported as ``kind`` (one line from the CLI), after ``prefix``."""
+    input, reported as ``kind`` (one line from the CLI), after ``prefix`` (a user error already
+    named as such keeps its kind, after ``prefix`` too)."""
     try:
         yield
-    except UserError:
+    except UserError as error:
+        if prefix:
+            raise type(error)(prefix + str(error)) from error
         raise
     except errors as error:
         raise kind(prefix + str(error)) from error
