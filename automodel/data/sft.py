@@ -114,7 +114,7 @@ TOKENIZER_FILES = ("tokenizer.json", "*.model", "vocab.json", "vocab.txt", "merg
 
 
 def load_tokenizer(
-    path_or_name: str | os.PathLike, *, trust_remote_code: bool = False
+    path_or_name: str | os.PathLike, *, trust_remote_code: bool = False, field: str = "data.tokenizer"
 ) -> PreTrainedTokenizerBase:
     """Load a Hugging Face tokenizer without network access.
 
@@ -124,6 +124,8 @@ def load_tokenizer(
             already in the local Hugging Face cache.
         trust_remote_code: allow a tokenizer with ``auto_map`` (its own Python code); refused otherwise
             (``model.trust_remote_code`` in a recipe).
+        field: the recipe key that names it, for messages (``model.pretrained_path`` for a
+            checkpoint's own).
 
     Example::
 
@@ -136,10 +138,10 @@ def load_tokenizer(
     path = BUILTIN_TOKENIZERS.get(name, Path(name).expanduser())
     if path.is_file():
         raise ValueError(f"tokenizer path {name!r} is a file; pass the directory that holds tokenizer.json")
-    refuse_remote_code(path, "data.tokenizer", trust_remote_code)
+    refuse_remote_code(path, field, trust_remote_code)
     if path.is_dir() and not any(next(path.glob(pattern), None) for pattern in TOKENIZER_FILES):
         raise ValueError(  # transformers would fall back to a slow class and ask for sentencepiece
-            f"data.tokenizer={name!r}: the directory holds no tokenizer file ({', '.join(TOKENIZER_FILES)}); copy "
+            f"{field}={name!r}: the directory holds no tokenizer file ({', '.join(TOKENIZER_FILES)}); copy "
             "tokenizer.json (or the vocabulary files) beside tokenizer_config.json, as save_pretrained writes them"
         )
     try:
@@ -152,9 +154,9 @@ def load_tokenizer(
             f"a Hub name already in the Hugging Face cache, or a built-in name ({', '.join(BUILTIN_TOKENIZERS)})"
         ) from error
     except Exception as error:  # a damaged file: json's, transformers' or the tokenizers library's own error
-        raise ValueError(f"data.tokenizer={name!r}: cannot load it ({_damaged_file(path, error)}); fix or replace "
+        raise ValueError(f"{field}={name!r}: cannot load it ({_damaged_file(path, error)}); fix or replace "
                          "the file (save_pretrained writes a whole set)") from None  # fmt: skip
-    check_chat_template(tokenizer, name)
+    check_chat_template(tokenizer, name, field)
     return tokenizer
 
 
@@ -173,7 +175,7 @@ def _damaged_file(directory: Path, error: Exception) -> str:
     return f"{type(error).__name__}: {' '.join(str(error).split())}"
 
 
-def check_chat_template(tokenizer: PreTrainedTokenizerBase, name: str) -> None:
+def check_chat_template(tokenizer: PreTrainedTokenizerBase, name: str, field: str = "data.tokenizer") -> None:
     """ValueError naming the tokenizer and the template's line when its chat template does not render
     a one-message conversation (a Jinja syntax error would otherwise surface mid-tokenization)."""
     if getattr(tokenizer, "chat_template", None) is None:
@@ -187,7 +189,7 @@ def check_chat_template(tokenizer: PreTrainedTokenizerBase, name: str) -> None:
     except jinja2.TemplateError as error:
         line = f" line {error.lineno}" if getattr(error, "lineno", None) else ""
         raise ValueError(
-            f"data.tokenizer={name!r}: its chat template does not render ({type(error).__name__} at template{line}: "
+            f"{field}={name!r}: its chat template does not render ({type(error).__name__} at template{line}: "
             f"{error.message}); fix chat_template in its tokenizer_config.json (or chat_template.jinja)"
         ) from None
 
@@ -196,23 +198,55 @@ def load_data_tokenizer(
     name: str | None, checkpoint: str | None, *, trust_remote_code: bool = False
 ) -> PreTrainedTokenizerBase:
     """The tokenizer ``data.tokenizer`` names, or when it is null the checkpoint's own
-    (``model.pretrained_path``); ValueError naming both keys when there is none to take."""
-    hint = f"name one: data.tokenizer=<directory> or a built-in name ({', '.join(BUILTIN_TOKENIZERS)})"
+    (``model.pretrained_path``); ValueError naming both keys when there is none to take. A checkpoint
+    saved without its tokenizer needs the one of the model it was trained from (a built-in tiny
+    tokenizer would feed it another vocabulary)."""
     if name is not None:
         return load_tokenizer(name, trust_remote_code=trust_remote_code)
     if checkpoint is None:
         raise ValueError(
-            f"data.tokenizer is null and the model is built from model.config, which has no tokenizer of its own; {hint}"
+            "data.tokenizer is null and the model is built from model.config, which has no tokenizer of its own; "
+            f"name one: data.tokenizer=<directory> or a built-in name ({', '.join(BUILTIN_TOKENIZERS)})"
         )
-    if Path(checkpoint).expanduser().is_dir() and not any(
-        (Path(checkpoint).expanduser() / file).is_file()
-        for file in ("tokenizer.json", "tokenizer_config.json")
-    ):
+    directory = Path(checkpoint).expanduser()
+    if directory.is_dir() and not any(next(directory.glob(pattern), None) for pattern in TOKENIZER_FILES):
         raise ValueError(
             f"data.tokenizer is null (the checkpoint's own), but model.pretrained_path={checkpoint!r} holds no tokenizer "
-            f"(tokenizer.json, tokenizer_config.json); {hint}"
+            f"file ({', '.join(TOKENIZER_FILES)}): save the tokenizer of the model it was trained from into it "
+            f"(AutoTokenizer.from_pretrained(<that model>).save_pretrained({checkpoint!r})), or name that tokenizer: "
+            "data.tokenizer=<its directory or hub id>"
         )
-    return load_tokenizer(checkpoint, trust_remote_code=trust_remote_code)
+    return load_tokenizer(checkpoint, trust_remote_code=trust_remote_code, field="model.pretrained_path")
+
+
+def other_tokenizer_warning(
+    tokenizer: PreTrainedTokenizerBase,
+    named: str | None,
+    checkpoint: str | None,
+    *,
+    trust_remote_code: bool = False,
+) -> str | None:
+    """A ``data.tokenizer`` other than the checkpoint's own is used as named; where its special tokens,
+    size or chat template differ from the checkpoint's, the warning naming both (None otherwise, and
+    for a checkpoint that ships no tokenizer)."""
+    if checkpoint is None or named is None or _same_path(named, checkpoint):
+        return None
+    try:
+        own = load_tokenizer(checkpoint, trust_remote_code=trust_remote_code)
+    except ValueError:  # the checkpoint ships no tokenizer: nothing to compare with
+        return None
+    differences = tokenizer_disagreements(tokenizer, own)
+    if not differences:
+        return None
+    return (
+        f"data.tokenizer={named!r} differs from the checkpoint's own tokenizer (model.pretrained_path={checkpoint!r}): "
+        f"{'; '.join(differences)}; the run uses data.tokenizer={named!r} as named (set data.tokenizer=null to use "
+        "the checkpoint's)"
+    )
+
+
+def _same_path(a: str, b: str) -> bool:
+    return a == b or (Path(a).is_dir() and Path(b).is_dir() and Path(a).resolve() == Path(b).resolve())
 
 
 def tokenizer_disagreements(tokenizer: PreTrainedTokenizerBase, other: PreTrainedTokenizerBase) -> list[str]:

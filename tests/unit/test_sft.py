@@ -513,3 +513,25 @@ def test_tokenizer_disagreements_name_what_a_model_would_read_otherwise(tiny):
     smaller = load_tokenizer("tiny")
     smaller.add_tokens(["<extra>"])
     assert tokenizer_disagreements(tiny, smaller) == ["512 vs 513 tokens"]
+
+
+def test_a_checkpoint_without_its_tokenizer_is_told_to_bring_its_own(tmp_path):
+    """``data.tokenizer: null`` beside a checkpoint saved with weights only (or a tokenizer_config.json
+    without the vocabulary): the fix is the tokenizer of the model it came from, named under the key
+    the user set. It used to offer the built-in tiny tokenizers, another vocabulary for a real model,
+    and to name data.tokenizer, which the user had left null."""
+    from automodel.data.sft import load_data_tokenizer
+
+    checkpoint = tmp_path / "ck"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    for files in ((), ("tokenizer_config.json",)):
+        for name in files:
+            (checkpoint / name).write_text("{}")
+        with pytest.raises(ValueError) as refused:
+            load_data_tokenizer(None, str(checkpoint))
+        message = str(refused.value)
+        assert message.startswith(f"data.tokenizer is null (the checkpoint's own), but model.pretrained_path='{checkpoint}'"
+                                  " holds no tokenizer file (tokenizer.json, *.model")  # fmt: skip
+        assert f"save the tokenizer of the model it was trained from into it (AutoTokenizer.from_pretrained(<that model>).save_pretrained('{checkpoint}'))" in message  # fmt: skip
+        assert "tiny" not in message
