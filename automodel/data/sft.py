@@ -634,7 +634,7 @@ def _report_unrendered(table: pa.Table, rows: np.ndarray, origin: RowOrigin, tok
         return
     tokens = int(table.column("_unrendered_tokens").to_numpy()[rows].sum())
     logger.warning(
-        "the chat template of tokenizer %r does not write the reasoning trace of %d assistant turns in %s (%s "
+        "the chat template of tokenizer %r does not write the reasoning trace of %d assistant turn(s) in %s (%s "
         "tokens): they are not trained; first: %s. Use a template that renders reasoning_content on those turns "
         "(Qwen3's writes it on the turns after the last user message only), or drop the traces",
         tokenizer_name, int(turns.sum()), f"{int((turns > 0).sum())} of {len(rows)} rows", f"{tokens:,}",

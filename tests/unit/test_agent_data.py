@@ -241,7 +241,7 @@ def test_reasoning_the_template_does_not_write_is_reported(name, dropped, caplog
         tokenized([{"messages": WEATHER, "tools": json.dumps(TOOLS)}, {"messages": [USER, ANSWER]}], name)
     tokens = sum(len(TOKENIZERS[name](trace, add_special_tokens=False)["input_ids"]) for trace in dropped)
     assert (
-        f"does not write the reasoning trace of {len(dropped)} assistant turns in 1 of 2 rows ({tokens} tokens): "
+        f"does not write the reasoning trace of {len(dropped)} assistant turn(s) in 1 of 2 rows ({tokens} tokens): "
         "they are not trained; first: dataset row 1"
     ) in caplog.text
     assert caplog.text.count("does not write the reasoning trace") == 1
