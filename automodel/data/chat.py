@@ -131,7 +131,7 @@ def parse_messages(messages: Any, field: str = "messages", tools: Any = None) ->
         )
     schemas = parse_tools(tools)
     offered = None if schemas is None else {_function(tool).get("name") for tool in schemas}
-    out, flags, pending = [], [], []  # pending: the calls of the last call turn no result answered yet
+    out, flags, pending = [], [], []  # pending: the calls since the last user message no result answered yet
     for k, message in enumerate(messages):
         if not isinstance(message, dict):
             raise BadRow(field, f"message {k} must be a dict with 'role' and 'content', got {message!r:.60}")

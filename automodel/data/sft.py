@@ -466,14 +466,16 @@ def _encode_batch(
     chat = format in CHAT_FORMATS
     facts = template_facts(tokenizer) if chat else None
     parsed, rendered, bad, bad_text, unrendered = {}, {}, {}, {}, {}
+    rows = dict(zip(indices, zip(*values, strict=True), strict=True))
 
-    def refuse(index: int, error: BadRow, text: str) -> None:
+    def refuse(index: int, error: BadRow) -> None:
         message = f"field {error.field!r} (column {columns.get(error.field, error.field)!r}): {error.reason}"
         if on_bad_row == "error":
             raise DataError(f"{origin(index)}: {message}; fix the row, or set data.on_bad_row=skip") from None
-        bad[index], bad_text[index] = message, text
+        *row, raw = rows[index]
+        bad[index], bad_text[index] = message, _row_text(row if raw is None else [json.loads(raw)])
 
-    for index, (*row, raw) in zip(indices, zip(*values, strict=True), strict=True):
+    for index, (*row, raw) in rows.items():
         try:
             if raw is None:
                 named = dict(zip(fields, row, strict=True))
@@ -488,7 +490,7 @@ def _encode_batch(
             else:
                 parsed[index] = value
         except BadRow as error:
-            refuse(index, error, raw if raw is not None else _row_text(row))
+            refuse(index, error)
     samples: dict[int, tuple[_Sample, list[int] | None]] = {}
     if rendered:
         for index, conversation, ids, offsets in _tokenized(rendered, tokenizer):
@@ -496,7 +498,7 @@ def _encode_batch(
                 mask, kinds, traces = mask_chat(conversation, ids, offsets, policy or ChatPolicy(), facts,
                                                 fields[0], token_kinds)  # fmt: skip
             except BadRow as error:
-                refuse(index, error, conversation.text)
+                refuse(index, error)
                 continue
             samples[index] = shift_for_next_token(ids, mask), kinds and kinds[1:]
             if traces:
