@@ -13,6 +13,7 @@ import datasets
 import pytest
 from chat_formats import TOOLS, tokenizer
 
+from automodel.data.chat import BadRow, parse_messages
 from automodel.data.sft import load_tokenizer, tokenize_sft_dataset
 from automodel.data.sources import load_sft_source
 from automodel.errors import DataError
@@ -171,27 +172,35 @@ BAD_ROWS = {
 }  # fmt: skip
 
 
-def write_rows(path: Path, *conversations: list[dict]) -> Path:
-    path.write_text("".join(json.dumps({"messages": c, "tools": TOOLS}) + "\n" for c in conversations))
-    return path
-
-
 @pytest.mark.parametrize("case", list(BAD_ROWS))
-def test_bad_tool_rows_are_refused_or_skipped_and_counted(case, tmp_path, caplog):
+def test_bad_tool_rows_name_the_message_and_what_is_wrong(case):
     messages, reason = BAD_ROWS[case]
-    file = write_rows(tmp_path / "chat.jsonl", [USER, ANSWER], messages)
+    with pytest.raises(BadRow, match=rf"^{reason}") as refused:
+        parse_messages(messages, tools=TOOLS)
+    assert refused.value.field == "messages"
+
+
+def test_bad_rows_are_refused_with_file_and_line_or_skipped_and_counted(tmp_path, caplog):
+    """One file, a good row then one row of each kind above: the run stops at line 2 naming the field,
+    or with on_bad_row=skip keeps the good row and counts the others in rows and tokens, by reason."""
+    file = tmp_path / "chat.jsonl"
+    conversations = [[USER, ANSWER], *(messages for messages, _ in BAD_ROWS.values())]
+    file.write_text("".join(json.dumps({"messages": c, "tools": TOOLS}) + "\n" for c in conversations))
     rows, origin = load_sft_source(file)
-    options = {"format": "messages", "origin": origin}
+    first = next(iter(BAD_ROWS.values()))[1]
     with pytest.raises(
-        DataError, match=rf"{re.escape(str(file))} line 2: field 'messages' \(column 'messages'\): {reason}"
+        DataError, match=rf"{re.escape(str(file))} line 2: field 'messages' \(column 'messages'\): {first}"
     ):
-        tokenize_sft_dataset(rows, TOKENIZERS["qwen3"], **options)
+        tokenize_sft_dataset(rows, TOKENIZERS["qwen3"], format="messages", origin=origin)
     with caplog.at_level(logging.WARNING, logger="automodel.data.sft"):
-        kept = tokenize_sft_dataset(rows, TOKENIZERS["qwen3"], on_bad_row="skip", **options)
+        kept = tokenize_sft_dataset(
+            rows, TOKENIZERS["qwen3"], format="messages", origin=origin, on_bad_row="skip"
+        )
     assert len(kept) == 1
-    found = re.search(r"skipped 1 of 2 rows \(50.00%\) that are malformed \(on_bad_row=skip\), (\d+) tokens of text",
-                      caplog.text)  # fmt: skip
-    assert found and int(found.group(1)) > 0, caplog.text
+    skipped = len(BAD_ROWS)
+    found = re.search(rf"skipped {skipped} of {skipped + 1} rows \({100 * skipped / (skipped + 1):.2f}%\) that are "
+                      r"malformed \(on_bad_row=skip\), ([\d,]+) tokens of text", caplog.text)  # fmt: skip
+    assert found and int(found.group(1).replace(",", "")) > 0, caplog.text
 
 
 def test_a_skipped_row_is_counted_in_the_tokens_of_its_text(tmp_path, caplog):
