@@ -45,14 +45,17 @@ def silence_known_warnings() -> None:
 
 
 def configure_console(is_main: bool) -> None:
-    """INFO log lines on rank 0 (WARNING elsewhere); no progress bars of ``datasets`` (map) or
-    ``transformers`` (writing shards) off a terminal."""
+    """INFO log lines on rank 0, ERROR and above on the other ranks: every rank runs the same checks on
+    the same recipe and data, so their warnings (Python's ``warnings`` too, routed to the log there)
+    would print once per rank; no progress bars of ``datasets`` (map) or ``transformers`` (writing
+    shards) off a terminal."""
     logging.basicConfig(
-        level=logging.INFO if is_main else logging.WARNING,
+        level=logging.INFO if is_main else logging.ERROR,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
         force=True,
     )
+    logging.captureWarnings(not is_main)
     silence_known_warnings()
     if not on_terminal():
         import datasets

@@ -152,6 +152,10 @@ class TeacherHead:
         bias_V: its output bias, or None.
         logit_scale, final_logit_softcap: its family's logit transform
             (:func:`automodel.models.build.logit_transform`).
+        vocab: the ids the divergence compares, the first ``vocab`` of both heads (the tokenizer's
+            ids: a model may pad its vocabulary with rows no token has, Qwen2.5-0.5B to 151,936 and
+            7B to 152,064 for 151,665 tokens); None: every row, the teacher's head as large as the
+            student's.
     """
 
     hidden_ND: torch.Tensor
@@ -159,6 +163,7 @@ class TeacherHead:
     bias_V: torch.Tensor | None = None
     logit_scale: float = 1.0
     final_logit_softcap: float | None = None
+    vocab: int | None = None
 
 
 def chunked_distillation(
@@ -180,9 +185,10 @@ def chunked_distillation(
 
     With ``z`` the student's logits (its head and logit transform, as in
     :func:`chunked_cross_entropy_sum`), ``y`` the teacher's, ``tau`` the temperature,
-    ``q = softmax(z / tau)`` and ``p = softmax(y / tau)``::
+    ``q = softmax(z / tau)`` and ``p = softmax(y / tau)`` over the ids compared (``teacher.vocab``,
+    the tokenizer's: the first K of both heads' rows; all V when None)::
 
-        ce[t]  = logsumexp(z[t]) - z[t, labels[t]]                  (at temperature 1)
+        ce[t]  = logsumexp(z[t]) - z[t, labels[t]]                  (at temperature 1, over all V)
         forward_kl[t] = sum_v p[t, v] * (log p[t, v] - log q[t, v])  = KL(p || q), mean-seeking
         reverse_kl[t] = sum_v q[t, v] * (log q[t, v] - log p[t, v])  = KL(q || p), mode-seeking
 
@@ -194,7 +200,8 @@ def chunked_distillation(
     Args:
         hidden_TD, weight_VD, labels_T, bias_V, logit_scale, final_logit_softcap, label_positions_N:
             the student's, as for :func:`chunked_cross_entropy_sum` (differentiable).
-        teacher: :class:`TeacherHead` with ``weight_VD`` given, of the same vocabulary V.
+        teacher: :class:`TeacherHead` with ``weight_VD`` given: ``[V, D_t]``, or ``[V_t, D_t]`` with
+            ``teacher.vocab`` at most V and V_t.
         divergence: ``forward_kl`` or ``reverse_kl``.
         temperature: tau > 0, applied to both distributions of the divergence (not to ``ce``).
 
@@ -215,18 +222,19 @@ def chunked_distillation(
         chunk_tokens,
         label_positions_N,
     )
-    _check_teacher(teacher, weight_VD.shape[0], label_positions_N.numel())
+    compared = _check_teacher(teacher, weight_VD.shape[0], label_positions_N.numel())
     h_ND, w_VD, b_V, targets_N, scale, softcap, chunk_tokens, compute_dtype = rows
     teacher_head = (teacher.logit_scale, teacher.final_logit_softcap)
     ce_N, div_N = _ChunkedDistillation.apply(
         h_ND, w_VD, b_V, targets_N, teacher.hidden_ND, teacher.weight_VD, teacher.bias_V,
-        (scale, softcap), teacher_head, divergence, float(temperature), chunk_tokens, compute_dtype,
+        (scale, softcap), teacher_head, divergence, float(temperature), chunk_tokens, compute_dtype, compared,
     )  # fmt: skip
     zeros_T = torch.zeros(labels_T.shape, dtype=ce_N.dtype, device=hidden_TD.device)
     return zeros_T.index_copy(0, label_positions_N, ce_N), zeros_T.index_copy(0, label_positions_N, div_N)
 
 
-def _check_teacher(teacher: TeacherHead, vocab: int, labelled: int) -> None:
+def _check_teacher(teacher: TeacherHead, vocab: int, labelled: int) -> int:
+    """The number of ids the divergence compares, after checking the teacher's shapes against it."""
     w, h = teacher.weight_VD, teacher.hidden_ND
     if w is None:
         raise ValueError(
@@ -235,13 +243,22 @@ def _check_teacher(teacher: TeacherHead, vocab: int, labelled: int) -> None:
     for name, x in (("teacher.hidden_ND", h), ("teacher.weight_VD", w), ("teacher.bias_V", teacher.bias_V)):
         if isinstance(x, DTensor):
             raise ValueError(f"{name} is a DTensor; pass a plain tensor (full_tensor() of a sharded weight)")
-    if w.dim() != 2 or w.shape[0] != vocab or h.shape != (labelled, w.shape[1]):
+    rows = vocab if teacher.vocab is None else w.shape[0]
+    if w.dim() != 2 or w.shape[0] != rows or h.shape != (labelled, w.shape[1]):
         raise ValueError(
             f"teacher.hidden_ND {tuple(h.shape)} and teacher.weight_VD {tuple(w.shape)} must be [N, D_t] and "
-            f"[V, D_t] with N = {labelled} labelled positions and the student's vocabulary V = {vocab}"
+            f"[V, D_t] with N = {labelled} labelled positions and the student's vocabulary V = {vocab} (or any "
+            "V_t with teacher.vocab set)"
         )
-    if teacher.bias_V is not None and teacher.bias_V.shape != (vocab,):
-        raise ValueError(f"teacher.bias_V must have shape ({vocab},), got {tuple(teacher.bias_V.shape)}")
+    compared = vocab if teacher.vocab is None else teacher.vocab
+    if not (isinstance(compared, int) and 0 < compared <= min(vocab, w.shape[0])):
+        raise ValueError(
+            f"teacher.vocab={compared!r}: the ids compared must be at most both vocabularies ({vocab} and "
+            f"{w.shape[0]}); it is the tokenizer's size"
+        )
+    if teacher.bias_V is not None and teacher.bias_V.shape != (w.shape[0],):
+        raise ValueError(f"teacher.bias_V must have shape ({w.shape[0]},), got {tuple(teacher.bias_V.shape)}")
+    return compared
 
 
 def sample_token_weights(labels_T: torch.Tensor, sample_lengths_S: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -450,13 +467,17 @@ class _ChunkedDistillation(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, h_ND, weight_VD, bias_V, targets_N, th_ND, t_weight_VD, t_bias_V, head, teacher_head,
-        divergence, temperature, chunk_tokens, compute_dtype,
+        divergence, temperature, chunk_tokens, compute_dtype, compared,
     ):  # fmt: skip
         n = h_ND.shape[0]
         # rows: logsumexp of z, of z / tau, of y / tau; the target logit; the divergence
         stats_5N = torch.empty(5, n, dtype=softmax_dtype(compute_dtype), device=h_ND.device)
         with _autocast_off(h_ND.device.type):
-            w, b, tw, tb = (_cast(x, compute_dtype) for x in (weight_VD, bias_V, t_weight_VD, t_bias_V))
+            w, b = _cast(weight_VD, compute_dtype), _cast(bias_V, compute_dtype)
+            tw, tb = (
+                _cast(t_weight_VD[:compared], compute_dtype),
+                _cast(_slice(t_bias_V, slice(compared)), compute_dtype),
+            )
             for start in range(0, n, chunk_tokens):
                 rows = slice(start, start + chunk_tokens)
                 stats_5N[:, rows] = _distillation_chunk(
@@ -468,14 +489,14 @@ class _ChunkedDistillation(torch.autograd.Function):
             h_ND, weight_VD, bias_V, targets_N, th_ND, t_weight_VD, t_bias_V,
             lse_N, lse_tau_N, teacher_lse_tau_N, div_N,
         )  # fmt: skip
-        ctx.args = (head, teacher_head, divergence, temperature, chunk_tokens, compute_dtype)
+        ctx.args = (head, teacher_head, divergence, temperature, chunk_tokens, compute_dtype, compared)
         return lse_N - target_logit_N, div_N.clone()
 
     @staticmethod
     def backward(ctx, grad_ce_N, grad_div_N):
         h_ND, weight_VD, bias_V, targets_N, th_ND, t_weight_VD, t_bias_V, *stats = ctx.saved_tensors
         lse_N, lse_tau_N, teacher_lse_tau_N, div_N = stats
-        head, teacher_head, divergence, temperature, chunk_tokens, compute_dtype = ctx.args
+        head, teacher_head, divergence, temperature, chunk_tokens, compute_dtype, compared = ctx.args
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         n, vocab = h_ND.shape[0], weight_VD.shape[0]
         grad_h_ND = torch.zeros(h_ND.shape, dtype=lse_N.dtype, device=h_ND.device) if need_h else None
@@ -501,18 +522,23 @@ class _ChunkedDistillation(torch.autograd.Function):
                     1, targets_B.clamp(0, g_NB.shape[1] - 1)[:, None], -in_block_N.to(g_NB.dtype)[:, None]
                 )
                 g_NB.mul_(grad_ce_N[:, None])
-                y_NB, _ = _capped_logits(th, tw[cols], _slice(tb, cols), *teacher_head, keep_tanh=False)
-                z_NB.div_(temperature)
-                y_NB.div_(temperature)
-                if divergence == "forward_kl":  # d KL(p || q) / d(z / tau) = q - p
-                    y_NB.sub_(teacher_lse_tau_N[:, None]).exp_()
-                    z_NB.sub_(lse_tau_N[:, None]).exp_().sub_(y_NB)
-                    g_NB.add_(z_NB.mul_(div_scale_N))
-                else:  # d KL(q || p) / d(z / tau) = q * (log q - log p - KL(q || p))
-                    y_NB.sub_(z_NB).add_((lse_tau_N - teacher_lse_tau_N + div_N)[:, None])  # -(...)
-                    z_NB.sub_(lse_tau_N[:, None]).exp_()
-                    g_NB.sub_(y_NB.mul_(z_NB).mul_(div_scale_N))
-                del z_NB, y_NB
+                if start < compared:  # the divergence's part, over the ids compared
+                    kept = slice(start, min(start + g_NB.shape[1], compared))
+                    width = kept.stop - start
+                    z_Nb, g_Nb = z_NB[:, :width], g_NB[:, :width]
+                    y_Nb, _ = _capped_logits(th, tw[kept], _slice(tb, kept), *teacher_head, keep_tanh=False)
+                    z_Nb.div_(temperature)
+                    y_Nb.div_(temperature)
+                    if divergence == "forward_kl":  # d KL(p || q) / d(z / tau) = q - p
+                        y_Nb.sub_(teacher_lse_tau_N[:, None]).exp_()
+                        z_Nb.sub_(lse_tau_N[:, None]).exp_().sub_(y_Nb)
+                        g_Nb.add_(z_Nb.mul_(div_scale_N))
+                    else:  # d KL(q || p) / d(z / tau) = q * (log q - log p - KL(q || p))
+                        y_Nb.sub_(z_Nb).add_((lse_tau_N - teacher_lse_tau_N + div_N)[:, None])  # -(...)
+                        z_Nb.sub_(lse_tau_N[:, None]).exp_()
+                        g_Nb.sub_(y_Nb.mul_(z_Nb).mul_(div_scale_N))
+                    del z_Nb, y_Nb, g_Nb
+                del z_NB
                 g_NB = _through_transform(g_NB, tanh_NB, head[0])
                 del tanh_NB
                 if need_b:
@@ -524,34 +550,37 @@ class _ChunkedDistillation(torch.autograd.Function):
                     _accumulate_matmul(grad_h_ND, g_NB, w[cols])
                 del g_NB
         grad_h = grad_h_ND.to(h_ND.dtype) if need_h else None
-        return grad_h, grad_w_VD, grad_b_V, *(None,) * 10
+        return grad_h, grad_w_VD, grad_b_V, *(None,) * 11
 
 
 def _distillation_chunk(
-    h_CD, w_VD, b_V, targets_C, head, th_CD, tw_VD, tb_V, teacher_head, divergence, temperature
+    h_CD, w_VD, b_V, targets_C, head, th_CD, tw_KD, tb_K, teacher_head, divergence, temperature
 ) -> torch.Tensor:
-    """``[5, C]``: logsumexp of the student's logits z, of z / tau, of the teacher's y / tau; the
-    target logit; the divergence. Three ``[C, V]`` float32 buffers: z, y and one for the sums."""
+    """``[5, C]``: logsumexp of the student's logits z (over all V), of z / tau and of the teacher's
+    y / tau (over the K ids compared, the teacher's rows ``tw_KD``); the target logit; the divergence.
+    Three ``[C, V]`` float32 buffers: z, y and one for the sums."""
     z_CV, _ = _capped_logits(h_CD, w_VD, b_V, *head, keep_tanh=False)
     target_C = z_CV.gather(1, targets_C[:, None]).squeeze(1)
     work_CV = torch.empty_like(z_CV)
     lse_C = _logsumexp(z_CV, work_CV)
-    if temperature != 1.0:
-        z_CV.div_(temperature)
-        lse_tau_C = _logsumexp(z_CV, work_CV)
+    compared = tw_KD.shape[0]
+    z_CK, work_CK = z_CV[:, :compared], work_CV[:, :compared]
+    if temperature != 1.0 or compared < z_CV.shape[1]:
+        z_CK.div_(temperature)
+        lse_tau_C = _logsumexp(z_CK, work_CK)
     else:
         lse_tau_C = lse_C
-    y_CV, _ = _capped_logits(th_CD, tw_VD, tb_V, *teacher_head, keep_tanh=False)
+    y_CK, _ = _capped_logits(th_CD, tw_KD, tb_K, *teacher_head, keep_tanh=False)
     if temperature != 1.0:
-        y_CV.div_(temperature)
-    teacher_lse_C = _logsumexp(y_CV, work_CV)
+        y_CK.div_(temperature)
+    teacher_lse_C = _logsumexp(y_CK, work_CK)
     # KL(p || q) = sum p * (y - z) / tau + lse_q - lse_p; KL(q || p) the same with the roles swapped
     first, first_lse, second_lse = (
-        (y_CV, teacher_lse_C, lse_tau_C) if divergence == "forward_kl" else (z_CV, lse_tau_C, teacher_lse_C)
+        (y_CK, teacher_lse_C, lse_tau_C) if divergence == "forward_kl" else (z_CK, lse_tau_C, teacher_lse_C)
     )
-    probs_CV = torch.sub(first, first_lse[:, None], out=work_CV).exp_()
-    difference_CV = y_CV.sub_(z_CV) if divergence == "forward_kl" else z_CV.sub_(y_CV)
-    div_C = difference_CV.mul_(probs_CV).sum(1) + (second_lse - first_lse)
+    probs_CK = torch.sub(first, first_lse[:, None], out=work_CK).exp_()
+    difference_CK = y_CK.sub_(z_CK) if divergence == "forward_kl" else z_CK.sub_(y_CK)
+    div_C = difference_CK.mul_(probs_CK).sum(1) + (second_lse - first_lse)
     return torch.stack([lse_C, lse_tau_C, teacher_lse_C, target_C, div_C])
 
 

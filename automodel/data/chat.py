@@ -101,16 +101,27 @@ class Chat:
 
 
 def parse_messages(messages: Any, field: str = "messages", tools: Any = None) -> Chat:
-    """Check one conversation and return it as the template will read it.
+    """Check one conversation and return it as the template will read it: nulls and training flags
+    removed, tool-call arguments given as JSON text parsed to objects (the template decides how to
+    print an object: one that applies ``tojson`` to text would quote it), an empty ``tool_calls``
+    list removed, a reasoning trace under one name (``reasoning_content``; transformers passes it
+    under the others too).
+
+    Bad rows (:class:`BadRow`, naming the message): arguments that are not a JSON object (or null),
+    an assistant turn with nothing in it, a tool result no call asked for (no assistant
+    ``tool_calls`` before it, or none left to answer, or a ``tool_call_id`` that answers none of
+    them), a call to a tool the row's ``tools`` do not offer, reasoning on a turn other than the
+    assistant's, two reasoning fields that disagree.
 
     Example::
 
         parse_messages([{"role": "user", "content": "Weather in Paris?"},
                         {"role": "assistant", "content": None, "train": False,
-                         "tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}]},
+                         "tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
                         {"role": "tool", "content": "18 C", "tool_call_id": "call_1"},
                         {"role": "assistant", "content": "18 C in Paris."}])
-        # Chat(messages=[..., {"role": "assistant", "tool_calls": [...]}, ...], flags=[None, False, None, None])
+        # Chat(messages=[..., {"role": "assistant", "tool_calls": [{..., "arguments": {"city": "Paris"}}]}, ...],
+        #      flags=[None, False, None, None])
     """
     if messages is None:
         raise BadRow(field, MISSING)
@@ -118,7 +129,9 @@ def parse_messages(messages: Any, field: str = "messages", tools: Any = None) ->
         raise BadRow(
             field, f"must be a non-empty list of {{'role', 'content'}} messages, got {messages!r:.60}"
         )
-    out, flags = [], []
+    schemas = parse_tools(tools)
+    offered = None if schemas is None else {_function(tool).get("name") for tool in schemas}
+    out, flags, pending = [], [], []  # pending: the calls since the last user message no result answered yet
     for k, message in enumerate(messages):
         if not isinstance(message, dict):
             raise BadRow(field, f"message {k} must be a dict with 'role' and 'content', got {message!r:.60}")
@@ -135,8 +148,17 @@ def parse_messages(messages: Any, field: str = "messages", tools: Any = None) ->
             if key in message and not isinstance(message[key], str):
                 raise BadRow(field, f"message {k} ({role}): {key!r} must be text, got {message[key]!r:.40}")
         flag = _training_flag(message, k, field)
+        _one_reasoning_field(message, role, k, field)
+        if role in ("system", "user"):  # a result answers a call of this exchange
+            pending = []
         if "tool_calls" in message:
-            _check_tool_calls(message["tool_calls"], role, k, field)
+            calls = _tool_calls(message.pop("tool_calls"), role, k, field, offered)
+            if calls:
+                message["tool_calls"] = calls
+                pending += calls
+            elif not (content or has_reasoning(message)):
+                raise BadRow(field, f"message {k}: 'tool_calls' is an empty list and the assistant message has no "
+                             "content: the turn says nothing; drop the message or give it content")  # fmt: skip
         if role == "assistant" and not (content or message.get("tool_calls") or has_reasoning(message)):
             raise BadRow(
                 field, f"message {k}: an assistant message is empty (no content, tool_calls or reasoning)"
@@ -146,13 +168,15 @@ def parse_messages(messages: Any, field: str = "messages", tools: Any = None) ->
         if flag and role != "assistant":
             raise BadRow(field, f"message {k} ({role}) is marked to train, but only assistant turns are learned (tool "
                          "outputs and prompts never are); drop its train/weight key")  # fmt: skip
+        if role == "tool":
+            _answer(pending, message, k, field)
         out.append(message)
         flags.append(flag)
     if out[0]["role"] == "assistant":
         raise BadRow(
             field, "the conversation starts with an assistant message; it needs a system or user prompt"
         )
-    return Chat(out, flags, parse_tools(tools))
+    return Chat(out, flags, schemas)
 
 
 def parse_tools(tools: Any) -> list[dict] | None:
@@ -200,19 +224,116 @@ def _training_flag(message: dict, k: int, field: str) -> bool | None:
     return next(iter(found.values()), None)
 
 
-def _check_tool_calls(calls: Any, role: str, k: int, field: str) -> None:
+def _function(entry: dict) -> dict:
+    """The function of a tool call or a tool schema, written ``{"function": {...}}`` or flat."""
+    function = entry.get("function", entry)
+    return function if isinstance(function, dict) else {}
+
+
+def _tool_calls(calls: Any, role: str, k: int, field: str, offered: set | None) -> list[dict]:
+    """Message k's tool calls, each with its arguments as an object (parsed where given as JSON text)."""
     if role != "assistant":
         raise BadRow(field, f"message {k} ({role}) has tool_calls; only an assistant message calls tools")
     if not isinstance(calls, list) or not all(isinstance(call, dict) for call in calls):
         raise BadRow(field, f"message {k}: 'tool_calls' must be a list of {{'function': {{'name', 'arguments'}}}}, "
                      f"got {calls!r:.60}")  # fmt: skip
-    for call in calls:
+    parsed = []
+    for j, call in enumerate(calls):
         function = call.get("function", call)
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise BadRow(field, f"message {k}: a tool call needs function.name (text), got {call!r:.60}")
-        if not isinstance(function.get("arguments", {}), (dict, str)):
-            raise BadRow(field, f"message {k}: tool call {function['name']!r}: 'arguments' must be an object or "
-                         "JSON text")  # fmt: skip
+        where = f"message {k}: tool call {j} ({function['name']!r})"
+        if offered is not None and function["name"] not in offered:
+            raise BadRow(field, f"{where} calls a tool the row's tools do not offer "
+                         f"({', '.join(sorted(map(str, offered)))}); add its schema to tools or fix the name")  # fmt: skip
+        function = {**function, "arguments": _arguments(function.get("arguments"), where, field)}
+        parsed.append({**call, "function": function} if "function" in call else {**call, **function})
+    return parsed
+
+
+def _arguments(value: Any, where: str, field: str) -> dict:
+    """A call's arguments as an object: JSON text parsed, so that every template prints one object."""
+    if value is None:
+        raise BadRow(
+            field, f"{where}: 'arguments' is null or missing; write {{}} for a call without arguments"
+        )
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise BadRow(field, f"{where}: 'arguments' is text but not JSON ({error.msg} at character {error.pos} of "
+                         f"{value!r:.60}); write the arguments as a JSON object") from None  # fmt: skip
+    if not isinstance(value, dict):
+        raise BadRow(field, f"{where}: 'arguments' must be a JSON object (or its text), got {value!r:.60}")
+    return value
+
+
+def _answer(pending: list[dict], message: dict, k: int, field: str) -> None:
+    """Tool result k answers one of the ``pending`` calls (its ``tool_call_id``'s, else the first)."""
+    if not pending:
+        raise BadRow(field, f"message {k} (tool): a tool result that no call asked for (no assistant tool_calls "
+                     "since the last user message are left to answer); drop it, or give the assistant message "
+                     "before it the call it answers")  # fmt: skip
+    ids = [call.get("id") for call in pending]
+    call_id = message.get("tool_call_id")
+    if call_id is not None and any(i is not None for i in ids):
+        if call_id not in ids:
+            raise BadRow(field, f"message {k} (tool): tool_call_id {call_id!r} answers none of the calls before it "
+                         f"(ids {', '.join(map(repr, ids))})")  # fmt: skip
+        pending.pop(ids.index(call_id))
+    else:
+        pending.pop(0)
+
+
+def _one_reasoning_field(message: dict, role: str, k: int, field: str) -> None:
+    """The message's reasoning trace under ``reasoning_content`` alone (the other names removed); a
+    trace on a message other than the assistant's, or two names holding different traces: BadRow."""
+    traces = {key: message.pop(key) for key in REASONING_FIELDS if key in message}
+    given = {key: trace for key, trace in traces.items() if trace.strip()}
+    if not given:
+        return
+    if role != "assistant":
+        raise BadRow(field, f"message {k} ({role}) carries a reasoning trace ({', '.join(map(repr, given))}), which "
+                     "only an assistant turn has (the template would drop it); move it to the assistant message or "
+                     "drop it")  # fmt: skip
+    if len({trace.strip() for trace in given.values()}) > 1:
+        raise BadRow(field, f"message {k}: {' and '.join(map(repr, given))} hold different reasoning traces (a "
+                     "template reads one of them); keep one")  # fmt: skip
+    message["reasoning_content"] = next(iter(given.values()))
+
+
+def number_tool_calls(messages: list[dict]) -> list[dict]:
+    """Call ids for a conversation written without them (ShareGPT's ``function_call`` turns, xLAM,
+    Hermes): each assistant tool call without an ``id`` gets ``call00000``, ``call00001``...
+    (numbered in the row; 9 characters, as Mistral's templates want), and each tool result without a
+    ``tool_call_id`` the id of the first call since the last user message no result answered yet.
+    The same row always gets the same ids; the messages are copied, not changed.
+
+    Example: ``[user, assistant(calls f, g), tool, tool]`` -> calls ``call00000``, ``call00001``;
+    the results answer them in order."""
+    out, pending, n = [], [], 0
+    for message in messages:
+        message = dict(message) if isinstance(message, dict) else message
+        role = message.get("role") if isinstance(message, dict) else None
+        calls = message.get("tool_calls") if role == "assistant" else None
+        if role in ("system", "user"):
+            pending = []
+        elif isinstance(calls, list):
+            numbered = []
+            for call in calls:
+                if isinstance(call, dict) and call.get("id") is None:
+                    call = {**call, "id": f"call{n:05d}"}
+                numbered.append(call)
+                n += 1
+            message["tool_calls"] = numbered
+            pending += [call["id"] for call in numbered if isinstance(call, dict)]
+        elif role == "tool":
+            if message.get("tool_call_id") is None and pending:
+                message["tool_call_id"] = pending[0]
+            if message.get("tool_call_id") in pending:
+                pending.remove(message["tool_call_id"])
+        out.append(message)
+    return out
 
 
 # -- the template -----------------------------------------------------------------------------------------
@@ -308,22 +429,37 @@ def end_of_turn_token_id(tokenizer: PreTrainedTokenizerBase) -> int | None:
     return found[0] if found else None
 
 
-def turn_start(prompt: str, text: str) -> int | None:
+def turn_start(prompt: str, text: str, header: str = "") -> int | None:
     """Where, in the whole conversation ``text``, the assistant turn after ``prompt`` (the messages
-    before it rendered with a generation prompt) starts; None when it cannot be found.
+    before it rendered with a generation prompt, which adds ``header``) starts; None when it cannot
+    be found.
 
     Most templates render the prompt as the start of ``text``. Some write blocks into it that the
     whole conversation has elsewhere (Mistral puts ``[AVAILABLE_TOOLS]`` and the system prompt with
     the last user message): after the point where the two part, the rest of the prompt is read as
     pieces of ``text``, in order, with those blocks between them, each piece the longest that comes
-    next in ``text``; the turn starts where the last piece ends.
+    next in ``text``; the turn starts where the last piece ends. Others write less in the prompt than
+    in the conversation (Hermes closes a tool turn with ``\\n<|im_end|>`` when a turn follows it, with
+    ``<|im_end|>`` when it is last): where the pieces do not end with the turn's ``header``, the turn
+    starts after the first ``header`` past the point where the two part.
 
     Example: prompt ``"A[T][I] s Q[/I]"``, text ``"A[I] Q[/I] x</s>[T][I] s R[/I] y</s>"``: pieces
-    ``"[I] "`` and ``"Q[/I]"`` -> 10 (after ``Q[/I]``).
+    ``"[I] "`` and ``"Q[/I]"`` -> 10 (after ``Q[/I]``). Prompt ``"r</t>E<s>a\\n"``, text
+    ``"r</t>\\nE<s>a\\nx"``, header ``"<s>a\\n"``: the one piece ``"\\n"`` ends at 6, not after a header
+    -> 12 (after the header).
     """
     if text.startswith(prompt):
         return len(prompt)
     at = len(os.path.commonprefix([prompt, text]))
+    start = _pieces_end(prompt, text, at)
+    if header and (start is None or not text.startswith(header, start - len(header))):
+        found = text.find(header, max(0, at - len(header) + 1))
+        start = None if found < 0 else found + len(header)
+    return start
+
+
+def _pieces_end(prompt: str, text: str, at: int) -> int | None:
+    """:func:`turn_start`'s reading of ``prompt[at:]`` as pieces of ``text`` from ``at`` on."""
     rest, read = prompt[at:], 0
     while read < len(rest):
         low, high, found = 1, len(text) - at, None  # a piece that occurs makes its every prefix occur
@@ -379,11 +515,12 @@ def mask_chat(
     facts: TemplateFacts,
     field: str,
     token_kinds: bool = False,
-) -> tuple[list[int], list[int] | None]:
-    """``(mask, kinds)`` of a rendered conversation whose tokens are ``ids`` (their character
-    ``offsets``): ``mask`` is 1 on the tokens to learn (module docstring), ``kinds`` (when asked for)
-    says what each token is (:data:`LEARNED`, :data:`TOOL_OUTPUT`...). BadRow naming ``field`` when
-    the assistant turns cannot be located."""
+) -> tuple[list[int], list[int] | None, list[str]]:
+    """``(mask, kinds, unrendered)`` of a rendered conversation whose tokens are ``ids`` (their
+    character ``offsets``): ``mask`` is 1 on the tokens to learn (module docstring), ``kinds`` (when
+    asked for) says what each token is (:data:`LEARNED`, :data:`TOOL_OUTPUT`...), ``unrendered`` the
+    reasoning traces the template does not write (:func:`unrendered_reasoning`). BadRow naming
+    ``field`` when the assistant turns cannot be located."""
     chat, template, text = rendered.chat, rendered.template, rendered.text
     offsets_N2 = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
     if facts.marked:
@@ -396,7 +533,21 @@ def mask_chat(
     learned, reasoning = _learned_regions(chat, template, text, turns, policy, token_kinds)
     mask = _covered(offsets_N2, learned)
     kinds = _kinds(chat, template, text, offsets_N2, mask, turns, reasoning) if token_kinds else None
-    return mask.astype(np.int8).tolist(), kinds
+    return mask.astype(np.int8).tolist(), kinds, unrendered_reasoning(chat, text, turns)
+
+
+def unrendered_reasoning(chat: Chat, text: str, turns: dict[int, list[tuple[int, int]]]) -> list[str]:
+    """The reasoning traces of assistant turns that ``text`` (the rendered conversation) does not hold
+    between the end of the assistant turn before and the end of the turn: templates without
+    reasoning drop every trace, Qwen3's the traces of turns before the last user query."""
+    missing, after = [], 0
+    for i in sorted(turns):
+        end = turns[i][-1][1] if turns[i] else after
+        trace = chat.messages[i].get("reasoning_content", "").strip()
+        if trace and trace not in text[after:end]:
+            missing.append(trace)
+        after = max(after, end)
+    return missing
 
 
 def encode_chat(
@@ -410,7 +561,7 @@ def encode_chat(
     """``(ids, mask, kinds)`` of one conversation: :func:`render_chat`, tokenize, :func:`mask_chat`."""
     rendered = render_chat(chat, tokenizer, facts, field)
     encoded = tokenizer(rendered.text, add_special_tokens=False, return_offsets_mapping=True)
-    mask, kinds = mask_chat(
+    mask, kinds, _ = mask_chat(
         rendered, encoded["input_ids"], encoded["offset_mapping"], policy, facts, field, token_kinds
     )
     return encoded["input_ids"], mask, kinds
@@ -471,7 +622,9 @@ def _located_turns(
         except Exception as error:  # noqa: BLE001 - the template's own code
             raise BadRow(field, f"message {i}: the chat template fails on the conversation before this assistant "
                          f"turn ({_reason(error)})") from None  # fmt: skip
-        start = turn_start(prompt, text)
+        start = turn_start(
+            prompt, text, "" if text.startswith(prompt) else _header(template, messages[:i], prompt)
+        )
         if start is None:
             raise BadRow(field, f"message {i}: the chat template renders the conversation before this assistant turn "
                          "differently from the whole conversation, so the turn cannot be located; add "
@@ -489,6 +642,16 @@ def _located_turns(
                          "template")  # fmt: skip
         turns[i] = [(start, end)]
     return turns
+
+
+def _header(template: _Template, messages: list[dict], prompt: str) -> str:
+    """What the generation prompt adds to ``messages`` (``<|im_start|>assistant\\n``): the end of
+    ``prompt``; empty where the template adds none or renders the two otherwise."""
+    try:
+        before = template.render(messages)
+    except Exception:  # noqa: BLE001 - a template that refuses a conversation without a reply
+        return ""
+    return prompt[len(before) :] if prompt.startswith(before) else ""
 
 
 def _marked_turns(

@@ -16,7 +16,10 @@ format               fields                                       learned tokens
 messages             ``messages``: ``[{role, content, ...}]``,    assistant turns (chat template,
                      ``tools`` (optional)                         :mod:`automodel.data.chat`)
 sharegpt             ``conversations``: ``[{from, value}]``,      gpt turns (human->user, gpt->assistant,
-                     ``tools`` (optional)                         observation->tool)
+                     ``tools`` (optional)                         observation->tool, function_call: calls)
+hermes               ``conversations`` with ``<tool_call>`` text, the calls as tool calls
+                     ``tools`` (optional)                         (:mod:`automodel.data.agent_formats`)
+xlam                 ``query``, ``answers``, ``tools``            the calls of ``answers``
 alpaca               ``instruction``, ``input`` (optional),       ``output`` (a user turn
                      ``output``                                   ``instruction\\n\\ninput``, chat template)
 prompt_completion    ``prompt``, ``completion``                   completion + eos
@@ -52,6 +55,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from automodel.assets import TINY_TOKENIZER_DIR, TINY_TOOLS_TOKENIZER_DIR
 from automodel.config import refuse_remote_code
+from automodel.data.agent_formats import hermes_messages, sharegpt_messages, xlam_messages, xlam_tools
 from automodel.data.chat import (
     LEARNED,
     MISSING,
@@ -76,22 +80,14 @@ logger = logging.getLogger(__name__)
 FORMATS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "messages": (("messages",), ("tools",)),
     "sharegpt": (("conversations",), ("tools",)),
+    "hermes": (("conversations",), ("tools",)),
+    "xlam": (("query", "answers"), ("tools",)),
     "alpaca": (("instruction", "output"), ("input",)),
     "prompt_completion": (("prompt", "completion"), ()),
     "text": (("text",), ()),
     "tokens": (("input_ids",), ("labels", "loss_mask")),
 }
-CHAT_FORMATS = ("messages", "sharegpt", "alpaca")
-SHAREGPT_ROLES = {
-    "system": "system",
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "observation": "tool",
-    "tool": "tool",
-    "function_call": "assistant",  # its value: the call as JSON, {"name": ..., "arguments": ...}
-}
+CHAT_FORMATS = ("messages", "sharegpt", "hermes", "xlam", "alpaca")
 BAD_ROW_MODES = ("error", "skip")
 BUILTIN_TOKENIZERS = {"tiny": TINY_TOKENIZER_DIR, "tiny_tools": TINY_TOOLS_TOKENIZER_DIR}
 _OUTPUT_FEATURES = datasets.Features(
@@ -102,8 +98,12 @@ _OUTPUT_FEATURES = datasets.Features(
         # per-row counters, read for the report, then removed
         "_learnable": datasets.Value("int32"),
         "_bad": datasets.Value("string"),
+        "_bad_tokens": datasets.Value("int32"),  # a malformed row's text, in tokens
+        "_unrendered_turns": datasets.Value("int32"),  # reasoning traces the chat template does not write
+        "_unrendered_tokens": datasets.Value("int32"),
     }
 )
+_COUNTERS = [name for name in _OUTPUT_FEATURES if name.startswith("_")]
 # with token_kinds=True: what each label is (automodel.data.chat.LEARNED, TOOL_OUTPUT...), for display
 _KINDS_FEATURE = {"token_kinds": datasets.List(datasets.Value("int8"))}
 _NO_ORIGIN = RowOrigin(("dataset",), (0,))
@@ -114,7 +114,7 @@ TOKENIZER_FILES = ("tokenizer.json", "*.model", "vocab.json", "vocab.txt", "merg
 
 
 def load_tokenizer(
-    path_or_name: str | os.PathLike, *, trust_remote_code: bool = False
+    path_or_name: str | os.PathLike, *, trust_remote_code: bool = False, field: str = "data.tokenizer"
 ) -> PreTrainedTokenizerBase:
     """Load a Hugging Face tokenizer without network access.
 
@@ -124,6 +124,8 @@ def load_tokenizer(
             already in the local Hugging Face cache.
         trust_remote_code: allow a tokenizer with ``auto_map`` (its own Python code); refused otherwise
             (``model.trust_remote_code`` in a recipe).
+        field: the recipe key that names it, for messages (``model.pretrained_path`` for a
+            checkpoint's own).
 
     Example::
 
@@ -136,10 +138,10 @@ def load_tokenizer(
     path = BUILTIN_TOKENIZERS.get(name, Path(name).expanduser())
     if path.is_file():
         raise ValueError(f"tokenizer path {name!r} is a file; pass the directory that holds tokenizer.json")
-    refuse_remote_code(path, "data.tokenizer", trust_remote_code)
+    refuse_remote_code(path, field, trust_remote_code)
     if path.is_dir() and not any(next(path.glob(pattern), None) for pattern in TOKENIZER_FILES):
         raise ValueError(  # transformers would fall back to a slow class and ask for sentencepiece
-            f"data.tokenizer={name!r}: the directory holds no tokenizer file ({', '.join(TOKENIZER_FILES)}); copy "
+            f"{field}={name!r}: the directory holds no tokenizer file ({', '.join(TOKENIZER_FILES)}); copy "
             "tokenizer.json (or the vocabulary files) beside tokenizer_config.json, as save_pretrained writes them"
         )
     try:
@@ -152,9 +154,9 @@ def load_tokenizer(
             f"a Hub name already in the Hugging Face cache, or a built-in name ({', '.join(BUILTIN_TOKENIZERS)})"
         ) from error
     except Exception as error:  # a damaged file: json's, transformers' or the tokenizers library's own error
-        raise ValueError(f"data.tokenizer={name!r}: cannot load it ({_damaged_file(path, error)}); fix or replace "
+        raise ValueError(f"{field}={name!r}: cannot load it ({_damaged_file(path, error)}); fix or replace "
                          "the file (save_pretrained writes a whole set)") from None  # fmt: skip
-    check_chat_template(tokenizer, name)
+    check_chat_template(tokenizer, name, field)
     return tokenizer
 
 
@@ -173,7 +175,7 @@ def _damaged_file(directory: Path, error: Exception) -> str:
     return f"{type(error).__name__}: {' '.join(str(error).split())}"
 
 
-def check_chat_template(tokenizer: PreTrainedTokenizerBase, name: str) -> None:
+def check_chat_template(tokenizer: PreTrainedTokenizerBase, name: str, field: str = "data.tokenizer") -> None:
     """ValueError naming the tokenizer and the template's line when its chat template does not render
     a one-message conversation (a Jinja syntax error would otherwise surface mid-tokenization)."""
     if getattr(tokenizer, "chat_template", None) is None:
@@ -187,7 +189,7 @@ def check_chat_template(tokenizer: PreTrainedTokenizerBase, name: str) -> None:
     except jinja2.TemplateError as error:
         line = f" line {error.lineno}" if getattr(error, "lineno", None) else ""
         raise ValueError(
-            f"data.tokenizer={name!r}: its chat template does not render ({type(error).__name__} at template{line}: "
+            f"{field}={name!r}: its chat template does not render ({type(error).__name__} at template{line}: "
             f"{error.message}); fix chat_template in its tokenizer_config.json (or chat_template.jinja)"
         ) from None
 
@@ -196,23 +198,55 @@ def load_data_tokenizer(
     name: str | None, checkpoint: str | None, *, trust_remote_code: bool = False
 ) -> PreTrainedTokenizerBase:
     """The tokenizer ``data.tokenizer`` names, or when it is null the checkpoint's own
-    (``model.pretrained_path``); ValueError naming both keys when there is none to take."""
-    hint = f"name one: data.tokenizer=<directory> or a built-in name ({', '.join(BUILTIN_TOKENIZERS)})"
+    (``model.pretrained_path``); ValueError naming both keys when there is none to take. A checkpoint
+    saved without its tokenizer needs the one of the model it was trained from (a built-in tiny
+    tokenizer would feed it another vocabulary)."""
     if name is not None:
         return load_tokenizer(name, trust_remote_code=trust_remote_code)
     if checkpoint is None:
         raise ValueError(
-            f"data.tokenizer is null and the model is built from model.config, which has no tokenizer of its own; {hint}"
+            "data.tokenizer is null and the model is built from model.config, which has no tokenizer of its own; "
+            f"name one: data.tokenizer=<directory> or a built-in name ({', '.join(BUILTIN_TOKENIZERS)})"
         )
-    if Path(checkpoint).expanduser().is_dir() and not any(
-        (Path(checkpoint).expanduser() / file).is_file()
-        for file in ("tokenizer.json", "tokenizer_config.json")
-    ):
+    directory = Path(checkpoint).expanduser()
+    if directory.is_dir() and not any(next(directory.glob(pattern), None) for pattern in TOKENIZER_FILES):
         raise ValueError(
             f"data.tokenizer is null (the checkpoint's own), but model.pretrained_path={checkpoint!r} holds no tokenizer "
-            f"(tokenizer.json, tokenizer_config.json); {hint}"
+            f"file ({', '.join(TOKENIZER_FILES)}): save the tokenizer of the model it was trained from into it "
+            f"(AutoTokenizer.from_pretrained(<that model>).save_pretrained({checkpoint!r})), or name that tokenizer: "
+            "data.tokenizer=<its directory or hub id>"
         )
-    return load_tokenizer(checkpoint, trust_remote_code=trust_remote_code)
+    return load_tokenizer(checkpoint, trust_remote_code=trust_remote_code, field="model.pretrained_path")
+
+
+def other_tokenizer_warning(
+    tokenizer: PreTrainedTokenizerBase,
+    named: str | None,
+    checkpoint: str | None,
+    *,
+    trust_remote_code: bool = False,
+) -> str | None:
+    """A ``data.tokenizer`` other than the checkpoint's own is used as named; where its special tokens,
+    size or chat template differ from the checkpoint's, the warning naming both (None otherwise, and
+    for a checkpoint that ships no tokenizer)."""
+    if checkpoint is None or named is None or _same_path(named, checkpoint):
+        return None
+    try:
+        own = load_tokenizer(checkpoint, trust_remote_code=trust_remote_code)
+    except ValueError:  # the checkpoint ships no tokenizer: nothing to compare with
+        return None
+    differences = tokenizer_disagreements(tokenizer, own)
+    if not differences:
+        return None
+    return (
+        f"data.tokenizer={named!r} differs from the checkpoint's own tokenizer (model.pretrained_path={checkpoint!r}): "
+        f"{'; '.join(differences)}; the run uses data.tokenizer={named!r} as named (set data.tokenizer=null to use "
+        "the checkpoint's)"
+    )
+
+
+def _same_path(a: str, b: str) -> bool:
+    return a == b or (Path(a).is_dir() and Path(b).is_dir() and Path(a).resolve() == Path(b).resolve())
 
 
 def tokenizer_disagreements(tokenizer: PreTrainedTokenizerBase, other: PreTrainedTokenizerBase) -> list[str]:
@@ -350,7 +384,7 @@ def tokenize_sft_dataset(
             num_proc=num_proc,
             desc=f"Tokenizing SFT samples ({format})",
         )  # fmt: skip
-    return _drop_and_report(tokenized, max_length, long_samples, origin)
+    return _drop_and_report(tokenized, max_length, long_samples, origin, tokenizer.name_or_path)
 
 
 def _resolve_columns(
@@ -370,9 +404,13 @@ def _resolve_columns(
         if column in present:
             fields[field] = column
         elif field in required:
+            fitting = [
+                name for name, (needed, _) in FORMATS.items() if name != format and set(needed) <= present
+            ]
+            other = f"format={fitting[0]!r}, whose fields these columns are" if fitting else "another format"
             raise ValueError(
                 f"format={format!r} needs field {field!r}, but column {column!r} is not in the dataset (columns: "
-                f"{sorted(present)}); map it with columns={{'{field}': <column>}} or pick another format"
+                f"{sorted(present)}); map it with columns={{'{field}': <column>}} or pick {other}"
                 + _unread_rows(dataset, origin)
             )
     return fields
@@ -427,15 +465,17 @@ def _encode_batch(
         values.append([None] * len(indices))
     chat = format in CHAT_FORMATS
     facts = template_facts(tokenizer) if chat else None
-    parsed, rendered, bad = {}, {}, {}
+    parsed, rendered, bad, bad_text, unrendered = {}, {}, {}, {}, {}
+    rows = dict(zip(indices, zip(*values, strict=True), strict=True))
 
     def refuse(index: int, error: BadRow) -> None:
         message = f"field {error.field!r} (column {columns.get(error.field, error.field)!r}): {error.reason}"
         if on_bad_row == "error":
             raise DataError(f"{origin(index)}: {message}; fix the row, or set data.on_bad_row=skip") from None
-        bad[index] = message
+        *row, raw = rows[index]
+        bad[index], bad_text[index] = message, _row_text(row if raw is None else [json.loads(raw)])
 
-    for index, (*row, raw) in zip(indices, zip(*values, strict=True), strict=True):
+    for index, (*row, raw) in rows.items():
         try:
             if raw is None:
                 named = dict(zip(fields, row, strict=True))
@@ -455,12 +495,16 @@ def _encode_batch(
     if rendered:
         for index, conversation, ids, offsets in _tokenized(rendered, tokenizer):
             try:
-                mask, kinds = mask_chat(conversation, ids, offsets, policy or ChatPolicy(), facts, fields[0],
-                                        token_kinds)  # fmt: skip
+                mask, kinds, traces = mask_chat(conversation, ids, offsets, policy or ChatPolicy(), facts,
+                                                fields[0], token_kinds)  # fmt: skip
             except BadRow as error:
                 refuse(index, error)
                 continue
             samples[index] = shift_for_next_token(ids, mask), kinds and kinds[1:]
+            if traces:
+                unrendered[index] = traces
+    bad_tokens = _token_counts(tokenizer, {index: [text] for index, text in bad_text.items()})
+    unrendered_tokens = _token_counts(tokenizer, unrendered)
     if parsed:
         encoded = _ENCODERS[format](list(parsed.values()), tokenizer)
         samples.update((index, (sample, None)) for index, sample in zip(parsed, encoded, strict=True))
@@ -470,7 +514,9 @@ def _encode_batch(
     for index in indices:
         reason = bad.get(index, "")
         (input_ids, labels, loss_mask), kinds = samples[index] if not reason else (([], [], []), None)
-        for name, value in zip(_OUTPUT_FEATURES, (input_ids, labels, loss_mask, sum(loss_mask), reason)):
+        values = (input_ids, labels, loss_mask, sum(loss_mask), reason, bad_tokens.get(index, 0),
+                  len(unrendered.get(index, ())), unrendered_tokens.get(index, 0))  # fmt: skip
+        for name, value in zip(_OUTPUT_FEATURES, values, strict=True):
             out[name].append(value)
         if token_kinds:  # the other formats: learned or not
             kinds = kinds if kinds is not None else [LEARNED * m for m in loss_mask]
@@ -496,31 +542,60 @@ def _tokenized(rendered: dict[int, RenderedChat], tokenizer: PreTrainedTokenizer
             yield index, conversation, ids, offsets
 
 
+def _token_counts(tokenizer: PreTrainedTokenizerBase, texts: dict[int, list[str]]) -> dict[int, int]:
+    """Row index -> the tokens of its ``texts`` (rare: malformed rows, reasoning the template drops)."""
+    return {index: sum(map(len, tokenizer(parts, add_special_tokens=False)["input_ids"]))
+            for index, parts in texts.items()}  # fmt: skip
+
+
+def _row_text(values: list) -> str:
+    """Every text of a row's fields (message contents, tool arguments...), one per line: what a
+    malformed row held, counted in tokens when it is dropped."""
+    found, stack = [], list(reversed(values))
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            found.append(value)
+        elif isinstance(value, dict):
+            stack.extend(reversed(list(value.values())))
+        elif isinstance(value, list):
+            stack.extend(reversed(value))
+    return "\n".join(found)
+
+
 def _json_object(text: str) -> dict | None:
     value = json.loads(text)
     return value if isinstance(value, dict) else None
 
 
 def _drop_and_report(
-    tokenized: datasets.Dataset, max_length: int | None, long_samples: str, origin: RowOrigin
+    tokenized: datasets.Dataset,
+    max_length: int | None,
+    long_samples: str,
+    origin: RowOrigin,
+    tokenizer_name: str = "",
 ) -> datasets.Dataset:
-    """Malformed rows (skipped), rows longer than ``max_length`` (``long_samples``) and samples with no
-    token to learn, each counted and logged; the rest as ``input_ids``, ``labels``, ``loss_mask`` rows."""
+    """Malformed rows (skipped), rows longer than ``max_length`` (``long_samples``), samples with no
+    token to learn and reasoning traces the chat template does not write, each counted in rows and
+    tokens and logged; the rest as ``input_ids``, ``labels``, ``loss_mask`` rows."""
     table = tokenized.with_format("arrow")[:]
     learnable = table.column("_learnable").to_numpy()
     bad = table.column("_bad").to_pylist()
     total = len(learnable)
     share = lambda n, of=total: f"{n} of {of} rows ({100 * n / of:.2f}%)"  # noqa: E731
+    rows = np.flatnonzero(~np.array([bool(r) for r in bad], dtype=bool))
+    ids = table.column("input_ids")
+    lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False).astype(np.int64)
     skipped = Counter(reason for reason in bad if reason)
     if skipped:
         first = next(i for i, reason in enumerate(bad) if reason)
         logger.warning(
-            "skipped %s that are malformed (on_bad_row=skip); first: %s: %s; by reason: %s",
-            share(sum(skipped.values())), origin(first), bad[first], dict(skipped.most_common(5)),
+            "skipped %s that are malformed (on_bad_row=skip), %s tokens of text (the rows kept hold %s tokens); "
+            "first: %s: %s; by reason: %s",
+            share(sum(skipped.values())), f"{int(table.column('_bad_tokens').to_numpy().sum()):,}",
+            f"{int(lengths[rows].sum() + len(rows)):,}", origin(first), bad[first], dict(skipped.most_common(5)),
         )  # fmt: skip
-    rows = np.flatnonzero(~np.array([bool(r) for r in bad], dtype=bool))
-    ids = table.column("input_ids")
-    lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False).astype(np.int64)
+    _report_unrendered(table, rows, origin, tokenizer_name)
     pieces = plan_pieces(lengths[rows], max_length, long_samples)
     pieces = dataclasses.replace(pieces, rows=rows[pieces.rows])
     masks = table.column("loss_mask").combine_chunks()
@@ -547,10 +622,26 @@ def _drop_and_report(
     ]
     if not pieces.starts.any() and np.array_equal(pieces.lengths, lengths[pieces.rows]):  # whole rows
         kept = tokenized if len(pieces.rows) == total else tokenized.select(pieces.rows)
-        return kept.remove_columns(["_learnable", "_bad"])
+        return kept.remove_columns(_COUNTERS)
     schema = tokenized.features.arrow_schema
     cut = cut_rows(table, columns, pieces).cast(pa.schema([schema.field(name) for name in columns]))
     return datasets.Dataset(InMemoryTable(cut))
+
+
+def _report_unrendered(table: pa.Table, rows: np.ndarray, origin: RowOrigin, tokenizer_name: str) -> None:
+    """One warning for the reasoning traces of the kept ``rows`` that the chat template does not write:
+    neither learned nor seen, in turns, rows and tokens."""
+    turns = table.column("_unrendered_turns").to_numpy()[rows]
+    if not turns.any():
+        return
+    tokens = int(table.column("_unrendered_tokens").to_numpy()[rows].sum())
+    logger.warning(
+        "the chat template of tokenizer %r does not write the reasoning trace of %d assistant turn(s) in %s (%s "
+        "tokens): they are not trained; first: %s. Use a template that renders reasoning_content on those turns "
+        "(Qwen3's writes it on the turns after the last user message only), or drop the traces",
+        tokenizer_name, int(turns.sum()), f"{int((turns > 0).sum())} of {len(rows)} rows", f"{tokens:,}",
+        origin(int(rows[np.flatnonzero(turns)[0]])),
+    )  # fmt: skip
 
 
 # -- parsing: one row of fields -> the values the encoder needs, or BadRow ------------------------------
@@ -572,41 +663,17 @@ def _parse_messages(row: dict, tokenizer: Any) -> Chat:
 
 
 def _parse_sharegpt(row: dict, tokenizer: Any) -> Chat:
-    """ShareGPT turns as messages: ``from`` names the role (:data:`SHAREGPT_ROLES`), ``value`` the
-    content; a ``function_call`` turn's value is the call as JSON. Other keys of a turn (``weight``,
-    ``train``) stay on its message."""
-    turns = row["conversations"]
-    if turns is None:
-        raise BadRow("conversations", MISSING)
-    if not isinstance(turns, list) or not turns or not all(isinstance(t, dict) for t in turns):
-        raise BadRow(
-            "conversations", f"must be a non-empty list of {{'from', 'value'}} turns, got {turns!r:.60}"
-        )
-    messages = []
-    for k, turn in enumerate(turns):
-        source = turn.get("from")
-        if source not in SHAREGPT_ROLES:
-            raise BadRow(
-                "conversations", f"turn {k}: 'from' {source!r} is not one of {tuple(SHAREGPT_ROLES)}"
-            )
-        message = {key: value for key, value in turn.items() if key not in ("from", "value")}
-        message["role"], message["content"] = SHAREGPT_ROLES[source], turn.get("value")
-        if source == "function_call":
-            message.pop("content")
-            message["tool_calls"] = [{"type": "function", "function": _json_call(turn.get("value"), k)}]
-        messages.append(message)
-    return parse_messages(messages, "conversations", row.get("tools"))
+    return parse_messages(sharegpt_messages(row["conversations"]), "conversations", row.get("tools"))
 
 
-def _json_call(value: Any, k: int) -> dict:
-    try:
-        call = json.loads(value) if isinstance(value, str) else None
-    except json.JSONDecodeError:
-        call = None
-    if not isinstance(call, dict):
-        raise BadRow("conversations", f"turn {k}: a function_call turn's value must be a JSON object "
-                     f'{{"name": ..., "arguments": ...}}, got {value!r:.60}')  # fmt: skip
-    return call
+def _parse_hermes(row: dict, tokenizer: Any) -> Chat:
+    return parse_messages(hermes_messages(row["conversations"]), "conversations", row.get("tools"))
+
+
+def _parse_xlam(row: dict, tokenizer: Any) -> Chat:
+    return parse_messages(
+        xlam_messages(row["query"], row["answers"]), "answers", xlam_tools(row.get("tools"))
+    )
 
 
 def _parse_alpaca(row: dict, tokenizer: Any) -> Chat:
@@ -651,6 +718,8 @@ def _parse_tokens(row: dict, tokenizer: PreTrainedTokenizerBase) -> tuple[list[i
 _PARSERS: dict[str, Callable[[dict, Any], Any]] = {
     "messages": _parse_messages,
     "sharegpt": _parse_sharegpt,
+    "hermes": _parse_hermes,
+    "xlam": _parse_xlam,
     "alpaca": _parse_alpaca,
     "prompt_completion": lambda row, _: (_text(row, "prompt", empty_ok=True), _text(row, "completion")),
     "text": lambda row, _: _text(row, "text"),

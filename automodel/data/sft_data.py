@@ -28,7 +28,8 @@ class DataSource:
         source: ``tiny_sft`` (shipped), a json/jsonl/csv/parquet/txt file, a directory or glob of
             them, a ``save_to_disk`` directory, or a Hub dataset id (``org/name``) in the datasets cache.
         split: split to read (``train``, ``train[:1000]``, ``validation``...).
-        format: one of ``messages``, ``sharegpt``, ``alpaca``, ``prompt_completion``, ``text``, ``tokens``.
+        format: one of ``messages``, ``sharegpt``, ``hermes``, ``xlam``, ``alpaca``, ``prompt_completion``,
+            ``text``, ``tokens`` (:data:`automodel.data.sft.FORMATS`; agent data: docs/agent-data.md).
         columns: field -> column name for columns named otherwise, e.g. ``{prompt: question}``.
         weight: share of this source's rows per epoch: 1 all, 0.5 a seeded half, 2 every row twice.
         txt_samples: a ``.txt`` source's samples (``format: text``): ``lines``, one per non-blank

@@ -14,6 +14,14 @@ short-convolution mixers: :mod:`automodel.models.mixers`) is checked with those 
 sample (feature ``stateful_mixer``), on a row with a sample past their chunk sizes, a one-token
 sample and padding after the last sample.
 
+Training noise: the comparison runs with the config's noise fields at 0 (:func:`without_noise`:
+dropout, jitter, a router's sampling), and the run trains with them as configured: drawn per element
+or per token, they have one distribution whether samples are packed or not (no unpacked run draws
+another run's numbers either). Noise drawn once per row or sequence, which packing would share among
+the samples of a row, is refused naming its field (:func:`shared_noise`); so is noise no field turns
+off (the comparison cannot run). Attention dropout is refused earlier, at setup: the THD kernels
+apply none (:func:`automodel.models.setup.check_config_fields`).
+
 ``automodel families --verify`` (:mod:`automodel.models.support`) runs it over every type of
 transformers' causal-LM table and writes ``automodel/models/supported.json``, which setup reads
 (:func:`automodel.models.setup.check_model_config`): a type is trained only when it is listed
@@ -34,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (
     AutoModelForCausalLM,
     PretrainedConfig,
@@ -417,8 +426,10 @@ REASONS = {
     "differs": "the packed step differs from each sample alone ({})",
     "dense_differs": "under a block-diagonal mask its own attention differs from each sample alone ({}), and the "
     "registered THD attention cannot run it ({})",
-    "random": "its forward in train mode draws random numbers ({}), which a packed row cannot draw as each sample "
-    "alone would; {}",
+    "random": "its forward in train mode draws random numbers ({}) that no dropout, jitter or noise field of its "
+    "config turns off, so the check cannot compare a packed row with each sample alone",
+    "shared_noise": "its forward in train mode draws noise once per row or sequence ({}), which packing would share "
+    "among the samples of a row; {}",
 }
 
 
@@ -462,9 +473,8 @@ RANDOM_PROBE_TOKENS = 64
 
 def random_layers(config: PretrainedConfig, seed: int = 0) -> str | None:
     """None when the class's forward and backward in train mode give the same loss and gradients on
-    the same tokens under two seeds; otherwise why not, naming the config's fields that draw (a
-    float above 0 named like dropout, jitter or noise: ``router_jitter_noise``, ``input_jitter_noise``,
-    ``hidden_dropout``) and the fix."""
+    the same tokens under two seeds; otherwise why not (:data:`REASONS` ``random``). Run on the config
+    with its noise off (:func:`without_noise`): what still draws, no field turns off."""
     config = copy.deepcopy(config)
     model = AutoModelForCausalLM.from_config(
         config, attn_implementation=own_attention_implementation(config), dtype=torch.float64
@@ -483,22 +493,107 @@ def random_layers(config: PretrainedConfig, seed: int = 0) -> str | None:
         runs.append([loss.detach(), *(p.grad.clone() for p in model.parameters() if p.grad is not None)])
     if all(torch.equal(a, b) for a, b in zip(*runs)):
         return None
-    fields = {
-        name: value for name, value in _numbers(config.to_dict())
-        if isinstance(value, float) and value > 0 and _RANDOM_FIELD.search(name)
-    }  # fmt: skip
-    if not fields:
-        return REASONS["random"].format(
-            "two runs on the same tokens differ",
-            "no dropout, jitter or noise field of its config turns it off",
-        )
-    listed = ", ".join(f"{name}={value}" for name, value in fields.items())
-    return REASONS["random"].format(
-        listed, f"set {' and '.join(f'{n}: 0.0' for n in fields)} in model.config"
-    )
+    return REASONS["random"].format("two runs on the same tokens differ")
 
 
 _RANDOM_FIELD = re.compile(r"dropout|pdrop|jitter|noise")
+
+
+def noise_fields(config: PretrainedConfig) -> dict[str, float]:
+    """The config's fields that turn on noise in train mode: every float above 0 named like dropout,
+    jitter or noise (``hidden_dropout``, ``router_jitter_noise``), dotted inside sub-configs."""
+    return {
+        name: value for name, value in _numbers(config.to_dict())
+        if isinstance(value, float) and value > 0 and _RANDOM_FIELD.search(name.rsplit(".", 1)[-1])
+    }  # fmt: skip
+
+
+def without_noise(config: PretrainedConfig, names: Iterable[str] | None = None) -> PretrainedConfig:
+    """A copy of ``config`` with its noise fields (:func:`noise_fields`, or those ``names``) at 0: the
+    model the differential check compares. Training keeps them: dropout and jitter drawn per element
+    or per token have one distribution whether samples are packed or not."""
+    config = copy.deepcopy(config)
+    for name in noise_fields(config) if names is None else names:
+        *path, field = name.split(".")
+        part = config
+        for key in path:
+            part = getattr(part, key)
+        setattr(part, field, 0.0)
+    return config
+
+
+class _Draws(TorchDispatchMode):
+    """The number of values each random operation draws (ops tagged ``nondeterministic_seeded``:
+    dropout, ``uniform_``, ``exponential_``...), in call order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            first = out[0] if isinstance(out, (tuple, list)) else out
+            size = first.numel() if isinstance(first, torch.Tensor) else 0
+            self.sizes.append((func.overloadpacket.__name__, size))
+        return out
+
+
+# (rows, tokens per row) of the probes that tell noise per token from noise per row: the tokens change
+# between the first two, the rows between the first and the last
+_SHARED_NOISE_PROBES = ((1, 29), (1, 43), (2, 29))
+
+
+def _row_draws(config: PretrainedConfig) -> list[tuple[str, int]]:
+    """The random draws of a train-mode forward whose size follows the number of rows, not of tokens:
+    noise drawn once per row or sequence (shape ``[B, 1, ...]``), which packing shares among samples."""
+    model = AutoModelForCausalLM.from_config(
+        copy.deepcopy(config), attn_implementation=own_attention_implementation(config)
+    ).train()
+    vocab = max(2, config.get_text_config().vocab_size)
+    runs = []
+    for rows, tokens in _SHARED_NOISE_PROBES:
+        ids = torch.arange(rows * tokens).reshape(rows, tokens) % (vocab - 1) + 1
+        with torch.no_grad(), _Draws() as draws:
+            try:
+                model(input_ids=ids, use_cache=False)
+            except Exception as error:  # transformers' own model cannot run this config
+                raise NotBuildable(
+                    f"transformers' own {type(model).__name__} fails on it: {one_line(error)}"
+                ) from error
+        runs.append(draws.sizes)
+        if not draws.sizes:  # nothing drawn at all
+            return []
+    one, longer, two = runs
+    if len(one) == len(longer) == len(two) and [n for n, _ in one] == [n for n, _ in longer] == [
+        n for n, _ in two
+    ]:
+        pairs = zip(one, longer, two, strict=True)
+        return [
+            (name, size) for (name, size), (_, b), (_, c) in pairs if size and b == size and c == 2 * size
+        ]
+    # the draws differ in number (a router's experts draw only where tokens go): by size, op by op
+    return [(name, size) for name, size in one if (name, size) in longer and (name, 2 * size) in two]
+
+
+def shared_noise(config: PretrainedConfig) -> str | None:
+    """Why the config is refused when its forward in train mode draws noise once per row or sequence
+    (:func:`_row_draws`), naming the noise fields that turn it on; None when every draw follows the
+    tokens (dropout, jitter, a router's sampling: one distribution packed or not) or none happens."""
+    draws = _row_draws(config)
+    if not draws:
+        return None
+    fields = noise_fields(config)
+    named = [name for name in fields if not _row_draws(without_noise(config, [name]))]
+    what = ", ".join(sorted({f"{op}: one value per row" for op, _ in draws}))
+    if not named:
+        return REASONS["shared_noise"].format(
+            what, "no dropout, jitter or noise field of its config turns it off"
+        )
+    listed = ", ".join(f"{name}={fields[name]}" for name in named)
+    return REASONS["shared_noise"].format(
+        f"{listed}: {what}", f"set {' and '.join(f'{n}: 0.0' for n in named)} in model.config"
+    )
 
 
 def _numbers(node: dict, prefix: str = ""):
@@ -570,7 +665,13 @@ def verify_config(
             AutoModelForCausalLM.from_config(copy.deepcopy(config))
     except Exception as error:  # any failure to build is recorded as the reason, not raised
         return Verdict("not_buildable", f"transformers cannot build it at a reduced size: {one_line(error)}")
+    mixers, hybrid = [], False
     try:
+        shared = shared_noise(config)
+        if shared is not None:
+            return Verdict("refused", shared)
+        # compared with the model's noise off; the run trains with it (drawn per element or token)
+        config = without_noise(config)
         try:
             probe = probe_mixers(config)
         except Exception as error:  # the probe runs transformers' own class on the config

@@ -25,7 +25,7 @@ from transformers import PretrainedConfig
 from automodel.config import build_section
 from automodel.console import configure_console, on_terminal
 from automodel.data.batching import LoaderEnv, sample_cap
-from automodel.data.sft import load_tokenizer, tokenizer_disagreements
+from automodel.data.sft import other_tokenizer_warning
 from automodel.distributed.parallel import init_distributed
 from automodel.errors import ConfigError, DataError, ModelError, UserError
 from automodel.host_memory import limit_heap_retention
@@ -109,7 +109,7 @@ class FinetuneRecipe:
             self.cfg, self.trainer, self.dims.world_size, self.dims.dp_size
         )
         logger.info(
-            "%s %s: %d steps, world %d = dp %d x cp %d%s on %s; full config in %s",
+            "%s %s: %d steps, world %d = dp %d x cp %d%s on %s, %s; full config in %s",
             "resuming" if resume_from else "run",
             self.output_dir,
             self.trainer.max_steps,
@@ -120,6 +120,7 @@ class FinetuneRecipe:
             if self.dims.ep_size > 1
             else "",
             self.dims.device,
+            self._compute_summary(),
             self.output_dir / RECIPE,
         )
         torch.manual_seed(self.trainer.seed)
@@ -309,22 +310,16 @@ class FinetuneRecipe:
         return self.data.build(self.tokenizer, sample_cap=sample_cap(self.batching, self.dims.cp_size))
 
     def _warn_other_tokenizer(self) -> None:
-        """A ``data.tokenizer`` other than the checkpoint's own is used as named; where its special tokens,
-        size or chat template differ from the checkpoint's, a warning names both."""
-        checkpoint, named = self.model_spec.pretrained_path, getattr(self.data, "tokenizer", None)
-        if checkpoint is None or named is None or _same_path(named, checkpoint):
-            return
-        try:
-            own = load_tokenizer(checkpoint, trust_remote_code=self.model_spec.trust_remote_code)
-        except ValueError:  # the checkpoint ships no tokenizer: nothing to compare with
-            return
-        differences = tokenizer_disagreements(self.tokenizer, own)
-        if differences:
-            logger.warning(
-                "data.tokenizer=%r differs from the checkpoint's own tokenizer (model.pretrained_path=%r): %s; the "
-                "run uses data.tokenizer=%r as named (set data.tokenizer=null to use the checkpoint's)",
-                named, checkpoint, "; ".join(differences), named,
-            )  # fmt: skip
+        """A ``data.tokenizer`` other than the checkpoint's own is used as named, with a warning where
+        it differs from the checkpoint's (:func:`other_tokenizer_warning`)."""
+        warning = other_tokenizer_warning(
+            self.tokenizer,
+            getattr(self.data, "tokenizer", None),
+            self.model_spec.pretrained_path,
+            trust_remote_code=self.model_spec.trust_remote_code,
+        )
+        if warning:
+            logger.warning("%s", warning)
 
     def _check_objective(self, config: PretrainedConfig) -> None:
         """What the objective refuses of the model config, before any data work (none for SFT: every
@@ -665,6 +660,14 @@ class FinetuneRecipe:
         bf16 under the run's autocast, else ``spec``'s dtype (FSDP2's compute dtype; the model's)."""
         return torch.bfloat16 if self._autocasts() else (spec or self.model_spec).torch_dtype
 
+    def _compute_summary(self) -> str:
+        """What the run computes in and where that comes from, for its first line: ``model=hf_checkpoint``
+        computes in bf16 by default, on CPU too."""
+        dtype = str(self._compute_dtype()).removeprefix("torch.")
+        source = "trainer.bf16_autocast" if self._autocasts() else f"model.dtype={self.model_spec.dtype}"
+        kept = "; parameters and optimizer state float32" if dtype != "float32" else ""
+        return f"computing in {dtype} ({source}{kept})"
+
     def _finish(self) -> None:
         if self.trainer.export_hf:
             dtype, source = self.model_spec.export_torch_dtype(self.hf_config)
@@ -732,10 +735,6 @@ def global_batch(dp_size: int, grad_accum_steps: int, batching: Any, max_steps: 
     )
 
 
-def _same_path(a: str, b: str) -> bool:
-    return a == b or (Path(a).is_dir() and Path(b).is_dir() and Path(a).resolve() == Path(b).resolve())
-
-
 def _longest_tokenized(*datasets: Any) -> int:
     """The most tokens of any sample of the tokenized ``datasets`` (None skipped): every
     ``*input_ids`` column (both sides of a preference pair), read as Arrow list lengths."""
@@ -762,10 +761,13 @@ def _as_user_error(
     kind: type[UserError], errors: tuple[type[Exception], ...] = (ValueError,), prefix: str = ""
 ):
     """The boundary checks of one stage raise ValueError naming the field and the fix: the user's
-    input, reported as ``kind`` (one line from the CLI), after ``prefix``."""
+    input, reported as ``kind`` (one line from the CLI), after ``prefix`` (a user error already
+    named as such keeps its kind, after ``prefix`` too)."""
     try:
         yield
-    except UserError:
+    except UserError as error:
+        if prefix:
+            raise type(error)(prefix + str(error)) from error
         raise
     except errors as error:
         raise kind(prefix + str(error)) from error

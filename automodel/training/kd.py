@@ -12,7 +12,8 @@ summed and normalized like any loss (``trainer.loss_normalization``). The ``tau^
 divergence's gradient the same size at any temperature (Hinton et al., 2015).
 
 The teacher is a checkpoint directory (its own config.json, weights and tokenizer, which must be the
-student's), built frozen in the compute dtype, run without autograd on each micro-batch's tokens
+student's; the two vocabularies may differ in padded rows no token has, and the divergence compares
+the two models over the tokenizer's ids), built frozen in the compute dtype, run without autograd on each micro-batch's tokens
 (this rank's CP share, its own THD attention), FSDP2-sharded like the student or a full copy per
 rank (``kd.shard_teacher``). Or, under LoRA, ``kd.teacher: base``: the student itself with its
 adapters disabled (no second copy of the weights; LoRA never adapts the head, so the teacher's head
@@ -22,6 +23,7 @@ both heads' logits chunk by chunk from the teacher's final hidden states.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -123,7 +125,8 @@ def check_same_tokenizer(
     student: PreTrainedTokenizerBase, teacher: PreTrainedTokenizerBase, student_name: str
 ) -> None:
     """ValueError naming both tokenizers and their first difference unless every token has the same
-    id in both (the divergence compares the two distributions id by id)."""
+    id in both (the divergence compares the two distributions id by id, over the tokenizer's ids: the
+    two vocabularies may differ in padded rows no token has)."""
     ours, theirs = student.get_vocab(), teacher.get_vocab()
     if ours == theirs:
         return
@@ -178,26 +181,31 @@ class KDRecipe(FinetuneRecipe):
                 row_tokens=row_tokens,
                 compute_dtype=self._compute_dtype(self.teacher_spec),
             )
-        ours, theirs = (
-            self.hf_config.get_text_config().vocab_size,
-            self.teacher_config.get_text_config().vocab_size,
-        )
-        if ours != theirs:
-            raise ModelError(
-                f"kd.teacher={self.kd.teacher!r}: its vocab_size {theirs} is not the student's {ours}; the "
-                "divergence compares the two next-token distributions id by id over one vocabulary"
-            )
 
     def _check_checkpoint(self) -> None:
+        """The teacher's tokenizer against the student's (the divergence compares the two models over
+        its ids, so the vocabularies may differ in rows no token has) and its checkpoint."""
         super()._check_checkpoint()
+        self.kd_vocab = len(self.tokenizer)
         if self.teacher_spec is None:
             return
         with _teacher_error(self.kd.teacher):
             teacher_tokenizer = load_tokenizer(
                 self.kd.teacher, trust_remote_code=self.teacher_spec.trust_remote_code
             )
-            check_same_tokenizer(self.tokenizer, teacher_tokenizer, str(self.data.tokenizer))
-            checkpoint_checks(self.teacher_spec, self.teacher_config, vocab_needed=len(self.tokenizer))
+            student_tokenizer = self.data.tokenizer or self.model_spec.pretrained_path
+            check_same_tokenizer(self.tokenizer, teacher_tokenizer, str(student_tokenizer))
+            checkpoint_checks(self.teacher_spec, self.teacher_config, vocab_needed=self.kd_vocab)
+        ours, theirs = (
+            self.hf_config.get_text_config().vocab_size,
+            self.teacher_config.get_text_config().vocab_size,
+        )
+        if ours != theirs:
+            logger.info(
+                "KD: the teacher's vocab_size %d and the student's %d differ in rows the tokenizer (%d tokens) never "
+                "produces: the divergence compares the two models over the tokenizer's %d ids",
+                theirs, ours, self.kd_vocab, self.kd_vocab,
+            )  # fmt: skip
 
     def setup(self) -> None:
         super().setup()
@@ -242,14 +250,15 @@ class KDRecipe(FinetuneRecipe):
 
     @torch.no_grad()
     def _teacher_head(self, batch: dict[str, Any]) -> TeacherHead:
-        """The teacher's final hidden states at the micro-batch's labelled positions, and its head."""
+        """The teacher's final hidden states at the micro-batch's labelled positions, and its head,
+        compared with the student's over the tokenizer's ids."""
         if self.teacher is None:  # the student's base: the same model with its adapters disabled
             with self.model.hf.disable_adapter():
-                return TeacherHead(self._model_output(batch, output="hidden"), None)
+                return TeacherHead(self._model_output(batch, output="hidden"), None, vocab=self.kd_vocab)
         head = self._model_output(batch, model=self.teacher, output="teacher")
         if isinstance(self.teacher, FSDPModule):  # the root keeps its parameters unsharded after a forward
             self.teacher.reshard()
-        return head
+        return dataclasses.replace(head, vocab=self.kd_vocab)
 
     def _micro_batch_terms(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         """``loss`` = (1 - kd_weight) * ce + kd_weight * tau^2 * kl, and ``ce`` and ``kl``, each a sum

@@ -8,6 +8,7 @@ row and token counts, the fill of the micro-batches and the steps per epoch.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from typing import Any
 
@@ -17,6 +18,7 @@ from automodel.config import build_section
 from automodel.console import configure_console
 from automodel.data.batching import LoaderEnv, sample_cap, sample_lengths, unit_token_counts
 from automodel.data.chat import CONTEXT, LEARNED, REASONING_LEARNED, REASONING_MASKED, TOOL_CALL, TOOL_OUTPUT
+from automodel.data.sft import other_tokenizer_warning
 from automodel.data.sft_data import SFTData
 from automodel.errors import ConfigError, DataError
 from automodel.models.inputs import model_inputs
@@ -31,6 +33,7 @@ MARKS = {
 }
 LEGEND = ("[[learned]]  {{learned tool call}}  <<tool output, never learned>>  ((reasoning, not learned))  "
           "[(reasoning, learned)]")  # fmt: skip
+logger = logging.getLogger("automodel")
 FILL_BATCHES = 200  # micro-batches the fill is measured over (all of them when the epoch is shorter)
 
 
@@ -85,6 +88,14 @@ def preview(cfg: DictConfig, samples: int = 3) -> dict[str, Any]:
         tokenizer = data.load_tokenizer(
             trust_remote_code=model.trust_remote_code, checkpoint=model.pretrained_path
         )
+        warning = other_tokenizer_warning(
+            tokenizer,
+            getattr(data, "tokenizer", None),
+            model.pretrained_path,
+            trust_remote_code=model.trust_remote_code,
+        )
+        if warning:  # as finetune says it: the samples shown are this tokenizer's
+            logger.warning("%s", warning)
         kinds = {"token_kinds": True} if isinstance(data, SFTData) else {}  # what each chat token is
         dataset, validation = data.build(
             tokenizer, sample_cap=sample_cap(batching, parallel.cp_size), **kinds

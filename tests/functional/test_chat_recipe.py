@@ -78,6 +78,9 @@ def test_a_checkpoint_brings_its_tokenizer_and_keeps_its_dtype(tmp_path, checkpo
     log = capfd.readouterr().err
     assert recipe.tokenizer.eos_token == "<|im_end|>"  # the checkpoint's (tiny_tools), not tiny's <|eos|>
     assert json.loads((out / "hf" / "tokenizer_config.json").read_text())["eos_token"] == "<|im_end|>"
+    # model=hf_checkpoint computes in bf16 by default, on CPU too: the run's first line says so
+    assert ("world 1 = dp 1 x cp 1 on cpu, computing in bfloat16 (model.dtype=bfloat16; parameters and optimizer "
+            "state float32)") in log, log[:3000]  # fmt: skip
     assert "export in float32 (the checkpoint's own dtype (config.json)" in log, log[-3000:]
     assert "bytes of weights in float32)" in log
     from safetensors import safe_open
@@ -101,6 +104,15 @@ def test_another_tokenizer_is_used_as_named_with_a_warning(tmp_path, checkpoint,
     assert (f"data.tokenizer='tiny' differs from the checkpoint's own tokenizer (model.pretrained_path='{checkpoint}'): "
             "bos_token '<|bos|>' vs None; eos_token '<|eos|>' vs '<|im_end|>'") in log, log[-3000:]  # fmt: skip
     assert "another chat template; the run uses data.tokenizer='tiny' as named" in log
+
+
+def test_data_warns_like_finetune_when_the_tokenizer_is_not_the_checkpoints(checkpoint, capfd):
+    """``automodel data`` shows samples of the tokenizer the run would use, and says, as ``finetune``
+    does, that it is not the checkpoint's own."""
+    assert main(["data", "tiny_llama_sft", "model=hf_checkpoint", f"model.pretrained_path={checkpoint}",
+                 "data.tokenizer=tiny", "data.split='train[:40]'", "--samples", "1"]) == 0  # fmt: skip
+    assert (f"data.tokenizer='tiny' differs from the checkpoint's own tokenizer (model.pretrained_path='{checkpoint}'): "
+            "bos_token '<|bos|>' vs None") in capfd.readouterr().err  # fmt: skip
 
 
 def test_the_adapter_names_its_base_by_an_absolute_path(tmp_path, checkpoint, monkeypatch):

@@ -255,6 +255,13 @@ def test_unknown_key_in_a_recipe_file_names_the_key(tmp_path, capfd):
     )
 
 
+def test_under_torchrun_a_warning_is_printed_once(two_ranks):
+    """Every rank runs the same checks: their warnings (here optim.warmup_steps=20 above max_steps=4)
+    used to print once per rank; rank 0 prints them, the other ranks their errors only."""
+    _, logs = two_ranks
+    assert logs["cp2"].count("the LR schedule never reaches its peak") == 1, logs["cp2"][-3000:]
+
+
 def test_cp_size_must_divide_the_world_size(two_ranks):
     root, logs = two_ranks
     assert "RECIPE-RUN-ERROR cp4: parallel.cp_size=4 must divide the world size 2" in logs["cp4"], logs["cp4"]

@@ -102,6 +102,29 @@ def test_a_teacher_equal_to_the_student_gives_zero_divergence(teacher, tmp_path)
     assert kd[0]["grad_norm"] == pytest.approx(0.5 * sft[0]["grad_norm"], rel=1e-4)  # the kl adds no gradient
 
 
+def test_a_teacher_that_is_the_student_padded_gives_zero_divergence_and_trains(teacher, tmp_path):
+    """Real pairs share a tokenizer but pad their vocabularies differently (Qwen2.5-0.5B: 151,936
+    rows, 7B: 152,064, for 151,665 tokens). The teacher here is the student with its vocabulary padded
+    from 512 to 576 rows no token has: the divergence compares the tokenizer's 512 ids, so step 1's is
+    0 to rounding, and the run trains on."""
+    from transformers import AutoModelForCausalLM
+
+    padded = tmp_path / "padded_teacher"
+    shutil.copytree(teacher, padded)
+    model = AutoModelForCausalLM.from_pretrained(teacher)
+    model.resize_token_embeddings(576, mean_resizing=False)
+    model.save_pretrained(padded)
+    assert json.loads((padded / "config.json").read_text())["vocab_size"] == 576
+    same = [
+        "model=hf_checkpoint",
+        f"model.pretrained_path={teacher}",
+        "model.dtype=float32",
+        "trainer.max_steps=2",
+    ]
+    records = kd_one_process(padded, tmp_path / "kd", *same)
+    assert abs(records[0]["kl"]) < 1e-6 and records[1]["kl"] > 1e-6, records
+
+
 def test_a_lora_student_with_its_own_base_as_teacher(tmp_path):
     """kd.teacher=base: no teacher model is built; lora_B starts at 0, so step 1's divergence is
     exactly 0, and it grows once the adapters move."""
@@ -122,8 +145,8 @@ def test_data_parallel_equals_one_process_with_the_same_global_batch(teacher, tw
 
 
 def test_the_teacher_is_checked_at_the_door(teacher, tmp_path, monkeypatch):
-    """A missing teacher, base without LoRA, another tokenizer, another vocabulary: one line each,
-    before any data is tokenized."""
+    """A missing teacher, base without LoRA, another tokenizer, a vocabulary smaller than the
+    tokenizer: one line each, before any data is tokenized."""
     from automodel.data.sft_data import SFTData
 
     tokenized = []
@@ -157,12 +180,15 @@ def test_the_teacher_is_checked_at_the_door(teacher, tmp_path, monkeypatch):
         ModelError, match="its tokenizer \\(513 tokens\\) is not the student's .*'<teacher-only>'"
     ):
         setup(f"kd.teacher={other}")
-    wider = tmp_path / "wider_vocabulary"
-    shutil.copytree(teacher, wider)
-    config = json.loads((wider / "config.json").read_text())
-    (wider / "config.json").write_text(json.dumps(config | {"vocab_size": 1024}))
-    with pytest.raises(ModelError, match="its vocab_size 1024 is not the student's 512"):
-        setup(f"kd.teacher={wider}")
+    narrower = tmp_path / "narrower_vocabulary"
+    shutil.copytree(teacher, narrower)
+    config = json.loads((narrower / "config.json").read_text())
+    (narrower / "config.json").write_text(json.dumps(config | {"vocab_size": 256}))
+    with pytest.raises(
+        ConfigError,
+        match=r"\(the teacher\): the tokenizer \(data.tokenizer\) has 512 tokens but llama's vocab_size is 256",
+    ):
+        setup(f"kd.teacher={narrower}")
     assert tokenized == []
 
 

@@ -61,6 +61,21 @@ FORMATS = {
         ("<bos>", "<eos>", "<pad>", "<start_of_turn>", "<end_of_turn>"), "<bos>", "<eos>", "<pad>",
         tools=False, alternate=True,
     ),
+    "hermes": Format(
+        ("<s>", "<|im_end|>", "<pad>", "<|im_start|>"), "<s>", "<|im_end|>", "<pad>",
+        plain=("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<tools>", "</tools>"),
+        content_with_calls=False,
+    ),
+    "llama31_json": Format(
+        ("<|begin_of_text|>", "<|eot_id|>", "<|finetune_right_pad_id|>", "<|start_header_id|>",
+         "<|end_header_id|>", "<|eom_id|>", "<|python_tag|>"),
+        "<|begin_of_text|>", "<|eot_id|>", "<|finetune_right_pad_id|>", calls_per_turn=1, content_with_calls=False,
+    ),
+    "mistral_tool": Format(
+        ("<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+         "[TOOL_RESULTS]", "[/TOOL_RESULTS]"),
+        "<s>", "</s>", "<pad>", call_ids=True, content_with_calls=False,
+    ),
     "deepseek_v3": Format(
         ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>", "<｜tool▁calls▁begin｜>",
          "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>",

@@ -1,4 +1,4 @@
-"""The assistant masks read from chat templates of six published formats (``chat_templates/``):
+"""The assistant masks read from chat templates of nine published formats (``chat_templates/``):
 the tokens learned are exactly the assistant's, with or without ``{% generation %}`` blocks in the
 template, and the ids are ``apply_chat_template``'s.
 
@@ -39,6 +39,18 @@ def flag(message: dict) -> bool | None:
     return bool(message["weight"]) if "weight" in message else None
 
 
+def as_objects(message: dict) -> dict:
+    """The message as the template should read it: no training flag, tool-call arguments given as
+    JSON text as the object they spell (the template decides how to print an object)."""
+    message = {k: v for k, v in message.items() if k not in ("train", "weight")}
+    if "tool_calls" in message:
+        message["tool_calls"] = [
+            {**call, "function": {**call["function"], "arguments": json.loads(call["function"]["arguments"])}}
+            if isinstance(call["function"]["arguments"], str) else call for call in message["tool_calls"]
+        ]  # fmt: skip
+    return message
+
+
 def expected(
     name: str, messages: list[dict], tools: list[dict] | None, policy: ChatPolicy
 ) -> tuple[list, list]:
@@ -53,7 +65,7 @@ def expected(
         for n, i in enumerate(assistant)
         if messages[i].get("reasoning_content") and policy.reasoning == "learn"
     ]
-    clean = [{k: v for k, v in m.items() if k not in ("train", "weight")} for m in messages]
+    clean = [as_objects(m) for m in messages]
     marked = TOKENIZERS[name, True].apply_chat_template(
         clean,
         tools=tools,
@@ -95,6 +107,7 @@ WEATHER = [
     {"role": "assistant", "content": "You are welcome.", "reasoning_content": "Polite."},
 ]  # fmt: skip
 QWEN3_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
+HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
 HARMONY_CALL = (
     ' to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>{"city": "Paris"}<|call|>'
 )
@@ -129,6 +142,9 @@ def learned_runs(name: str, messages: list[dict], **options) -> list[str]:
                          "<|channel|>analysis<|message|>Polite.<|end|><|start|>assistant<|channel|>final<|message|>"
                          "You are welcome.<|return|>"]),
         ("harmony", {"reasoning": "mask"}, [HARMONY_CALL, "It is 18 C.<|end|>", "You are welcome.<|return|>"]),
+        # Hermes writes no reasoning and closes a tool turn with "\n<|im_end|>" only when a turn follows:
+        # a turn with reasoning after a tool result learns its answer, not that <|im_end|> and its header.
+        ("hermes", {}, [HERMES_CALL, "It is 18 C.<|im_end|>", "You are welcome.<|im_end|>"]),
     ],
 )  # fmt: skip
 def test_worked_examples(name, options, runs):

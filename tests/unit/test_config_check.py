@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import automodel.data.collate
 import automodel.models.build
@@ -23,7 +23,15 @@ from automodel.models import ModelSpec, check_model_config, setup_checks
 from automodel.models.setup import config_checks
 from automodel.models.support import config_verdict, supported_table
 from automodel.models.tiny import _balance, width_config
-from automodel.models.verify import BASE_TOKENS, PAD_MULTIPLE, check_lengths, sample_pairs
+from automodel.models.verify import (
+    BASE_TOKENS,
+    PAD_MULTIPLE,
+    check_lengths,
+    noise_fields,
+    sample_pairs,
+    verify_config,
+    without_noise,
+)
 
 
 def verdict(config, tmp_path, sample_tokens, row_tokens=None):
@@ -325,21 +333,67 @@ def test_an_unset_routing_size_stays_unset_and_transformers_error_is_named(tmp_p
         check_model_config(config, "portable", entry)
 
 
-@pytest.mark.parametrize(
-    "fields, named",
-    [
-        ({}, "router_jitter_noise=0.01"),  # Phi-3.5-MoE's default: sparsemixer samples experts
-        ({"router_jitter_noise": 0.0, "input_jitter_noise": 0.1}, "input_jitter_noise=0.1"),
-    ],
-)
-def test_random_layers_in_train_mode_are_refused_naming_the_field(tmp_path, fields, named):
-    """The check used to zero them (and verify a model the run does not train)."""
-    config = AutoConfig.for_model("phimoe", num_hidden_layers=2, **fields)
-    entry = verdict(config, tmp_path, sample_tokens=16)
-    assert entry["status"] == "refused" and named in entry["reason"], entry
-    assert f"set {named.split('=')[0]}: 0.0" in entry["reason"]
-    deterministic = AutoConfig.for_model("phimoe", num_hidden_layers=2, router_jitter_noise=0.0)
-    assert verdict(deterministic, tmp_path, sample_tokens=16)["status"] == "verified"
+def test_the_check_compares_with_the_noise_off_and_the_run_keeps_it(tmp_path):
+    """Phi-3.5-MoE's router samples experts in train mode (router_jitter_noise=0.01), its inputs are
+    jittered (input_jitter_noise), Phi-2 drops residuals: noise drawn per token or element, one
+    distribution packed or not. The check compares with it off and verifies; the config is the run's
+    as given (these were refused: a packed row cannot draw what each sample alone would)."""
+    phimoe = AutoConfig.for_model("phimoe", num_hidden_layers=2, input_jitter_noise=0.1)
+    phi = AutoConfig.for_model("phi", num_hidden_layers=2, resid_pdrop=0.1, embd_pdrop=0.1)
+    for config, fields in ((phimoe, {"router_jitter_noise": 0.01, "input_jitter_noise": 0.1}),
+                           (phi, {"resid_pdrop": 0.1, "embd_pdrop": 0.1})):  # fmt: skip
+        assert noise_fields(config) == fields
+        assert verdict(config, tmp_path, sample_tokens=16)["status"] == "verified"
+        assert noise_fields(config) == fields  # not changed in place
+        assert noise_fields(without_noise(config)) == {}
+
+
+class NoisyConfig(LlamaConfig):
+    """A Llama whose final hidden states get noise in train mode: ``row_noise`` one value per row
+    (``[B, 1, 1]``), ``token_noise`` one per token (``[B, S, 1]``)."""
+
+    model_type = "noisy_llama_for_tests"
+
+    def __init__(self, row_noise: float = 0.0, token_noise: float = 0.0, **kwargs):
+        self.row_noise, self.token_noise = row_noise, token_noise
+        super().__init__(**kwargs)
+
+
+class NoisyForCausalLM(LlamaForCausalLM):
+    config_class = NoisyConfig
+
+    def __init__(self, config: NoisyConfig):
+        super().__init__(config)
+        self.model.norm.register_forward_hook(self._noise)
+
+    def _noise(self, module, args, out):
+        if not self.training:
+            return None
+        rows, tokens, _ = out.shape
+        if self.config.row_noise > 0:  # drawn only when on, as transformers' layers do
+            out = out * (1 + self.config.row_noise * torch.rand(rows, 1, 1))
+        if self.config.token_noise > 0:
+            out = out * (1 + self.config.token_noise * torch.rand(rows, tokens, 1))
+        return out
+
+
+AutoConfig.register(NoisyConfig.model_type, NoisyConfig, exist_ok=True)
+AutoModelForCausalLM.register(NoisyConfig, NoisyForCausalLM, exist_ok=True)
+NOISY = dict(num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+             vocab_size=64)  # fmt: skip
+
+
+def test_noise_drawn_once_per_row_is_refused_naming_its_field():
+    """Packing puts several samples in one row: noise drawn once per row would be shared among them,
+    where each sample alone draws its own. Refused naming the field; noise per token is verified."""
+    both = NoisyConfig(**NOISY, row_noise=0.1, token_noise=0.2)
+    refused = verify_config(both)
+    assert refused.status == "refused", refused
+    assert refused.reason == (
+        "its forward in train mode draws noise once per row or sequence (row_noise=0.1: rand: one value per row), "
+        "which packing would share among the samples of a row; set row_noise: 0.0 in model.config"
+    )
+    assert verify_config(NoisyConfig(**NOISY, token_noise=0.2)).status == "verified"
 
 
 def test_no_bound_on_the_samples_refuses_a_config_with_a_length_field_naming_data_max_length(

@@ -20,7 +20,8 @@ IGNORE = -100
 
 
 def full_logits_terms(h, w, b, labels, teacher, *, scale, softcap, divergence, temperature):
-    """(ce_T, divergence_T) from the full [T, V] logits of both heads, by the textbook formulas."""
+    """(ce_T, divergence_T) from the full [T, V] logits of both heads, by the textbook formulas; the
+    divergence over the first ``teacher.vocab`` ids of both (all of them when None)."""
     z = transform_logits(F.linear(h, w, b), logit_scale=scale, final_logit_softcap=softcap)
     th = torch.zeros(len(labels), teacher.hidden_ND.shape[1], dtype=h.dtype)
     th[labels != IGNORE] = teacher.hidden_ND
@@ -31,6 +32,8 @@ def full_logits_terms(h, w, b, labels, teacher, *, scale, softcap, divergence, t
     )
     labelled = labels != IGNORE
     ce = F.cross_entropy(z, labels, ignore_index=IGNORE, reduction="none")
+    if teacher.vocab is not None:
+        z, y = z[:, : teacher.vocab], y[:, : teacher.vocab]
     log_q, log_p = (z / temperature).log_softmax(-1), (y / temperature).log_softmax(-1)
     if divergence == "forward_kl":
         div = (log_p.exp() * (log_p - log_q)).sum(-1)
@@ -39,8 +42,9 @@ def full_logits_terms(h, w, b, labels, teacher, *, scale, softcap, divergence, t
     return ce.where(labelled, 0.0), div.where(labelled, 0.0)
 
 
-def case(t, v, d, d_t, masked, seed, bias, teacher_softcap, dtype=torch.float64):
+def case(t, v, d, d_t, masked, seed, bias, teacher_softcap, dtype=torch.float64, teacher_v=None, vocab=None):
     g = torch.Generator().manual_seed(seed)
+    teacher_v = v if teacher_v is None else teacher_v
     h = torch.randn(t, d, generator=g, dtype=dtype).requires_grad_()
     w = torch.randn(v, d, generator=g, dtype=dtype).requires_grad_()
     b = torch.randn(v, generator=g, dtype=dtype).requires_grad_() if bias else None
@@ -49,18 +53,22 @@ def case(t, v, d, d_t, masked, seed, bias, teacher_softcap, dtype=torch.float64)
     n = int((labels != IGNORE).sum())
     teacher = TeacherHead(
         torch.randn(n, d_t, generator=g, dtype=dtype),
-        torch.randn(v, d_t, generator=g, dtype=dtype),
-        torch.randn(v, generator=g, dtype=dtype) if bias else None,
+        torch.randn(teacher_v, d_t, generator=g, dtype=dtype),
+        torch.randn(teacher_v, generator=g, dtype=dtype) if bias else None,
         logit_scale=0.8,
         final_logit_softcap=teacher_softcap,
+        vocab=vocab,
     )
     return h, w, b, labels, teacher
 
 
 def check(
-    t, v, chunk_tokens, masked, *, bias, scale, softcap, teacher_softcap, divergence, temperature, seed=0
-):
-    h, w, b, labels, teacher = case(t, v, 6, 5, masked, seed, bias, teacher_softcap)
+    t, v, chunk_tokens, masked, *, bias, scale, softcap, teacher_softcap, divergence, temperature, seed=0,
+    teacher_v=None, vocab=None,
+):  # fmt: skip
+    h, w, b, labels, teacher = case(
+        t, v, 6, 5, masked, seed, bias, teacher_softcap, teacher_v=teacher_v, vocab=vocab
+    )
     params = [x for x in (h, w, b) if x is not None]
     g = torch.Generator().manual_seed(seed + 1)
     weights = torch.rand(2, t, generator=g, dtype=h.dtype)  # arbitrary output gradients, both outputs
@@ -90,6 +98,37 @@ def test_equals_the_full_logits_formulas_in_float64(
 ):
     check(11, 23, chunk_tokens, [i % 3 == 0 for i in range(11)], bias=bias, scale=scale, softcap=softcap,
           teacher_softcap=teacher_softcap, divergence=divergence, temperature=temperature)  # fmt: skip
+
+
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl"])
+@pytest.mark.parametrize("temperature", [1.0, 2.5])
+@pytest.mark.parametrize(("chunk_tokens", "teacher_v"), [(1, 29), (4, 19), (64, 23)])
+def test_over_the_tokenizers_ids_equals_the_full_logits_formulas(
+    divergence, temperature, chunk_tokens, teacher_v
+):
+    """Vocabularies padded with rows no token has (the student's 23, the teacher's 29, 19 or 23): the
+    divergence compares the first 19 ids of both heads, the cross-entropy all of the student's;
+    the backward's vocabulary blocks straddle the 19th id."""
+    check(11, 23, chunk_tokens, [i % 3 == 0 for i in range(11)], bias=True, scale=0.7, softcap=3.0,
+          teacher_softcap=2.0, divergence=divergence, temperature=temperature, teacher_v=teacher_v, vocab=19)  # fmt: skip
+
+
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl"])
+def test_a_teacher_that_is_the_student_padded_gives_zero(divergence):
+    """The teacher is the student with 8 more (random) rows in its head, rows no token has: over the
+    tokenizer's 17 ids the divergence is exactly 0, and it adds no gradient."""
+    h, w, b, labels, _ = case(9, 17, 6, 6, [i % 4 == 0 for i in range(9)], 3, True, None, torch.float32)
+    g = torch.Generator().manual_seed(4)
+    padded_w = torch.cat([w.detach(), torch.randn(8, 6, generator=g)])
+    padded_b = torch.cat([b.detach(), torch.randn(8, generator=g)])
+    teacher = TeacherHead(h.detach()[labels != IGNORE], padded_w, padded_b, vocab=17)
+    _, div = chunked_distillation(h, w, labels, teacher, bias_V=b, divergence=divergence, chunk_tokens=3)
+    assert torch.equal(div, torch.zeros_like(div))
+    grads = torch.autograd.grad(div.sum(), [h, w, b])
+    assert all(float(g.abs().max()) < 1e-6 for g in grads)
+    # over all 25 of the teacher's rows (no tokenizer to say which are tokens) it would not be 0
+    with pytest.raises(ValueError, match="vocabulary V = 17"):
+        chunked_distillation(h, w, labels, TeacherHead(teacher.hidden_ND, padded_w, padded_b), bias_V=b)
 
 
 @settings(max_examples=25, deadline=None)
@@ -170,6 +209,14 @@ def test_bf16_under_autocast_is_as_accurate_as_the_full_logits_in_bf16():
         ({"teacher": TeacherHead(torch.zeros(3, 3), torch.zeros(6, 3))}, "vocabulary V = 7"),
         ({"teacher": TeacherHead(torch.zeros(3, 3), None)}, "teacher.weight_VD is None"),
         ({"teacher": TeacherHead(torch.zeros(3, 3), torch.zeros(7, 3), torch.zeros(6))}, "teacher.bias_V"),
+        (
+            {"teacher": TeacherHead(torch.zeros(3, 3), torch.zeros(9, 3), vocab=8)},
+            "at most both vocabularies",
+        ),
+        (
+            {"teacher": TeacherHead(torch.zeros(3, 3), torch.zeros(5, 3), vocab=6)},
+            "at most both vocabularies",
+        ),
     ],
 )
 def test_bad_arguments_are_named(change, message):

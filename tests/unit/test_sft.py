@@ -424,20 +424,22 @@ def test_bad_messages_input(conversations, match):
 def test_a_role_is_used_where_the_template_renders_it():
     """A role other than system/user/assistant is taken when the template renders it (the word template
     writes any role), and named with its row where the template fails on it (the tiny one raises) or
-    drops it; a tool's output is never learned."""
-    conversation = [*chat(("user", "what is two plus two"), ("tool", "four"), ("assistant", "four"))]
+    drops it; a tool's output (Llama's ``ipython`` role) is never learned."""
+    conversation = [*chat(("user", "what is two plus two"), ("ipython", "four"), ("assistant", "four"))]
     dataset = datasets.Dataset.from_dict({"messages": [conversation]})
     (row,) = rows(tokenize_sft_dataset(dataset, word_tokenizer(), format="messages"))
-    # <s> USER: what is two plus two TOOL: four ASSISTANT: four </s>  ("TOOL:" is unknown: 15)
+    # <s> USER: what is two plus two IPYTHON: four ASSISTANT: four </s>  ("IPYTHON:" is unknown: 15)
     assert row["input_ids"] == [1, 4, 6, 7, 8, 9, 8, 15, 10, 5, 10]
     assert row["loss_mask"] == [0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1]  # the tool's "four" is not learned
     bad = datasets.Dataset.from_dict({"messages": [chat(("user", "hi"), ("assistant", "ok")), conversation]})
-    with pytest.raises(ValueError, match=r"row 2: field 'messages' .*message 1: role 'tool': the chat template "
-                       r"fails on it \(TemplateError: role must be system, user or assistant, got tool\)"):  # fmt: skip
+    with pytest.raises(ValueError, match=r"row 2: field 'messages' .*message 1: role 'ipython': the chat template "
+                       r"fails on it \(TemplateError: role must be system, user or assistant, got ipython\)"):  # fmt: skip
         tokenize_sft_dataset(bad, load_tokenizer("tiny"), format="messages")
-    dropping = WORD_TEMPLATE.replace("{% for m in messages %}", "{% for m in messages if m.role != 'tool' %}")
+    dropping = WORD_TEMPLATE.replace(
+        "{% for m in messages %}", "{% for m in messages if m.role != 'ipython' %}"
+    )
     with pytest.raises(
-        ValueError, match=r"row 2: .*message 1: role 'tool' is not rendered by the chat template"
+        ValueError, match=r"row 2: .*message 1: role 'ipython' is not rendered by the chat template"
     ):
         tokenize_sft_dataset(bad, word_tokenizer(dropping), format="messages")
 
@@ -511,3 +513,25 @@ def test_tokenizer_disagreements_name_what_a_model_would_read_otherwise(tiny):
     smaller = load_tokenizer("tiny")
     smaller.add_tokens(["<extra>"])
     assert tokenizer_disagreements(tiny, smaller) == ["512 vs 513 tokens"]
+
+
+def test_a_checkpoint_without_its_tokenizer_is_told_to_bring_its_own(tmp_path):
+    """``data.tokenizer: null`` beside a checkpoint saved with weights only (or a tokenizer_config.json
+    without the vocabulary): the fix is the tokenizer of the model it came from, named under the key
+    the user set. It used to offer the built-in tiny tokenizers, another vocabulary for a real model,
+    and to name data.tokenizer, which the user had left null."""
+    from automodel.data.sft import load_data_tokenizer
+
+    checkpoint = tmp_path / "ck"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    for files in ((), ("tokenizer_config.json",)):
+        for name in files:
+            (checkpoint / name).write_text("{}")
+        with pytest.raises(ValueError) as refused:
+            load_data_tokenizer(None, str(checkpoint))
+        message = str(refused.value)
+        assert message.startswith(f"data.tokenizer is null (the checkpoint's own), but model.pretrained_path='{checkpoint}'"
+                                  " holds no tokenizer file (tokenizer.json, *.model")  # fmt: skip
+        assert f"save the tokenizer of the model it was trained from into it (AutoTokenizer.from_pretrained(<that model>).save_pretrained('{checkpoint}'))" in message  # fmt: skip
+        assert "tiny" not in message
