@@ -15,7 +15,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from automodel.distributed.parallel import lost_peer, unanswered_ranks
 from automodel.errors import ConfigError, PeerLostError
-from automodel.training.dpo import DPORecipe
+from automodel.training.dpo import DPORecipe, KTORecipe
 from automodel.training.finetune import FinetuneRecipe
 from automodel.training.kd import KDRecipe
 
@@ -30,12 +30,13 @@ def recipe_class(cfg: DictConfig) -> type[FinetuneRecipe]:
     ]  # fmt: skip
     if preference and cfg.get("dpo") is None:
         raise ConfigError(
-            f"{', '.join(preference)} holds preference pairs, which need a dpo section (dpo=sigmoid)"
+            f"{', '.join(preference)} holds preference pairs or KTO samples, which need a dpo section (dpo=sigmoid, "
+            "dpo=kto)"
         )
     if cfg.get("dpo") is not None and cfg.get("kd") is not None:
         raise ConfigError("a recipe has one objective: a dpo section or a kd section, not both; remove one")
     if cfg.get("dpo") is not None:
-        return DPORecipe
+        return KTORecipe if str(cfg.dpo.get("_target_", "")).endswith(".KTOConfig") else DPORecipe
     if cfg.get("kd") is not None:
         return KDRecipe
     return FinetuneRecipe
