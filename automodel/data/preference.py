@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +64,8 @@ class PreferenceData:
         validation: a validation source (``{source, split}``; format and columns as for training).
         val_fraction: or hold out this fraction of the pairs (seeded).
         seed: seeds the held-out split.
+        margin: reward models only: the column of each pair's margin m, a finite number (the loss
+            is ``-log sigmoid(r_chosen - r_rejected - m)``); a row without one is a bad row.
     """
 
     source: str = "tiny_preference"
@@ -75,6 +78,7 @@ class PreferenceData:
     validation: dict | None = None
     val_fraction: float | None = None
     seed: int = 1234
+    margin: str | None = None
 
     def __post_init__(self) -> None:
         if self.format not in PREFERENCE_FORMATS:
@@ -127,7 +131,14 @@ class PreferenceData:
                 f"{sorted(missing)}), which the rows lack (columns: {rows.column_names}); map them with "
                 "data.columns={field: column}, or pick another data.format"
             )
+        if self.margin is not None and self.margin not in rows.column_names:
+            raise ValueError(
+                f"{source}: data.margin={self.margin!r} is not a column of the rows (columns: {rows.column_names})"
+            )
         bad = bad_pairs(rows, self.format, columns)
+        if self.margin is not None:
+            bad += [(row, f"margin {value!r}, not a finite number") for row, value in enumerate(rows[self.margin])
+                    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)]  # fmt: skip
         if bad:
             counts, firsts = collections.Counter(reason for _, reason in bad), {}
             for row, reason in bad:
@@ -160,7 +171,10 @@ class PreferenceData:
                     f"cut by data.max_length={self.max_length}); both sides of every pair must keep a response"
                 )
             sides.append(tokenized.rename_columns({c: f"{side}_{c}" for c in _SAMPLE_COLUMNS}))
-        return datasets.concatenate_datasets(sides, axis=1)
+        pairs = datasets.concatenate_datasets(sides, axis=1)
+        if self.margin is not None:
+            pairs = pairs.add_column("margin", [float(m) for m in rows[self.margin]])
+        return pairs
 
 
 def _without(rows: datasets.Dataset, origin, dropped: set[int]) -> tuple[datasets.Dataset, Any]:
@@ -207,7 +221,10 @@ def pair_samples(pair: dict[str, Any]) -> list[dict[str, Any]]:
 def collate_pairs(pairs: list[dict[str, Any]], env: LoaderEnv) -> dict[str, Any]:
     """Pairs -> one packed row ``[1, T]``: chosen_0, rejected_0, chosen_1, ... (collater contract)."""
     samples = [sample for pair in pairs for sample in pair_samples(pair)]
-    return packed_sequence_thd_collater([build_row(samples, env.padding_idx, env.cp_size)])
+    batch = packed_sequence_thd_collater([build_row(samples, env.padding_idx, env.cp_size)])
+    if "margin" in pairs[0]:  # a reward model's margins, float32 [P]
+        batch["margins"] = torch.tensor([float(pair["margin"]) for pair in pairs])
+    return batch
 
 
 @dataclass

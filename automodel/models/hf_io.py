@@ -275,12 +275,21 @@ def unused_tensors(hf: PreTrainedModel, stored: dict[str, StoredTensor], match: 
     return sorted(set(stored) - consumed)
 
 
-def load_sharded(hf: PreTrainedModel, path: str | Path, where: str) -> None:
+def load_sharded(
+    hf: PreTrainedModel,
+    path: str | Path,
+    where: str,
+    other_head: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset()),
+) -> list[str]:
     """Fill ``hf``'s parameters and persistent buffers (sharded by FSDP2 or not) from the safetensors
     checkpoint at ``path``, each rank reading only its slices; then its non-persistent buffers.
     The checkpoint may hold each tensor in the model's layout or in the published one that
     transformers converts at load (:func:`match_checkpoint`). Adapter parameters (peft's ``lora_``)
     are left alone. Collective when a process group exists.
+
+    ``other_head``: ``(tensors the checkpoint may lack, entries it may hold that the model has no
+    place for)`` (:meth:`ModelSpec.other_head`: a reward model from a causal LM checkpoint). Returns
+    the tensors it lacked, left for the caller to initialize.
 
     Raises:
         UnshardableCheckpoint: before any read, with the reason (the caller falls back to a full load).
@@ -288,6 +297,8 @@ def load_sharded(hf: PreTrainedModel, path: str | Path, where: str) -> None:
     """
     stored = stored_tensors(path)
     match = match_checkpoint(hf, stored, where)
+    initialized = [name for name in match.missing if name in other_head[0]]
+    match.missing = [name for name in match.missing if name not in other_head[0]]
     if match.missing:
         raise UnshardableCheckpoint(
             f"{where}: the checkpoint lacks {match.missing[:3]} in both the model's layout "
@@ -300,7 +311,7 @@ def load_sharded(hf: PreTrainedModel, path: str | Path, where: str) -> None:
                 f"{where}: transformers builds the model's {list(group.tensors)[:3]} from "
                 f"{list(group.entries)[:3]} by more than a reordering"
             )
-    unused = unused_tensors(hf, stored, match)
+    unused = [name for name in unused_tensors(hf, stored, match) if name not in other_head[1]]
     if unused:  # e.g. quantization scales: from_pretrained decides what they mean
         raise UnshardableCheckpoint(
             f"{where}: the checkpoint holds tensors the model has no place for, first {unused[:3]}"
@@ -315,6 +326,7 @@ def load_sharded(hf: PreTrainedModel, path: str | Path, where: str) -> None:
                 _scatter_group(group_tensors, _element_sources(hf, group_tensors), stored)
         dcp.load({**match.direct, **renamed}, storage_reader=HuggingFaceStorageReader(str(path)))
     check_finite({**match.direct, **{n: tensors[n] for g in match.converted for n in g.tensors}}, where)
+    return initialized
 
 
 def _element_sources(hf: PreTrainedModel, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -263,24 +263,29 @@ def kto_terms(
 class DPORecipe(FinetuneRecipe):
     """:class:`FinetuneRecipe` with a DPO-family objective (``dpo`` section, preference data and batching)."""
 
+    section = "dpo"  # the objective's recipe section
     objective = (DPOConfig, PreferenceData, PreferenceBatching)
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.dpo = build_section(cfg, "dpo")
-        for name, value, kind in zip(
-            ("dpo", "data", "packing"), (self.dpo, self.data, self.batching), self.objective
-        ):
+        self.dpo = build_section(cfg, self.section)
+        kind_name = type(self).__name__.removesuffix("Recipe")
+        sections = (self.section, "data", "packing")
+        for name, value, kind in zip(sections, (self.dpo, self.data, self.batching), self.objective):
             if not isinstance(value, kind):
                 raise ConfigError(
-                    f"{name}: a {type(self).__name__.removesuffix('Recipe')} recipe needs "
-                    f"{kind.__module__}.{kind.__name__}, got {type(value).__name__}"
+                    f"{name}: a {kind_name} recipe needs {kind.__module__}.{kind.__name__}, got {type(value).__name__}"
                 )
         if self.trainer.loss_normalization != "token":
             raise ConfigError(
-                f"trainer.loss_normalization={self.trainer.loss_normalization} does not apply to DPO, whose loss "
-                "is a mean over the step's pairs of one term per pair (each from the pair's summed log-probs); "
-                "remove the override"
+                f"trainer.loss_normalization={self.trainer.loss_normalization} does not apply to {kind_name}, whose "
+                f"loss is a mean over the step's {self.unit} of one term each (from their summed log-probs or "
+                "rewards); remove the override"
+            )
+        if self.section == "dpo" and getattr(self.data, "margin", None) is not None:
+            raise ConfigError(
+                f"data.margin={self.data.margin!r} applies to reward models (a reward section), not to {kind_name}; "
+                "remove it"
             )
 
     def _check_objective(self, config) -> None:
@@ -289,14 +294,16 @@ class DPORecipe(FinetuneRecipe):
         if getattr(config.get_text_config(), "output_router_logits", False):
             raise ConfigError(
                 f"{config.model_type} has output_router_logits=true: its forward adds a router load-balancing "
-                "loss, which the DPO objective does not compute; set output_router_logits: false in model.config"
+                f"loss, which the {type(self).__name__.removesuffix('Recipe')} objective does not compute; set "
+                "output_router_logits: false in model.config"
             )
 
     def setup(self) -> None:
         super().setup()
         self.reference = None
         if self.dpo.reference_free:
-            logger.info("dpo.loss_type=%s is reference-free: no reference model", self.dpo.loss_type)
+            if isinstance(self.dpo, DPOConfig):
+                logger.info("dpo.loss_type=%s is reference-free: no reference model", self.dpo.loss_type)
         elif self.lora is None:  # a frozen copy of the starting weights (LoRA: adapters disabled instead)
             # built after a resume restored the RNG: its seeded init must not move the training stream
             devices = [self.dims.device.index or 0] if self.dims.device.type == "cuda" else []

@@ -1,0 +1,122 @@
+"""Post-training objectives (the DPO family, KTO, reward models, the policy-gradient step): step 1's
+loss and gradients equal each objective's formula computed by hand on the unpacked samples
+(tests/functional/workers/objective_checks.py), in one process and, in ONE torchrun launch per world
+layout for all objectives, under CP 2 and under DP 2 with accumulation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torchrun import run_torchrun
+from workers.objective_checks import OBJECTIVES, check_step_one
+
+
+@pytest.mark.parametrize("name", list(OBJECTIVES))
+def test_step_one_equals_the_formula_by_hand(tmp_path, name):
+    assert check_step_one(name, tmp_path) == []
+
+
+@pytest.fixture(scope="module")
+def two_rank_launch(tmp_path_factory):
+    """ONE 2-rank launch: every objective under CP 2, then under DP 2 (both with accumulation)."""
+    workdir = tmp_path_factory.mktemp("post_training")
+    result = run_torchrun(["tests/functional/workers/post_training_worker.py", "--workdir", str(workdir)], nproc=2,
+                          timeout=900)  # fmt: skip
+    results = workdir / "results.json"
+    assert results.exists(), result.stdout[-4000:]
+    return json.loads(results.read_text())
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["cp2", "dp2"])
+@pytest.mark.parametrize("name", list(OBJECTIVES))
+def test_step_one_equals_the_formula_by_hand_under_torchrun(two_rank_launch, name, layout):
+    assert two_rank_launch[f"{name} {layout}"] == []
+
+
+# --- the reward model: export, and the checkpoints it starts from --------------------------------
+
+RM_FAST = ["data.split='train[:24]'", "packing.pairs_per_micro_batch=2", "trainer.progress_bar=false",
+           "trainer.eval_every=null", "data.val_fraction=null", "trainer.max_steps=1", "trainer.grad_accum_steps=1"]  # fmt: skip
+
+
+def _rm_recipe(output_dir, *overrides):
+    from automodel.config import load_recipe
+    from automodel.training.run import recipe_class
+
+    cfg = load_recipe("tiny_llama_rm", [f"trainer.output_dir={output_dir}", *RM_FAST, *overrides])
+    recipe = recipe_class(cfg)(cfg)
+    recipe.setup()
+    return recipe
+
+
+def _scores(recipe, batch):
+    """The recipe's packed scores of one micro-batch, and its samples' input ids."""
+    from automodel.logprobs import packed_scores
+
+    with torch.no_grad():
+        scores, _ = packed_scores(recipe.model, recipe._shard(batch))
+    ids = batch["input_ids"][0]
+    starts = torch.cumsum(batch["seq_lens_padded"][0], 0) - batch["seq_lens_padded"][0]
+    return scores, [ids[s : s + n] for s, n in zip(starts.tolist(), batch["seq_lens"][0].tolist())]
+
+
+def test_reward_model_exports_a_sequence_classifier_and_starts_from_either_checkpoint(tmp_path):
+    """The export loads in AutoModelForSequenceClassification and scores each sample as the packed
+    forward did; a run from that export starts with its scores; a run from a causal LM checkpoint
+    takes its decoder and initializes the score head."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from automodel.data.sft import load_tokenizer
+
+    recipe = _rm_recipe(tmp_path / "rm")
+    try:
+        recipe.train()  # one step, then the export
+        batch = recipe.stream.prepared.collate([recipe.stream.prepared.units[i] for i in (0, 1)])
+        trained, samples = _scores(recipe, batch)
+    finally:
+        recipe.cleanup()
+    exported = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm" / "hf").eval()
+    assert type(exported).__name__ == "LlamaForSequenceClassification" and exported.config.num_labels == 1
+    with torch.no_grad():
+        alone = torch.stack([exported(ids[None]).logits[0, 0] for ids in samples])
+    assert torch.allclose(alone, trained, rtol=1e-5, atol=1e-6), (alone, trained)
+    # from the exported sequence classifier: every tensor, the score head included
+    again = _rm_recipe(
+        tmp_path / "again",
+        "model=hf_checkpoint",
+        "model.dtype=float32",
+        f"model.pretrained_path={tmp_path / 'rm' / 'hf'}",
+    )
+    try:
+        resumed, _ = _scores(again, batch)
+    finally:
+        again.cleanup()
+    assert torch.allclose(resumed, trained, rtol=1e-5, atol=1e-6)
+    # from a causal LM: its decoder; the LM head is not read, the score head is seeded
+    cfg_fields = {k: v for k, v in recipe.cfg.model.config.items() if k != "model_type"}
+    torch.manual_seed(3)
+    causal = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **cfg_fields))
+    causal.save_pretrained(tmp_path / "causal")
+    load_tokenizer("tiny").save_pretrained(tmp_path / "causal")
+    started = _rm_recipe(
+        tmp_path / "from_causal",
+        "model=hf_checkpoint",
+        "model.dtype=float32",
+        f"model.pretrained_path={tmp_path / 'causal'}",
+    )
+    try:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(started.model, options=StateDictOptions(full_state_dict=True))
+    finally:
+        started.cleanup()
+    decoder = {k: v for k, v in causal.state_dict().items() if k.startswith("model.")}
+    assert all(torch.equal(state[f"hf.{k}"], v) for k, v in decoder.items())
+    assert "hf.lm_head.weight" not in state and state["hf.score.weight"].shape == (
+        1,
+        causal.config.hidden_size,
+    )
+    assert 0 < float(state["hf.score.weight"].std()) < 1 and torch.isfinite(state["hf.score.weight"]).all()

@@ -1,0 +1,216 @@
+"""Step 1 of each post-training objective against its formula computed by hand on the unpacked samples.
+
+For an objective, :func:`check_step_one` sets its recipe up (one process, or one rank of a torchrun
+launch: CP or DP with accumulation), runs the first step's forward and backward through the recipe
+(``_forward_backward`` on the micro-batches the step draws: packed rows, CP shards, every DP rank's)
+and compares the loss and every gradient with a hand computation: the same global step's samples
+(all DP ranks' micro-batches, read from the plan of epoch 0) each run ALONE through an eager
+transformers copy of the starting weights, float32, the objective's formula written out here again
+(not the library's function), and autograd through that formula.
+
+Used in one process by tests/functional/test_post_training.py and under torchrun by
+workers/post_training_worker.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from workers.hf_families import compare, full_grads
+
+from automodel.config import load_recipe
+from automodel.training.run import recipe_class
+
+FAST = ["trainer.progress_bar=false", "trainer.export_hf=false", "trainer.eval_every=null",
+        "data.val_fraction=null", "trainer.max_steps=1", "trainer.grad_accum_steps=2"]  # fmt: skip
+
+# name -> (recipe, overrides); every one draws 2 units per micro-batch, 2 micro-batches per rank
+OBJECTIVES = {
+    "dpo_sigmoid_smoothed": ("tiny_llama_dpo", ["dpo.label_smoothing=0.2"]),
+    "dpo_ipo": ("tiny_llama_dpo", ["dpo=ipo"]),
+    "dpo_rpo": ("tiny_llama_dpo", ["dpo=rpo", "dpo.nll_weight=0.5"]),
+    "dpo_simpo": ("tiny_llama_dpo", ["dpo=simpo"]),
+    "dpo_orpo": ("tiny_llama_dpo", ["dpo=orpo"]),
+    "kto": ("tiny_llama_kto", ["dpo.undesirable_weight=1.5"]),
+    "reward": ("tiny_llama_rm", ["reward.center_coefficient=0.05", "data.margin=margin"]),
+}
+_DATA = {
+    "tiny_llama_dpo": ["data.split='train[:32]'", "packing.pairs_per_micro_batch=2"],
+    "tiny_llama_kto": ["data.split='train[:32]'", "packing.samples_per_micro_batch=3"],
+    "tiny_llama_rm": ["packing.pairs_per_micro_batch=2"],
+}
+
+
+def check_step_one(name: str, output_dir: Path, *overrides: str) -> list[str]:
+    """Mismatches between the recipe's step-1 loss and gradients and the hand computation (empty: equal)."""
+    recipe_name, own = OBJECTIVES[name]
+    data = [f"data.source={margin_pairs(Path(output_dir).parent)}"] if "data.margin=margin" in own else []
+    cfg = load_recipe(recipe_name, [f"trainer.output_dir={output_dir}", *FAST, *_DATA[recipe_name], *data, *own,
+                                    *overrides])  # fmt: skip
+    recipe = recipe_class(cfg)(cfg)
+    try:
+        recipe.setup()
+        start = eager_copy(recipe)
+        micro_batches = step_units(recipe)
+        batches = [recipe._shard(next(recipe.stream)) for _ in range(cfg.trainer.grad_accum_steps)]
+        counts = recipe._all_reduce(
+            torch.tensor(
+                [[b[k] for k in ("label_tokens", "real_tokens", "slots", "samples")] for b in batches]
+            ).sum(0),
+            torch.float64,
+        )
+        loss = float(recipe._forward_backward(batches, counts)["loss"])
+        grads = full_grads(recipe.model)
+    finally:
+        recipe.cleanup()
+    expected = HAND[recipe_name](start, micro_batches, cfg)
+    where = f"{name} dp{recipe.dims.dp_size} cp{recipe.dims.cp_size}"
+    return compare(where, loss, grads, float(expected), {n: p.grad for n, p in start.named_parameters()
+                                                         if p.grad is not None})  # fmt: skip
+
+
+def eager_copy(recipe) -> torch.nn.Module:
+    """The recipe's model's starting weights in its transformers class, eager attention, float32
+    (collective under FSDP: every rank calls it)."""
+    state = get_model_state_dict(recipe.model, options=StateDictOptions(full_state_dict=True))
+    hf = recipe.model.transformers_model
+    model = type(hf)._from_config(copy.deepcopy(hf.config), attn_implementation="eager", dtype=torch.float32)
+    model.load_state_dict({k.removeprefix("hf."): v for k, v in state.items()})
+    return model.train()
+
+
+def step_units(recipe) -> list[list[dict[str, Any]]]:
+    """The first step's global micro-batches (every DP rank's), each a list of its units (pairs,
+    samples), read from epoch 0's plan."""
+    plan, units = recipe.stream.plan(0), recipe.stream.prepared.units
+    count = recipe.dims.dp_size * recipe.trainer.grad_accum_steps
+    return [
+        [units[int(i)] for i in plan.sample_order[plan.pack_offsets[m] : plan.pack_offsets[m + 1]]]
+        for m in range(count)
+    ]
+
+
+def sequence_log_prob(model, input_ids, labels, loss_mask) -> tuple[torch.Tensor, int]:
+    """One sample alone: the sum of its learned labels' log-probs, and how many there are."""
+    ids, labels = torch.as_tensor(input_ids).long(), torch.as_tensor(labels).long()
+    learned = torch.as_tensor(loss_mask) != 0
+    logp = model(ids[None]).logits[0].float().log_softmax(-1)
+    return logp[learned].gather(1, labels[learned][:, None]).sum(), int(learned.sum())
+
+
+def _side(model, unit, side, grad=True) -> tuple[torch.Tensor, int]:
+    with torch.set_grad_enabled(grad):
+        return sequence_log_prob(model, *(unit[f"{side}_{c}"] for c in ("input_ids", "labels", "loss_mask")))
+
+
+def dpo_family_loss(start, micro_batches, cfg) -> torch.Tensor:
+    """The mean over the step's pairs of the loss type's formula (backward done on ``start``)."""
+    d = cfg.dpo
+    policy = start
+    reference = None if d.loss_type in ("simpo", "orpo") else _frozen(start)
+    pairs = [pair for batch in micro_batches for pair in batch]
+    losses = []
+    for pair in pairs:
+        (pc, nc), (pr, nr) = _side(policy, pair, "chosen"), _side(policy, pair, "rejected")
+        if reference is not None:
+            rc, rr = _side(reference, pair, "chosen", False)[0], _side(reference, pair, "rejected", False)[0]
+        eps = d.get("label_smoothing", 0.0)
+        if d.loss_type in ("sigmoid", "rpo"):
+            h = d.beta * ((pc - rc) - (pr - rr))
+            loss = -(1 - eps) * F.logsigmoid(h) - eps * F.logsigmoid(-h)
+            if d.loss_type == "rpo":
+                loss = loss + d.nll_weight * (-pc / nc)
+        elif d.loss_type == "ipo":
+            loss = ((pc - rc) - (pr - rr) - 1 / (2 * d.beta)) ** 2
+        elif d.loss_type == "simpo":
+            h = d.beta * (pc / nc - pr / nr) - d.gamma
+            loss = -(1 - eps) * F.logsigmoid(h) - eps * F.logsigmoid(-h)
+        else:  # orpo: log odds of the per-token mean probability
+            ac, ar = pc / nc, pr / nr
+            odds_c, odds_r = ac - torch.log(1 - torch.exp(ac)), ar - torch.log(1 - torch.exp(ar))
+            loss = -ac - d.beta * F.logsigmoid(odds_c - odds_r)
+        losses.append(loss)
+    total = torch.stack(losses).mean()
+    total.backward()
+    return total.detach()
+
+
+def kto_loss(start, micro_batches, cfg) -> torch.Tensor:
+    """KTO: z0 from each micro-batch's mismatched samples (sample i's prompt, sample i+1's completion),
+    then the mean over the step's samples of the weighted 1 - sigmoid terms."""
+    d = cfg.dpo
+    reference = _frozen(start)
+    ratios = []
+    with torch.no_grad():
+        for batch in micro_batches:
+            for i, sample in enumerate(batch):
+                other = batch[(i + 1) % len(batch)]
+                s = list(sample["loss_mask"]).index(1)  # position whose label is the first learned token
+                t = list(other["loss_mask"]).index(1)
+                ids = [*sample["input_ids"][: s + 1], *other["input_ids"][t + 1 :]]
+                labels = [*sample["labels"][:s], *other["labels"][t:]]
+                mask = [0] * s + list(other["loss_mask"][t:])
+                ratios.append(
+                    sequence_log_prob(start, ids, labels, mask)[0]
+                    - sequence_log_prob(reference, ids, labels, mask)[0]
+                )
+    z0 = torch.stack(ratios).mean().clamp(min=0)
+    losses = []
+    for sample in (s for batch in micro_batches for s in batch):
+        args = (sample["input_ids"], sample["labels"], sample["loss_mask"])
+        with torch.no_grad():
+            ref = sequence_log_prob(reference, *args)[0]
+        r = sequence_log_prob(start, *args)[0] - ref
+        if sample["desirable"]:
+            losses.append(d.desirable_weight * (1 - torch.sigmoid(d.beta * (r - z0))))
+        else:
+            losses.append(d.undesirable_weight * (1 - torch.sigmoid(d.beta * (z0 - r))))
+    total = torch.stack(losses).mean()
+    total.backward()
+    return total.detach()
+
+
+def _frozen(model) -> torch.nn.Module:
+    return copy.deepcopy(model).eval().requires_grad_(False)
+
+
+def reward_loss(start, micro_batches, cfg) -> torch.Tensor:
+    """Bradley-Terry: each side alone through the sequence-classification class (its own reading of
+    the last token), -log sigmoid(rc - rr - m) + c (rc + rr)^2, mean over the step's pairs."""
+    losses = []
+    for pair in (p for batch in micro_batches for p in batch):
+        rc, rr = (
+            start(torch.as_tensor(pair[f"{side}_input_ids"]).long()[None]).logits[0, 0]
+            for side in ("chosen", "rejected")
+        )
+        losses.append(
+            -F.logsigmoid(rc - rr - float(pair["margin"])) + cfg.reward.center_coefficient * (rc + rr) ** 2
+        )
+    total = torch.stack(losses).mean()
+    total.backward()
+    return total.detach()
+
+
+def margin_pairs(directory: Path) -> Path:
+    """The first 32 shipped preference pairs with a ``margin`` column (the same file on every rank)."""
+    from automodel.assets import TINY_PREFERENCE_PATH
+
+    path = directory / "margin_pairs.jsonl"
+    rows = [json.loads(line) for line in TINY_PREFERENCE_PATH.read_text().splitlines()[:32]]
+    text = "".join(
+        json.dumps({**row, "margin": round(0.1 * (i % 7) - 0.2, 2)}) + "\n" for i, row in enumerate(rows)
+    )
+    staging = path.with_suffix(f".{os.getpid()}")
+    staging.write_text(text)
+    os.replace(staging, path)  # atomic: ranks writing the same file never read a half-written one
+    return path
+
+
+HAND = {"tiny_llama_dpo": dpo_family_loss, "tiny_llama_kto": kto_loss, "tiny_llama_rm": reward_loss}
