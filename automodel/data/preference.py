@@ -35,7 +35,7 @@ from automodel.data.collate import build_row, cp_padded, packed_sequence_thd_col
 from automodel.data.planning import PackPlan
 from automodel.data.section import check_mapping, check_shared_fields, hold_out
 from automodel.data.sft import load_data_tokenizer, tokenize_sft_dataset
-from automodel.data.sources import check_source, load_sft_source
+from automodel.data.sources import check_source, load_sft_source, row_dicts
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,8 @@ class PreferenceData:
             )
         bad = bad_pairs(rows, self.format, columns)
         if self.margin is not None:
-            bad += [(row, f"margin {value!r}, not a finite number") for row, value in enumerate(rows[self.margin])
+            margins = [row.get(self.margin) if isinstance(row, dict) else None for row in row_dicts(rows)]
+            bad += [(row, f"margin {value!r}, not a finite number") for row, value in enumerate(margins)
                     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)]  # fmt: skip
         if bad:
             counts, firsts = collections.Counter(reason for _, reason in bad), {}
@@ -173,7 +174,7 @@ class PreferenceData:
             sides.append(tokenized.rename_columns({c: f"{side}_{c}" for c in _SAMPLE_COLUMNS}))
         pairs = datasets.concatenate_datasets(sides, axis=1)
         if self.margin is not None:
-            pairs = pairs.add_column("margin", [float(m) for m in rows[self.margin]])
+            pairs = pairs.add_column("margin", [float(row[self.margin]) for row in row_dicts(rows)])
         return pairs
 
 
@@ -350,7 +351,8 @@ class KTOData:
         if self.format == "preference":
             bad = bad_pairs(rows, "prompt_completion", columns)
         else:
-            bad = [(row, f"label {value!r}, not true or false") for row, value in enumerate(rows[columns["label"]])
+            labels = [row.get(columns["label"]) if isinstance(row, dict) else None for row in row_dicts(rows)]
+            bad = [(row, f"label {value!r}, not true or false") for row, value in enumerate(labels)
                    if not isinstance(value, bool)]  # fmt: skip
         if bad:
             first = origin(bad[0][0])
@@ -369,7 +371,7 @@ class KTOData:
                                       "prompt_completion", origin), side == "chosen") for side in SIDES]  # fmt: skip
         else:
             mapping = {field: columns[field] for field in KTO_FORMATS[self.format][:-1]}
-            labels = rows[columns["label"]]
+            labels = [row[columns["label"]] for row in row_dicts(rows)]
             tokenized = self._tokenized(rows, tokenizer, mapping, self.format, origin)
             parts = [(tokenized, labels)]
         return datasets.concatenate_datasets([

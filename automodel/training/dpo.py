@@ -309,9 +309,7 @@ class DPORecipe(FinetuneRecipe):
             devices = [self.dims.device.index or 0] if self.dims.device.type == "cuda" else []
             with torch.random.fork_rng(devices=devices):
                 self.reference = self._build_model().eval().requires_grad_(False)
-            logger.info(
-                "DPO reference: a frozen copy of the starting model (no gradients, no optimizer state)"
-            )
+            logger.info("reference: a frozen copy of the starting model (no gradients, no optimizer state)")
 
     def _build_data(self) -> tuple[Any, Any]:
         """Pairs are never split (a piece would lose its prompt): each side is cut by ``data.max_length``."""

@@ -19,6 +19,7 @@ from automodel.training.dpo import DPORecipe, KTORecipe
 from automodel.training.finetune import FinetuneRecipe
 from automodel.training.kd import KDRecipe
 from automodel.training.reward import RewardRecipe
+from automodel.training.rl import RLRecipe
 
 OBJECTIVE_SECTIONS = ("dpo", "kd", "reward", "rl")
 
@@ -43,6 +44,8 @@ def recipe_class(cfg: DictConfig) -> type[FinetuneRecipe]:
         )
     if cfg.get("reward") is not None:
         return RewardRecipe
+    if cfg.get("rl") is not None:
+        return RLRecipe
     if cfg.get("dpo") is not None:
         return KTORecipe if str(cfg.dpo.get("_target_", "")).endswith(".KTOConfig") else DPORecipe
     if cfg.get("kd") is not None:

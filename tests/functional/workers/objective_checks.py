@@ -40,11 +40,22 @@ OBJECTIVES = {
     "dpo_orpo": ("tiny_llama_dpo", ["dpo=orpo"]),
     "kto": ("tiny_llama_kto", ["dpo.undesirable_weight=1.5"]),
     "reward": ("tiny_llama_rm", ["reward.center_coefficient=0.05", "data.margin=margin"]),
+    # clipped both ways (behaviour log-probs moved off the policy's), KL to the rollouts' reference
+    "rl_token_mean": ("tiny_llama_grpo", ["rl.kl_coef=0.1", "rl.reference=given", "rl.clip_high=0.28"]),
+    "rl_sample_mean": (
+        "tiny_llama_grpo",
+        ["rl.kl_coef=0.05", "rl.kl_estimator=k1", "rl.loss_aggregation=sample_mean"],
+    ),
+    "rl_sequence_sum": (
+        "tiny_llama_grpo",
+        ["rl.loss_aggregation=sequence_sum", "rl.sequence_divisor=8", "data.normalize_by_std=false"],
+    ),
 }
 _DATA = {
     "tiny_llama_dpo": ["data.split='train[:32]'", "packing.pairs_per_micro_batch=2"],
     "tiny_llama_kto": ["data.split='train[:32]'", "packing.samples_per_micro_batch=3"],
     "tiny_llama_rm": ["packing.pairs_per_micro_batch=2"],
+    "tiny_llama_grpo": ["packing.samples_per_micro_batch=3"],
 }
 
 
@@ -52,6 +63,8 @@ def check_step_one(name: str, output_dir: Path, *overrides: str) -> list[str]:
     """Mismatches between the recipe's step-1 loss and gradients and the hand computation (empty: equal)."""
     recipe_name, own = OBJECTIVES[name]
     data = [f"data.source={margin_pairs(Path(output_dir).parent)}"] if "data.margin=margin" in own else []
+    if recipe_name == "tiny_llama_grpo":
+        data = [f"data.source={varied_rollouts(Path(output_dir).parent, 'rl.reference=given' in own)}"]
     cfg = load_recipe(recipe_name, [f"trainer.output_dir={output_dir}", *FAST, *_DATA[recipe_name], *data, *own,
                                     *overrides])  # fmt: skip
     recipe = recipe_class(cfg)(cfg)
@@ -60,13 +73,7 @@ def check_step_one(name: str, output_dir: Path, *overrides: str) -> list[str]:
         start = eager_copy(recipe)
         micro_batches = step_units(recipe)
         batches = [recipe._shard(next(recipe.stream)) for _ in range(cfg.trainer.grad_accum_steps)]
-        counts = recipe._all_reduce(
-            torch.tensor(
-                [[b[k] for k in ("label_tokens", "real_tokens", "slots", "samples")] for b in batches]
-            ).sum(0),
-            torch.float64,
-        )
-        loss = float(recipe._forward_backward(batches, counts)["loss"])
+        loss = float(recipe._step_forward_backward(batches)[0]["loss"])
         grads = full_grads(recipe.model)
     finally:
         recipe.cleanup()
@@ -198,6 +205,84 @@ def reward_loss(start, micro_batches, cfg) -> torch.Tensor:
     return total.detach()
 
 
+def rl_loss(start, micro_batches, cfg) -> torch.Tensor:
+    """The policy-gradient step: each rollout alone, per response token ratio, clipped surrogate and
+    KL (k1 or k3; the reference given or the frozen start), aggregated over the step's rollouts."""
+    c = cfg.rl
+    reference = _frozen(start)
+    per_sample = []  # (sum of m * l, sum of m)
+    for unit in (u for batch in micro_batches for u in batch):
+        ids = torch.as_tensor(unit["input_ids"]).long()
+        n = len(unit["advantages"])
+        logp = start(ids[None]).logits[0].float().log_softmax(-1)[-n - 1 : -1].gather(1, ids[-n:, None])[:, 0]
+        b, a, m = (
+            torch.as_tensor(unit[k]).float() for k in ("behaviour_log_probs", "advantages", "loss_mask")
+        )
+        ratio = torch.exp(logp - b)
+        pg = -torch.minimum(ratio * a, torch.clamp(ratio, 1 - c.clip_low, 1 + c.clip_high) * a)
+        kl = torch.zeros(n)
+        if c.kl_coef:
+            if c.reference == "given":
+                ref = torch.as_tensor(unit["ref_log_probs"]).float()
+            else:
+                with torch.no_grad():
+                    ref = (
+                        reference(ids[None])
+                        .logits[0]
+                        .float()
+                        .log_softmax(-1)[-n - 1 : -1]
+                        .gather(1, ids[-n:, None])[:, 0]
+                    )
+            kl = logp - ref if c.kl_estimator == "k1" else torch.exp(ref - logp) - (ref - logp) - 1
+        per_sample.append(((m * (pg + c.kl_coef * kl)).sum(), m.sum()))
+    kept = [(total, count) for total, count in per_sample if count > 0]
+    if c.loss_aggregation == "token_mean":
+        loss = sum(t for t, _ in kept) / sum(n for _, n in kept)
+    elif c.loss_aggregation == "sample_mean":
+        loss = sum(t / n for t, n in kept) / len(kept)
+    else:
+        loss = sum(t for t, _ in kept) / c.sequence_divisor / len(kept)
+    loss.backward()
+    return loss.detach()
+
+
+def varied_rollouts(directory: Path, with_reference: bool) -> Path:
+    """The first 12 groups of the shipped rollouts made to exercise every path: behaviour log-probs
+    moved off the policy's by -0.3, 0 or +0.3 per token (ratios clipped both ways), per-sample rewards
+    (groups 0-3), per-token rewards (4-7), given advantages (8-9: one number; 10-11: per token), a masked
+    first token in every fifth rollout, and with ``with_reference`` reference log-probs."""
+    from automodel.assets import TINY_ROLLOUTS_PATH
+
+    rows = [json.loads(line) for line in TINY_ROLLOUTS_PATH.read_text().splitlines()[:48]]
+    out = []
+    for i, row in enumerate(rows):
+        n, g = len(row["response"]), row["group"]
+        row["behaviour_log_probs"] = [
+            round(v + 0.3 * ((t + i) % 3 - 1), 6) for t, v in enumerate(row["behaviour_log_probs"])
+        ]
+        reward = row.pop("reward")
+        if 4 <= g < 8:
+            row["rewards"] = [round(reward / n + 0.1 * (t % 2), 3) for t in range(n)]
+        elif 8 <= g < 10:
+            row["advantage"] = round(reward - 0.25 + 0.1 * (i % 3), 3)
+        elif g >= 10:
+            row["advantages"] = [round(reward - 0.3 + 0.05 * t, 3) for t in range(n)]
+        else:
+            row["reward"] = reward
+        if i % 5 == 0:
+            row["loss_mask"] = [0] + [1] * (n - 1)
+        if with_reference:
+            row["ref_log_probs"] = [
+                round(v - 0.2 * (t % 2), 6) for t, v in enumerate(row["behaviour_log_probs"])
+            ]
+        out.append(row)
+    path = directory / f"varied_rollouts{'_ref' if with_reference else ''}.jsonl"
+    staging = path.with_suffix(f".{os.getpid()}")
+    staging.write_text("".join(json.dumps(r) + "\n" for r in out))
+    os.replace(staging, path)
+    return path
+
+
 def margin_pairs(directory: Path) -> Path:
     """The first 32 shipped preference pairs with a ``margin`` column (the same file on every rank)."""
     from automodel.assets import TINY_PREFERENCE_PATH
@@ -213,4 +298,9 @@ def margin_pairs(directory: Path) -> Path:
     return path
 
 
-HAND = {"tiny_llama_dpo": dpo_family_loss, "tiny_llama_kto": kto_loss, "tiny_llama_rm": reward_loss}
+HAND = {
+    "tiny_llama_dpo": dpo_family_loss,
+    "tiny_llama_kto": kto_loss,
+    "tiny_llama_rm": reward_loss,
+    "tiny_llama_grpo": rl_loss,
+}
