@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,11 @@ OBJECTIVES = {
         "tiny_llama_grpo",
         ["rl.kl_coef=0.05", "rl.kl_estimator=k1", "rl.loss_aggregation=sample_mean"],
     ),
+    # from Python: each DP rank hands over its own groups (a CP group the same ones)
+    "rl_python": (
+        "tiny_llama_grpo",
+        ["rl.kl_coef=0.1", "rl.reference=given", "data.source=null", "data.max_length=256"],
+    ),
     "rl_sequence_sum": (
         "tiny_llama_grpo",
         ["rl.loss_aggregation=sequence_sum", "rl.sequence_divisor=8", "data.normalize_by_std=false"],
@@ -61,6 +67,8 @@ _DATA = {
 
 def check_step_one(name: str, output_dir: Path, *overrides: str) -> list[str]:
     """Mismatches between the recipe's step-1 loss and gradients and the hand computation (empty: equal)."""
+    if name == "rl_python":
+        return check_python_step(output_dir, *overrides)
     recipe_name, own = OBJECTIVES[name]
     data = [f"data.source={margin_pairs(Path(output_dir).parent)}"] if "data.margin=margin" in own else []
     if recipe_name == "tiny_llama_grpo":
@@ -203,6 +211,62 @@ def reward_loss(start, micro_batches, cfg) -> torch.Tensor:
     total = torch.stack(losses).mean()
     total.backward()
     return total.detach()
+
+
+def check_python_step(output_dir: Path, *overrides: str) -> list[str]:
+    """:meth:`RLRecipe.forward_backward` on rollouts handed over from Python: the loss and gradients
+    against the hand computation over every rank's rollouts, the returned log-probs against each
+    rollout alone, then :meth:`RLRecipe.optim_step`."""
+    from automodel.data.rollouts import Rollout, rollout_samples
+
+    _, own = OBJECTIVES["rl_python"]
+    cfg = load_recipe("tiny_llama_grpo", [f"trainer.output_dir={output_dir}", *FAST, *own, *overrides])
+    path = varied_rollouts(Path(output_dir).parent, True)
+    rows = [
+        json.loads(line) for line in path.read_text().splitlines()[:16]
+    ]  # groups 0-3: rewards per rollout
+    recipe = recipe_class(cfg)(cfg)
+    try:
+        recipe.setup()
+        start = eager_copy(recipe)
+        dp, dp_rank = recipe.dims.dp_size, recipe.dims.dp_rank
+        mine = [row for row in rows if owner(row["group"], dp) == dp_rank]
+        result = recipe.forward_backward([Rollout(**row) for row in mine])
+        grads = {name: g.clone() for name, g in full_grads(recipe.model).items()}  # optim_step clips in place
+        record = recipe.optim_step()
+    finally:
+        recipe.cleanup()
+    errors = []
+    with torch.no_grad():
+        for row, logp in zip(mine, result.log_probs):
+            ids = torch.tensor([*row["prompt"], *row["response"]])
+            n = len(row["response"])
+            alone = (
+                start(ids[None])
+                .logits[0]
+                .float()
+                .log_softmax(-1)[-n - 1 : -1]
+                .gather(1, ids[-n:, None])[:, 0]
+            )
+            if logp.shape != alone.shape or float((logp - alone).abs().max()) > 1e-5:
+                errors.append(f"rl_python: log-probs of group {row['group']} differ from the rollout alone")
+    if len(result.log_probs) != len(mine) or record["step"] != 1 or not math.isfinite(record["grad_norm"]):
+        errors.append(
+            f"rl_python: {len(result.log_probs)} log-prob tensors for {len(mine)} rollouts; record {record}"
+        )
+    groups = [[row for row in rows if owner(row["group"], dp) == d] for d in range(dp)]
+    columns = [rollout_samples(g, True) for g in groups]
+    units = [[dict(zip(c, v)) for v in zip(*c.values())] for c in columns]
+    expected = rl_loss(start, units, cfg)
+    where = f"rl_python dp{recipe.dims.dp_size} cp{recipe.dims.cp_size}"
+    ref_grads = {n: p.grad for n, p in start.named_parameters() if p.grad is not None}
+    return errors + compare(where, result.loss, grads, float(expected), ref_grads)
+
+
+def owner(group: int, dp: int) -> int:
+    """The DP rank handed a group's rollouts: groups 0-2 to rank 0, the rest to the last rank (under
+    DP 2 rank 0 has 4 micro-batches of 3 rollouts and rank 1 two: it runs two fillers)."""
+    return min(group // 3, dp - 1)
 
 
 def rl_loss(start, micro_batches, cfg) -> torch.Tensor:
