@@ -8,8 +8,10 @@
 Each group is a prompt of the tiny tasks (``build_tiny_assets.make_rows``, its own seed) with
 GROUP_SIZE responses in a seeded order: the task's answer and corrupted ones
 (``build_tiny_assets.corrupt``, the preference data's corruption), each tokenized as the SFT data
-is (``[bos] + prompt`` and ``completion + [eos]``). The reward is a verifier's: 1 for the answer,
-0 for the others.
+is (``[bos] + prompt`` and ``completion + [eos]``); groups whose prompt or responses are longer than
+MAX_PROMPT_TOKENS or MAX_RESPONSE_TOKENS are skipped (short answers: the few tokens that tell the
+answer from a corruption carry the signal). The reward is a verifier's: 1 for the answer, 0 for
+the others.
 
 The responses are chosen, not sampled: the tiny random policy would sample nothing that scores. Their
 ``behaviour_log_probs`` are the log-probs of the ``tiny_llama_grpo`` recipe's starting policy (its
@@ -41,10 +43,11 @@ ROLLOUT_SEED = SEED + 5  # other task instances than the SFT rows and the prefer
 NUM_GROUPS = 200
 GROUP_SIZE = 4
 MAX_PROMPT_TOKENS = 48  # short prompts: many groups per micro-batch
+MAX_RESPONSE_TOKENS = 6
 RECIPE = "tiny_llama_grpo"
 
 
-def make_groups(seed: int = ROLLOUT_SEED, num_groups: int = NUM_GROUPS) -> list[dict]:
+def make_groups(seed: int = ROLLOUT_SEED, num_groups: int = 10 * NUM_GROUPS) -> list[dict]:
     """``num_groups`` text groups ``{"prompt", "responses", "rewards"}``, the same for the same arguments.
 
     Example: {"prompt": "What is 12 plus 30?\\nAnswer:", "responses": [" 45", " 42", " 38", " 44"],
@@ -63,7 +66,7 @@ def make_groups(seed: int = ROLLOUT_SEED, num_groups: int = NUM_GROUPS) -> list[
                 wrong.append(candidate)
             if len(wrong) == GROUP_SIZE - 1:
                 break
-        if len(wrong) < GROUP_SIZE - 1 or len(row["prompt"]) > 4 * MAX_PROMPT_TOKENS:
+        if len(wrong) < GROUP_SIZE - 1:
             continue
         responses = [answer, *wrong]
         order = list(range(GROUP_SIZE))
@@ -76,21 +79,31 @@ def make_groups(seed: int = ROLLOUT_SEED, num_groups: int = NUM_GROUPS) -> list[
     return groups
 
 
-def tokenized_rollouts(groups: list[dict]) -> list[dict]:
-    """Each group's responses as rollouts of token ids, tokenized as SFT prompt/completion samples."""
+def tokenized_rollouts(groups: list[dict], num_groups: int = NUM_GROUPS) -> list[dict]:
+    """The first ``num_groups`` groups within the length limits as rollouts of token ids (numbered
+    0, 1, ...), tokenized as SFT prompt/completion samples."""
     tokenizer = load_tokenizer("tiny")
     rows = [{"prompt": g["prompt"], "completion": r} for g in groups for r in g["responses"]]
     tokenized = tokenize_sft_dataset(datasets.Dataset.from_list(rows), tokenizer, format="prompt_completion")
     rollouts = []
-    for i, sample in enumerate(tokenized):
-        s = completion_start(sample["loss_mask"])
-        group = i // GROUP_SIZE
-        rollouts.append({
-            "group": group,
-            "prompt": sample["input_ids"][: s + 1],
-            "response": sample["labels"][s:],
-            "reward": groups[group]["rewards"][i % GROUP_SIZE],
-        })  # fmt: skip
+    for start in range(0, len(tokenized), GROUP_SIZE):
+        members = []
+        for i in range(start, start + GROUP_SIZE):
+            sample = tokenized[i]
+            s = completion_start(sample["loss_mask"])
+            members.append({
+                "group": len(rollouts) // GROUP_SIZE,
+                "prompt": sample["input_ids"][: s + 1],
+                "response": sample["labels"][s:],
+                "reward": groups[i // GROUP_SIZE]["rewards"][i % GROUP_SIZE],
+            })  # fmt: skip
+        if all(
+            len(m["prompt"]) <= MAX_PROMPT_TOKENS and len(m["response"]) <= MAX_RESPONSE_TOKENS
+            for m in members
+        ):
+            rollouts += members
+        if len(rollouts) == num_groups * GROUP_SIZE:
+            break
     return rollouts
 
 
@@ -110,7 +123,7 @@ def behaviour_log_probs(rollouts: list[dict]) -> list[list[float]]:
 
 
 def build_tiny_rollouts(path: Path = TINY_ROLLOUTS_PATH, num_groups: int = NUM_GROUPS) -> Path:
-    rollouts = tokenized_rollouts(make_groups(num_groups=num_groups))
+    rollouts = tokenized_rollouts(make_groups(), num_groups)
     for rollout, logps in zip(rollouts, behaviour_log_probs(rollouts)):
         rollout["behaviour_log_probs"] = [round(v, 6) for v in logps]
     path.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rollouts))
