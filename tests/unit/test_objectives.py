@@ -155,3 +155,37 @@ def test_mismatched_sample_by_hand():
 def test_bad_objective_settings_are_named(make, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
         make()
+
+
+@pytest.mark.parametrize(
+    "recipe, overrides, message",
+    [
+        ("tiny_llama_rm", ["+peft=lora"], "LoRA adapters for a reward model are not supported yet"),
+        (
+            "tiny_llama_rm",
+            ["+dpo=sigmoid"],
+            "a recipe has one objective, this one has the sections ['dpo', 'reward']",
+        ),
+        ("tiny_llama_dpo", ["data.margin=m"], "data.margin='m' applies to reward models"),
+        (
+            "tiny_llama_kto",
+            ["data=tiny_preference"],
+            "data: a KTO recipe needs automodel.data.preference.KTOData",
+        ),
+        ("tiny_llama_grpo", ["trainer.loss_normalization=sample"], "does not apply to RL"),
+        (
+            "tiny_llama_grpo",
+            ["data.source=null"],
+            "data.source=null (rollouts from the Python API) needs data.max_length",
+        ),
+    ],
+)
+def test_objective_recipes_refused_at_the_door(recipe, overrides, message):
+    from automodel.config import ConfigError, load_recipe
+    from automodel.training.run import recipe_class
+
+    with pytest.raises(
+        ConfigError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")
+    ):
+        cfg = load_recipe(recipe, overrides)
+        recipe_class(cfg)(cfg)
