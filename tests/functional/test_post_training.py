@@ -163,3 +163,43 @@ def test_grpo_recipe_raises_the_reward_its_policy_earns(tmp_path):
                                       f"data.validation={groups}", "optim.warmup_steps=2")  # fmt: skip
     assert after["val_expected_reward"] > before["val_expected_reward"] + 0.05, (before, after)
     assert abs(before["val_log_ratio"]) < 1e-6  # the shipped behaviour log-probs are the starting policy's
+
+
+# --- the one trainer: resume and LoRA -------------------------------------------------------------
+
+_SMALL = {
+    "tiny_llama_grpo": ["data.split='train[:64]'", "packing.samples_per_micro_batch=8"],
+    "tiny_llama_rm": ["data.split='train[:48]'", "packing.pairs_per_micro_batch=4"],
+    "tiny_llama_kto": ["data.split='train[:24]'", "packing.samples_per_micro_batch=4"],
+}
+
+
+def _run(recipe_name, output_dir, *overrides):
+    from automodel.config import load_recipe
+    from automodel.training.run import run
+
+    run(load_recipe(recipe_name, [f"trainer.output_dir={output_dir}", "trainer.progress_bar=false", "trainer.export_hf=false",
+                                  "trainer.eval_every=null", "data.val_fraction=null", "trainer.grad_accum_steps=1",
+                                  *_SMALL[recipe_name], *overrides]))  # fmt: skip
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("recipe_name", ["tiny_llama_grpo", "tiny_llama_rm"])
+def test_new_objectives_resume_bitwise(tmp_path, recipe_name):
+    steps = ["trainer.max_steps=4", "trainer.checkpoint_every=2"]
+    whole = _run(recipe_name, tmp_path / "whole", *steps)
+    _run(recipe_name, tmp_path / "split", *steps, "trainer.stop_at_step=2")
+    resumed = _run(recipe_name, tmp_path / "split", *steps)
+    assert [r["step"] for r in resumed] == [r["step"] for r in whole] == [1, 2, 3, 4]
+    for a, b in zip(whole, resumed):
+        assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), (a, b)
+
+
+def test_lora_reference_is_the_base_for_kto_and_the_rl_kl(tmp_path):
+    """Under LoRA the reference is the model with its adapters disabled; lora_B starts at 0, so at
+    step 1 the policy is the reference: KTO's z0 and every log-ratio are 0 (loss 1 - sigmoid(0) = 0.5),
+    the RL step's k3 KL is 0."""
+    kto = _run("tiny_llama_kto", tmp_path / "kto", "trainer.max_steps=2", "+peft=lora")
+    assert kto[0]["kl"] == 0.0 and kto[0]["loss"] == pytest.approx(0.5, abs=1e-7) and kto[1]["loss"] != 0.5
+    rl = _run("tiny_llama_grpo", tmp_path / "rl", "trainer.max_steps=2", "+peft=lora", "rl.kl_coef=0.1")
+    assert rl[0]["kl"] == 0.0 and rl[1]["kl"] > 0
