@@ -261,17 +261,24 @@ def kto_terms(
 
 
 class DPORecipe(FinetuneRecipe):
-    """:class:`FinetuneRecipe` with a DPO-family objective (``dpo`` section, preference data and batching)."""
+    """:class:`FinetuneRecipe` with a DPO-family objective (``dpo`` section, preference data and batching).
+
+    Also the base of the objectives whose loss is one term per unit (a pair, a sample, a rollout)
+    from per-sample values: :class:`KTORecipe`, :class:`~automodel.training.reward.RewardRecipe`,
+    :class:`~automodel.training.rl.RLRecipe`. ``section`` names the objective's recipe section,
+    ``objective`` its section, data and packing classes, ``objective_config`` holds the section."""
 
     section = "dpo"  # the objective's recipe section
     objective = (DPOConfig, PreferenceData, PreferenceBatching)
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.dpo = build_section(cfg, self.section)
+        self.objective_config = build_section(cfg, self.section)
         kind_name = type(self).__name__.removesuffix("Recipe")
         sections = (self.section, "data", "packing")
-        for name, value, kind in zip(sections, (self.dpo, self.data, self.batching), self.objective):
+        for name, value, kind in zip(
+            sections, (self.objective_config, self.data, self.batching), self.objective
+        ):
             if not isinstance(value, kind):
                 raise ConfigError(
                     f"{name}: a {kind_name} recipe needs {kind.__module__}.{kind.__name__}, got {type(value).__name__}"
@@ -301,9 +308,11 @@ class DPORecipe(FinetuneRecipe):
     def setup(self) -> None:
         super().setup()
         self.reference = None
-        if self.dpo.reference_free:
-            if isinstance(self.dpo, DPOConfig):
-                logger.info("dpo.loss_type=%s is reference-free: no reference model", self.dpo.loss_type)
+        if self.objective_config.reference_free:
+            if isinstance(self.objective_config, DPOConfig):
+                logger.info(
+                    "dpo.loss_type=%s is reference-free: no reference model", self.objective_config.loss_type
+                )
         elif self.lora is None:  # a frozen copy of the starting weights (LoRA: adapters disabled instead)
             # built after a resume restored the RNG: its seeded init must not move the training stream
             devices = [self.dims.device.index or 0] if self.dims.device.type == "cuda" else []
@@ -318,7 +327,7 @@ class DPORecipe(FinetuneRecipe):
     def _gradient_scales(self) -> list[tuple[float, str]]:
         """The loss type's factor on every gradient (``dpo.beta``: ``0.5 * beta`` times the log-ratio's
         at the start of sigmoid DPO)."""
-        scale = self.dpo.gradient_scale()
+        scale = self.objective_config.gradient_scale()
         return [*super()._gradient_scales(), *([scale] if scale else [])]
 
     @staticmethod
@@ -350,8 +359,12 @@ class DPORecipe(FinetuneRecipe):
         """Per-pair terms (:func:`preference_terms`) of one micro-batch and ``kept``: pairs that count
         (a filler micro-batch's have no label)."""
         policy, counts = (x.view(-1, 2) for x in self._sample_log_probs(self.model, batch))
-        reference = None if self.dpo.reference_free else self._reference_log_probs(batch).view(-1, 2)
-        return preference_terms(policy, reference, counts, self.dpo) | {"kept": (counts > 0).all(1)}
+        reference = (
+            None if self.objective_config.reference_free else self._reference_log_probs(batch).view(-1, 2)
+        )
+        return preference_terms(policy, reference, counts, self.objective_config) | {
+            "kept": (counts > 0).all(1)
+        }
 
     def _forward_backward(
         self, micro_batches: list[dict[str, Any]], counts: torch.Tensor
@@ -445,7 +458,9 @@ class KTORecipe(DPORecipe):
     def _terms(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         policy, counts = self._sample_log_probs(self.model, batch)
         reference = self._reference_log_probs(batch)
-        return kto_terms(policy, reference, batch["desirable"], self.z0, self.dpo) | {"kept": counts > 0}
+        return kto_terms(policy, reference, batch["desirable"], self.z0, self.objective_config) | {
+            "kept": counts > 0
+        }
 
     def _forward_backward(
         self, micro_batches: list[dict[str, Any]], counts: torch.Tensor

@@ -131,5 +131,5 @@ class RewardRecipe(DPORecipe):
 
     def _terms(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         rewards, counts = packed_scores(self.model, batch)
-        terms = reward_terms(rewards.view(-1, 2), batch.get("margins"), self.dpo)
+        terms = reward_terms(rewards.view(-1, 2), batch.get("margins"), self.objective_config)
         return terms | {"kept": (counts.view(-1, 2) > 0).all(1)}

@@ -207,7 +207,7 @@ class RLRecipe(DPORecipe):
         self._pending: tuple | None = None
 
     def _build_data(self) -> tuple[Any, Any]:
-        return self.data.build(self.tokenizer, reference_given=self.dpo.reference_given())
+        return self.data.build(self.tokenizer, reference_given=self.objective_config.reference_given())
 
     def train(self) -> None:
         if self.data.source is None:
@@ -232,13 +232,13 @@ class RLRecipe(DPORecipe):
         per_sample = torch.zeros(len(extra["reward"]), dtype=torch.float64).index_add(
             0, sample, mask.double()
         )
-        aggregation = self.dpo.loss_aggregation
+        aggregation = self.objective_config.loss_aggregation
         if aggregation == "token_mean":
             weights = mask
         elif aggregation == "sample_mean":
             weights = (mask.double() / per_sample.clamp_min(1)[sample]).float()
         else:
-            weights = mask / self.dpo.sequence_divisor
+            weights = mask / self.objective_config.sequence_divisor
         thd["loss_tokens"], thd["rollouts"] = float(mask.sum()), float((per_sample > 0).sum())
         thd["rollout_rewards"], thd["rollout_groups"], thd["response_sample"] = (
             extra["reward"],
@@ -262,9 +262,9 @@ class RLRecipe(DPORecipe):
 
     @torch.no_grad()
     def _reference_token_log_probs(self, batch: dict[str, Any]) -> torch.Tensor | None:
-        if self.dpo.kl_coef == 0:
+        if self.objective_config.kl_coef == 0:
             return None
-        if self.dpo.reference == "given":
+        if self.objective_config.reference == "given":
             return batch["ref_log_probs"]
         if self.reference is not None:
             return self._token_log_probs(self.reference, batch)
@@ -282,7 +282,7 @@ class RLRecipe(DPORecipe):
             batch["behaviour_log_probs"],
             batch["advantages"],
             self._reference_token_log_probs(batch),
-            self.dpo,
+            self.objective_config,
         )
         mask = batch["loss_mask"]
         sums = {"loss": (batch["token_weights"] * terms.pop("loss")).sum()}
@@ -299,7 +299,7 @@ class RLRecipe(DPORecipe):
                 [sum(b["loss_tokens"] for b in micro_batches), sum(b["rollouts"] for b in micro_batches)]
             )
         )
-        normalizer = tokens if self.dpo.loss_aggregation == "token_mean" else rollouts
+        normalizer = tokens if self.objective_config.loss_aggregation == "token_mean" else rollouts
         totals = None
         for i, batch in enumerate(micro_batches):
             self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # reduce once per step
@@ -313,7 +313,7 @@ class RLRecipe(DPORecipe):
     def _metrics(
         self, totals: torch.Tensor, tokens: torch.Tensor, rollouts: torch.Tensor
     ) -> dict[str, torch.Tensor]:
-        normalizer = tokens if self.dpo.loss_aggregation == "token_mean" else rollouts
+        normalizer = tokens if self.objective_config.loss_aggregation == "token_mean" else rollouts
         metrics = {"loss": totals[0] / normalizer.clamp_min(1)}
         metrics |= {name: value / tokens.clamp_min(1) for name, value in zip(_METRICS[1:], totals[1:])}
         return metrics | {"response_tokens": tokens, "rollouts": rollouts}
@@ -374,7 +374,7 @@ class RLRecipe(DPORecipe):
         start = time.perf_counter()
         rows = [dataclasses.asdict(r) if isinstance(r, Rollout) else dict(r) for r in rollouts]
         try:
-            rows, _ = checked_rollouts(rows, self.dpo.reference_given(), self.hf_config.vocab_size,
+            rows, _ = checked_rollouts(rows, self.objective_config.reference_given(), self.hf_config.vocab_size,
                                        self.data.max_length, "error", lambda i: f"rollout {i}")  # fmt: skip
         except ValueError as error:
             raise DataError(str(error)) from None
