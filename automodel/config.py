@@ -36,8 +36,9 @@ from automodel.errors import ConfigError
 SECTIONS = ("model", "data", "packing", "parallel", "optim", "trainer")
 # Sections a recipe may leave out (or set to null): ``peft`` absent means full fine-tuning, ``dpo``
 # present means preference optimization (automodel.training.dpo) instead of SFT, ``kd`` knowledge
-# distillation from a teacher (automodel.training.kd).
-OPTIONAL_SECTIONS = ("peft", "dpo", "kd")
+# distillation from a teacher (automodel.training.kd), ``reward`` a reward model
+# (automodel.training.reward), ``rl`` a policy-gradient step on rollouts (automodel.training.rl).
+OPTIONAL_SECTIONS = ("peft", "dpo", "kd", "reward", "rl")
 _HYDRA_KEYS = {"_target_", "_recursive_", "_convert_", "_partial_", "_args_"}
 # Components from outside the project a recipe may name: configuration classes, nothing that reads
 # files or runs code.

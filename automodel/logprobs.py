@@ -66,6 +66,35 @@ def packed_log_probs(model: torch.nn.Module, batch: dict[str, Any]) -> SampleLog
     Returns:
         The same :class:`SampleLogProbs` on every rank of the CP group; differentiable.
     """
+    full_T, labelled_T, sample_T, counts_N = _whole_row(model, batch, "log_probs")
+    sums_N = torch.zeros(len(counts_N), dtype=torch.float32, device=full_T.device).index_add(
+        0, sample_T, full_T
+    )
+    return SampleLogProbs(sums_N, counts_N, full_T, labelled_T > 0)
+
+
+def packed_scores(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sample's score from one forward of a packed micro-batch through a score-head model (a
+    reward model): its scalar at the sample's last real token, where
+    ``AutoModelForSequenceClassification`` reads it for the sample alone.
+
+    Args: as :func:`packed_log_probs`.
+
+    Returns:
+        float32 ``[N]`` scores and int64 ``[N]`` label counts (0: a filler sample), the same on every
+        rank of the CP group; differentiable (each rank back-propagates its own tokens).
+    """
+    full_T, _, _, counts_N = _whole_row(model, batch, "score")
+    meta: ThdAttentionMetadata = batch["attn_meta"]
+    last_N = torch.cumsum(meta.padded_lens, 0) - meta.padded_lens + meta.real_lens - 1  # host layout
+    return full_T[last_N.to(full_T.device, non_blocking=True)], counts_N
+
+
+def _whole_row(
+    model: torch.nn.Module, batch: dict[str, Any], output: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The model's ``output`` (one float per token) over the whole row on every CP rank: ``[T]``
+    values, ``[T]`` float labelled flags, ``[T]`` each token's sample, ``[N]`` label counts."""
     meta: ThdAttentionMetadata = batch["attn_meta"]
     local_T = model(
         batch["input_ids"],
@@ -73,7 +102,7 @@ def packed_log_probs(model: torch.nn.Module, batch: dict[str, Any]) -> SampleLog
         batch["labels"],
         meta,
         batch.get("label_positions"),
-        output="log_probs",
+        output=output,
     )
     labelled_T = (batch["labels"] != CROSS_ENTROPY_IGNORE_INDEX).float()
     if meta.cp_size > 1:
@@ -90,8 +119,7 @@ def packed_log_probs(model: torch.nn.Module, batch: dict[str, Any]) -> SampleLog
     counts_N = torch.zeros(samples, dtype=torch.int64, device=full_T.device).index_add(
         0, sample_T, labelled_T.long()
     )
-    sums_N = torch.zeros(samples, dtype=torch.float32, device=full_T.device).index_add(0, sample_T, full_T)
-    return SampleLogProbs(sums_N, counts_N, full_T, labelled_T > 0)
+    return full_T, labelled_T, sample_T, counts_N
 
 
 class _CombineCPShares(torch.autograd.Function):

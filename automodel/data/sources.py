@@ -24,7 +24,13 @@ from typing import Any
 import datasets
 from datasets.exceptions import DatasetsError
 
-from automodel.assets import TINY_CORPUS_DIR, TINY_PREFERENCE_PATH, TINY_SFT_PATH, TINY_TOOLS_PATH
+from automodel.assets import (
+    TINY_CORPUS_DIR,
+    TINY_PREFERENCE_PATH,
+    TINY_ROLLOUTS_PATH,
+    TINY_SFT_PATH,
+    TINY_TOOLS_PATH,
+)
 
 # Built-in names are reserved: they never resolve to a local path of the same name.
 BUILTIN_SOURCES = {
@@ -32,6 +38,7 @@ BUILTIN_SOURCES = {
     "tiny_preference": TINY_PREFERENCE_PATH,
     "tiny_corpus": TINY_CORPUS_DIR,
     "tiny_tools": TINY_TOOLS_PATH,
+    "tiny_rollouts": TINY_ROLLOUTS_PATH,
 }
 _BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "txt"}
 TXT_SAMPLES = (
@@ -47,6 +54,16 @@ _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 # whole as JSON text in this column, its typed columns null: Arrow holds one type per column, and
 # letting one row decide it would convert or lose the others. The SFT parser reads such rows from here.
 RAW_ROW_COLUMN = "_raw_json_row"
+
+
+def row_dicts(rows: datasets.Dataset) -> list[Any]:
+    """Every row with its own values: a dict of its columns, or for a row kept whole
+    (:data:`RAW_ROW_COLUMN`) its parsed JSON, whose values the typed columns do not hold."""
+    if RAW_ROW_COLUMN not in rows.column_names:
+        return rows.to_list()
+    raw = rows[RAW_ROW_COLUMN]
+    typed = rows.remove_columns([RAW_ROW_COLUMN]).to_list()
+    return [row if text is None else json.loads(text) for row, text in zip(typed, raw)]
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,14 @@ class CausalLMForTraining(nn.Module):
         return self.transformers_model.config
 
     @property
+    def score_head(self) -> nn.Module:
+        """A sequence-classification class's scalar head (``score``: ``[D] -> [1]``)."""
+        head = getattr(self.transformers_model, "score", None)
+        if head is None:
+            raise ValueError(f"{type(self.transformers_model).__name__} has no score head")
+        return head
+
+    @property
     def decoder(self) -> nn.Module:
         """The base model that maps ids to final hidden states (:func:`~automodel.models.mixers.decoder_of`)."""
         return decoder_of(self.transformers_model)
@@ -146,7 +154,9 @@ class CausalLMForTraining(nn.Module):
         - ``teacher``: this model as a distillation teacher, a :class:`automodel.loss.TeacherHead`:
           the final hidden states at the labelled positions and the output head (gathered when
           sharded); call it without autograd;
-        - ``hidden``: the final hidden states at the labelled positions only, ``[N, D]``.
+        - ``hidden``: the final hidden states at the labelled positions only, ``[N, D]``;
+        - ``score``: a score-head model's (``model.head``: a reward model) scalar at every position,
+          float32 ``[T]`` (the reward of a sample is read at its last real token).
 
         ``label_positions_N``: the labelled positions (:func:`automodel.loss.label_positions` of
         the host labels), so that the step never waits for the device to find them.
@@ -182,6 +192,8 @@ class CausalLMForTraining(nn.Module):
         temperature: float,
     ) -> Any:
         """:meth:`forward`'s ``output`` from the final hidden states ``[T, D]``."""
+        if output == "score":
+            return self.score_head(hidden_TD).float().squeeze(-1).clone()  # not a view: FSDP2 hooks it
         if output in ("teacher", "hidden"):
             if label_positions_N is None:
                 label_positions_N = label_positions(labels_T, self.config.get_text_config().vocab_size)
@@ -234,7 +246,7 @@ class CausalLMForTraining(nn.Module):
 
 
 HEAD_OUTPUT_METHOD = "automodel_head_output"
-OUTPUTS = ("loss", "log_probs", "distill", "teacher", "hidden")
+OUTPUTS = ("loss", "log_probs", "distill", "teacher", "hidden", "score")
 
 
 def head_output(
@@ -338,7 +350,7 @@ def build_model(
     register_thd_attention()
     implementation = own_attention_implementation(config) if dense_mask else THD_ATTENTION
     with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(
+        hf = spec.auto_class.from_config(
             config,
             attn_implementation=implementation,
             dtype=torch.float32,
@@ -426,18 +438,22 @@ def source_model(spec: ModelSpec, config: PretrainedConfig, seed: int) -> PreTra
     init seeded with ``seed`` (``from_config``: one RNG stream through the whole model)."""
     if spec.pretrained_path is None:
         torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(
+        return spec.auto_class.from_config(
             config, dtype=torch.float32, trust_remote_code=spec.trust_remote_code
         )
-    hf, info = AutoModelForCausalLM.from_pretrained(
+    hf, info = spec.auto_class.from_pretrained(
         spec.pretrained_path,
         config=config,
         dtype=torch.float32,
         output_loading_info=True,
         trust_remote_code=spec.trust_remote_code,
     )
+    initialized, skipped = spec.other_head(config)  # a score head on a causal LM's checkpoint
+    allowed = {"missing_keys": initialized, "unexpected_keys": skipped}
     wrong = {
-        key: names for key, names in info.items() if key in ("missing_keys", "unexpected_keys") and names
+        key: [name for name in names if name not in allowed[key]]
+        for key, names in info.items()
+        if key in allowed and set(names) - allowed[key]
     }
     if wrong:
         raise ValueError(
@@ -463,13 +479,25 @@ def load_weights(
     unset) rank 0 builds the source model once and broadcasts it."""
     try:
         if spec.pretrained_path is not None:
-            load_sharded(
+            initialized = load_sharded(
                 model.transformers_model,
                 spec.pretrained_path,
                 f"model.pretrained_path={spec.pretrained_path!r}",
-            )
+                spec.other_head(config),
+            ).lacked
+            if initialized:  # a score head on a causal LM's checkpoint: transformers' init, seeded
+                init_sharded(
+                    model.transformers_model, config, seed, trust_remote_code=spec.trust_remote_code,
+                    auto_class=spec.auto_class, only=initialized,
+                )  # fmt: skip
+                logger.info(
+                    "%s initialized from seed %d (the checkpoint has no such head)", initialized, seed
+                )
         else:
-            init_sharded(model.transformers_model, config, seed, trust_remote_code=spec.trust_remote_code)
+            init_sharded(
+                model.transformers_model, config, seed, trust_remote_code=spec.trust_remote_code,
+                auto_class=spec.auto_class,
+            )  # fmt: skip
             init_buffers(model.transformers_model)
     except (UnshardableCheckpoint, UninitializedTensor) as why:
         logger.warning("%s: rank 0 reads the whole model and broadcasts it", why)
@@ -484,14 +512,14 @@ def initialized_model(spec: ModelSpec, config: PretrainedConfig, seed: int) -> P
     """The whole ``model.config`` model on CPU in float32 with the values every rank's shards get
     (:func:`init_sharded`): the base a run starts from, for comparisons and exports."""
     with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(
+        hf = spec.auto_class.from_config(
             config, dtype=torch.float32, trust_remote_code=spec.trust_remote_code
         )
     hf.to_empty(device="cpu")
     if getattr(config.get_text_config(), "tie_word_embeddings", False):
         hf.tie_weights()
     with torch.no_grad():
-        init_sharded(hf, config, seed, trust_remote_code=spec.trust_remote_code)
+        init_sharded(hf, config, seed, trust_remote_code=spec.trust_remote_code, auto_class=spec.auto_class)
         init_buffers(hf)
     return hf
 
@@ -503,7 +531,7 @@ def adapter_init(
     path), by peft itself on a copy whose base weights are allocated but never written (virtual
     memory only): every rank gets the same values, whatever the world size."""
     with torch.device("meta"):
-        template = AutoModelForCausalLM.from_config(
+        template = spec.auto_class.from_config(
             config, dtype=torch.float32, trust_remote_code=spec.trust_remote_code
         )
     template.to_empty(device="cpu")
@@ -571,7 +599,8 @@ def export_model(
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if getattr(config, name, None) is None and getattr(tokenizer, name, None) is not None:
             setattr(config, name, getattr(tokenizer, name))
-    hf.generation_config.eos_token_id = generation_eos(hf.generation_config.eos_token_id, tokenizer)
+    if hf.can_generate():  # a score-head model (a reward model) has no generation config
+        hf.generation_config.eos_token_id = generation_eos(hf.generation_config.eos_token_id, tokenizer)
     if lora is not None:
         if base is None:  # a seeded init that exists nowhere else: the adapter needs it on disk
             base = str((output_dir / "base").resolve())

@@ -277,14 +277,31 @@ def unused_tensors(hf: PreTrainedModel, stored: dict[str, StoredTensor], match: 
     return sorted(set(stored) - consumed)
 
 
-def load_sharded(hf: PreTrainedModel, path: str | Path, where: str) -> list[str]:
+@dataclass
+class LoadedShards:
+    """What :func:`load_sharded` read whole, and what the checkpoint lacked."""
+
+    read_whole: list[str]  # published-layout entries read whole by this rank (its experts)
+    lacked: list[str]  # the other head's tensors the checkpoint lacked: the caller initializes them
+
+
+def load_sharded(
+    hf: PreTrainedModel,
+    path: str | Path,
+    where: str,
+    other_head: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset()),
+) -> LoadedShards:
     """Fill ``hf``'s parameters and persistent buffers (sharded by FSDP2 or not) from the safetensors
     checkpoint at ``path``, each rank reading only its slices; then its non-persistent buffers.
     The checkpoint may hold each tensor in the model's layout or in the published one that
     transformers converts at load (:func:`match_checkpoint`). Adapter parameters (peft's ``lora_``)
-    are left alone. Collective when a process group exists. Returns the published-layout entries
-    this rank read whole (a MoE layer's experts: only those of its own shard); every other tensor
-    is read slice by slice.
+    are left alone. Collective when a process group exists. Returns :class:`LoadedShards`: the
+    published-layout entries this rank read whole (a MoE layer's experts: only those of its own
+    shard; every other tensor is read slice by slice), and the tensors the checkpoint lacked.
+
+    ``other_head``: ``(tensors the checkpoint may lack, entries it may hold that the model has no
+    place for)`` (:meth:`ModelSpec.other_head`: a reward model from a causal LM checkpoint); the
+    tensors it lacked are left for the caller to initialize.
 
     Raises:
         UnshardableCheckpoint: before any read, with the reason (the caller falls back to a full load).
@@ -292,6 +309,8 @@ def load_sharded(hf: PreTrainedModel, path: str | Path, where: str) -> list[str]
     """
     stored = stored_tensors(path)
     match = match_checkpoint(hf, stored, where)
+    initialized = [name for name in match.missing if name in other_head[0]]
+    match.missing = [name for name in match.missing if name not in other_head[0]]
     if match.missing:
         raise UnshardableCheckpoint(
             f"{where}: the checkpoint lacks {match.missing[:3]} in both the model's layout "
@@ -304,7 +323,7 @@ def load_sharded(hf: PreTrainedModel, path: str | Path, where: str) -> list[str]
                 f"{where}: transformers builds the model's {list(group.tensors)[:3]} from "
                 f"{list(group.entries)[:3]} by more than a reordering"
             )
-    unused = unused_tensors(hf, stored, match)
+    unused = [name for name in unused_tensors(hf, stored, match) if name not in other_head[1]]
     if unused:  # e.g. quantization scales: from_pretrained decides what they mean
         raise UnshardableCheckpoint(
             f"{where}: the checkpoint holds tensors the model has no place for, first {unused[:3]}"
@@ -320,7 +339,7 @@ def load_sharded(hf: PreTrainedModel, path: str | Path, where: str) -> list[str]
                 read += _scatter_group(group_tensors, _element_sources(hf, group_tensors), stored)
         dcp.load({**match.direct, **renamed}, storage_reader=HuggingFaceStorageReader(str(path)))
     check_finite({**match.direct, **{n: tensors[n] for g in match.converted for n in g.tensors}}, where)
-    return read
+    return LoadedShards(read_whole=read, lacked=initialized)
 
 
 def _element_sources(hf: PreTrainedModel, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -140,9 +140,9 @@ def checkpoint_checks(
     if spec.pretrained_path is None and lora is None:
         return
     with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(config, trust_remote_code=spec.trust_remote_code)
+        meta = spec.auto_class.from_config(config, trust_remote_code=spec.trust_remote_code)
     if spec.pretrained_path is not None:
-        check_checkpoint_tensors(spec.pretrained_path, meta)
+        check_checkpoint_tensors(spec.pretrained_path, meta, spec.other_head(config))
     if lora is not None:
         lora.check_model(meta)
 
@@ -506,11 +506,16 @@ def _numbers(node: Any, prefix: str = ""):
             yield from _numbers(value, f"{prefix}.{key}" if prefix else str(key))
 
 
-def check_checkpoint_tensors(path: str, meta: PreTrainedModel) -> None:
+def check_checkpoint_tensors(
+    path: str,
+    meta: PreTrainedModel,
+    other_head: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset()),
+) -> None:
     """Compare the safetensors headers of a local checkpoint with the tensors of ``meta`` (the model
     on the meta device), reading no tensor data: each model tensor must be stored under its own name
     or in the published layout transformers converts at load (Mixtral's per-expert ``w1``/``w2``/``w3``
-    under ``block_sparse_moe``), with the shapes the model needs (:func:`hf_io.match_checkpoint`)."""
+    under ``block_sparse_moe``), with the shapes the model needs (:func:`hf_io.match_checkpoint`).
+    ``other_head``: the head tensors it may lack and hold (:meth:`ModelSpec.other_head`)."""
     from automodel.models.hf_io import UnshardableCheckpoint, match_checkpoint, stored_tensors, unused_tensors
 
     try:
@@ -524,6 +529,7 @@ def check_checkpoint_tensors(path: str, meta: PreTrainedModel) -> None:
             ) from None
         return  # a hub id or another format: from_pretrained checks it at load
     match = match_checkpoint(meta, stored, f"model.pretrained_path={path!r}")
+    match.missing = [name for name in match.missing if name not in other_head[0]]
     if match.missing:
         raise ValueError(
             f"model.pretrained_path={path!r}: its safetensors files lack {len(match.missing)} tensors the model "
@@ -532,7 +538,9 @@ def check_checkpoint_tensors(path: str, meta: PreTrainedModel) -> None:
     # what from_pretrained would report as unexpected (it ignores the class's own patterns: old buffers)
     ignored = [re.compile(p) for p in getattr(meta, "_keys_to_ignore_on_load_unexpected", None) or []]
     unused = [
-        name for name in unused_tensors(meta, stored, match) if not any(p.search(name) for p in ignored)
+        name
+        for name in unused_tensors(meta, stored, match)
+        if not any(p.search(name) for p in ignored) and name not in other_head[1]
     ]
     if unused:
         raise ValueError(

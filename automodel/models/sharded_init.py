@@ -23,7 +23,8 @@ differ), not on the world size or the sharding; they follow transformers' distri
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,21 +55,28 @@ def _post_order(
 
 @torch.no_grad()
 def init_sharded(
-    hf: nn.Module, config: PretrainedConfig, seed: int, *, trust_remote_code: bool = False
+    hf: nn.Module,
+    config: PretrainedConfig,
+    seed: int,
+    *,
+    trust_remote_code: bool = False,
+    auto_class: Any = AutoModelForCausalLM,
+    only: Collection[str] | None = None,
 ) -> None:
     """Initialize ``hf``'s parameters and persistent buffers (FSDP2-sharded or not, already
     materialized) in place, each rank its own slices (module docstring). ``hf`` may be wrapped by
-    peft: its ``base_layer`` names map to the transformers names; adapters (``lora_``) are skipped."""
+    peft: its ``base_layer`` names map to the transformers names; adapters (``lora_``) are skipped.
+    ``auto_class`` builds ``hf``'s class from ``config``; ``only``: just these tensors (transformers names)."""
     with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(
-            config, dtype=torch.float32, trust_remote_code=trust_remote_code
-        )
+        meta = auto_class.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
     order = list(_post_order(meta, meta))
     meta_tensors = dict(meta.state_dict(keep_vars=True))
     for name, target in model_tensors(hf).items():
         if ".lora_" in name:
             continue
         name = checkpoint_name(name)
+        if only is not None and name not in only:
+            continue
         path, _, attribute = name.rpartition(".")
         module = meta.get_submodule(path)
         slots = module._parameters if attribute in module._parameters else module._buffers

@@ -8,7 +8,7 @@ import functools
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,8 @@ from automodel.attention.mixers import MIXER_BACKENDS
 from automodel.config import refuse_remote_code
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# the model's head, set by the objective: the causal LM's, or one scalar per token (a reward model)
+HEADS = {"lm": "AutoModelForCausalLM", "score": "AutoModelForSequenceClassification"}
 EXPORT_DTYPES = {**DTYPES, "float16": torch.float16}
 
 
@@ -85,6 +87,7 @@ class ModelSpec:
     verify: bool = True
     export_dtype: str | None = None
     loss_chunk_tokens: int | None = None
+    head: str = field(default="lm", init=False)  # "score" for a reward model: not a recipe key
 
     def __post_init__(self) -> None:
         if (self.pretrained_path is None) == (self.config is None):
@@ -136,6 +139,25 @@ class ModelSpec:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def auto_class(self) -> Any:
+        """The transformers auto class of the model: ``AutoModelForCausalLM``, or for a score head
+        ``AutoModelForSequenceClassification`` (its config with ``num_labels=1``)."""
+        return getattr(transformers, HEADS[self.head])
+
+    def other_head(self, config: PretrainedConfig) -> tuple[frozenset[str], frozenset[str]]:
+        """A score-head model started from a causal LM checkpoint: ``(the tensors of the score head,
+        which such a checkpoint lacks and the model initializes; those of the LM head, which it holds
+        and the model has no place for)``. Both empty for the LM head."""
+        if self.head == "lm":
+            return frozenset(), frozenset()
+        with torch.device("meta"):
+            names = [
+                set(auto.from_config(config, trust_remote_code=self.trust_remote_code).state_dict())
+                for auto in (transformers.AutoModelForCausalLM, self.auto_class)
+            ]
+        return frozenset(names[1] - names[0]), frozenset(names[0] - names[1])
 
     def config_fields(self) -> dict[str, Any] | None:
         """The config as given, before transformers builds anything from it: ``model.config``, or a

@@ -185,7 +185,10 @@ class FinetuneRecipe:
             self.stream = self.batching.build(dataset, env)
         except ValueError as error:  # the packing section against this run (cp_size, data): a config error
             raise ConfigError(str(error)) from None
-        logger.info("%d micro-batches per epoch on each data-parallel rank", self.stream.batches_per_epoch)
+        if self.stream.batches_per_epoch:  # none: the micro-batches come from Python (automodel.training.rl)
+            logger.info(
+                "%d micro-batches per epoch on each data-parallel rank", self.stream.batches_per_epoch
+            )
         logger.info("%s", global_batch(self.dims.dp_size, self.trainer.grad_accum_steps, self.batching,
                                        self.trainer.max_steps))  # fmt: skip
         self.val_batches = (
@@ -432,11 +435,25 @@ class FinetuneRecipe:
         backward (``trainer.sync_debug_step`` lists any wait that remains)."""
         start = time.perf_counter()
         micro_batches = [self._shard(next(self.stream)) for _ in range(self.trainer.grad_accum_steps)]
-        # per-rank counts of the step (_COUNTS), summed over all ranks in one collective
+        objective, counts = self._step_forward_backward(micro_batches)
+        return self._optimizer_step(objective, counts, start)
+
+    def _step_forward_backward(
+        self, micro_batches: list[dict[str, Any]]
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The step's forward and backward over this rank's sharded micro-batches: the objective's
+        0-dim device tensors (:meth:`_forward_backward`) and the step's counts (``_COUNTS``, summed
+        over all ranks in one collective)."""
         counts = self._all_reduce(
             torch.tensor([[b[name] for name in _COUNTS] for b in micro_batches]).sum(0), torch.float64
         )
-        objective = self._forward_backward(micro_batches, counts)
+        return self._forward_backward(micro_batches, counts), counts
+
+    def _optimizer_step(
+        self, objective: dict[str, torch.Tensor], counts: torch.Tensor, start: float
+    ) -> dict[str, Any]:
+        """After :meth:`_step_forward_backward`: the gradient norm (clipped), the step's one device
+        read, the checks before the weights move, the optimizer and scheduler steps; the record."""
         grad_norm = self._grad_norm_after_clipping()
         # the step's one device read
         *values, label_tokens, real, slots, samples, grad_norm = torch.cat(

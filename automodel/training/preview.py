@@ -80,9 +80,11 @@ def preview(cfg: DictConfig, samples: int = 3) -> dict[str, Any]:
         build_section(cfg, "packing"),
     )
     trainer, parallel = build_section(cfg, "trainer"), build_section(cfg, "parallel")
-    if cfg.get("dpo") is not None:
+    objective = next((name for name in ("dpo", "reward", "rl") if cfg.get(name) is not None), None)
+    if objective is not None:
         raise ConfigError(
-            "automodel data previews SFT data; preference pairs (a dpo section) are not shown yet"
+            f"automodel data previews SFT data; the data of a {objective} section (preference pairs, KTO "
+            "samples, rollouts) is not shown yet"
         )
     try:
         tokenizer = data.load_tokenizer(

@@ -15,9 +15,13 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from automodel.distributed.parallel import lost_peer, unanswered_ranks
 from automodel.errors import ConfigError, PeerLostError
-from automodel.training.dpo import DPORecipe
+from automodel.training.dpo import DPORecipe, KTORecipe
 from automodel.training.finetune import FinetuneRecipe
 from automodel.training.kd import KDRecipe
+from automodel.training.reward import RewardRecipe
+from automodel.training.rl import RLRecipe
+
+OBJECTIVE_SECTIONS = ("dpo", "kd", "reward", "rl")
 
 
 def recipe_class(cfg: DictConfig) -> type[FinetuneRecipe]:
@@ -28,14 +32,22 @@ def recipe_class(cfg: DictConfig) -> type[FinetuneRecipe]:
         f"{name}._target_={cfg[name]._target_}" for name in ("data", "packing")
         if str((cfg.get(name) or {}).get("_target_", "")).startswith("automodel.data.preference.")
     ]  # fmt: skip
-    if preference and cfg.get("dpo") is None:
+    objectives = [name for name in OBJECTIVE_SECTIONS if cfg.get(name) is not None]
+    if preference and not {"dpo", "reward"} & set(objectives):
         raise ConfigError(
-            f"{', '.join(preference)} holds preference pairs, which need a dpo section (dpo=sigmoid)"
+            f"{', '.join(preference)} holds preference pairs or KTO samples, which need a dpo section (dpo=sigmoid, "
+            "dpo=kto) or a reward section (+reward=bradley_terry)"
         )
-    if cfg.get("dpo") is not None and cfg.get("kd") is not None:
-        raise ConfigError("a recipe has one objective: a dpo section or a kd section, not both; remove one")
+    if len(objectives) > 1:
+        raise ConfigError(
+            f"a recipe has one objective, this one has the sections {objectives}; remove all but one"
+        )
+    if cfg.get("reward") is not None:
+        return RewardRecipe
+    if cfg.get("rl") is not None:
+        return RLRecipe
     if cfg.get("dpo") is not None:
-        return DPORecipe
+        return KTORecipe if str(cfg.dpo.get("_target_", "")).endswith(".KTOConfig") else DPORecipe
     if cfg.get("kd") is not None:
         return KDRecipe
     return FinetuneRecipe

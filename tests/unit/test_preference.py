@@ -13,7 +13,7 @@ import torch
 from automodel.config import ConfigError, load_recipe
 from automodel.data.batching import LoaderEnv
 from automodel.data.preference import PreferenceBatching, PreferenceData
-from automodel.training.dpo import DPOConfig, dpo_terms
+from automodel.training.dpo import DPOConfig, preference_terms
 from automodel.training.run import recipe_class
 
 
@@ -50,7 +50,12 @@ def test_messages_and_prompt_completion_pairs(tmp_path):
 
 
 def test_dpo_terms_by_hand():
-    terms = dpo_terms(torch.tensor([[-10.0, -12.0]]), torch.tensor([[-11.0, -11.0]]), beta=0.1)
+    terms = preference_terms(
+        torch.tensor([[-10.0, -12.0]]),
+        torch.tensor([[-11.0, -11.0]]),
+        torch.tensor([[3, 3]]),
+        DPOConfig(beta=0.1),
+    )
     assert float(terms["reward_margin"][0]) == pytest.approx(0.2)
     assert float(terms["loss"][0]) == pytest.approx(-math.log(1 / (1 + math.exp(-0.2))), rel=1e-6)
     assert float(terms["reward_accuracy"][0]) == 1.0

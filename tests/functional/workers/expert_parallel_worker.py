@@ -103,7 +103,9 @@ def check_model(name: str, path: Path, out: Path) -> tuple[int, list[str]]:
         model = build(path, mesh, expert_device_mesh("cpu", world, ep) if ep > 1 else None)
         errors += [f"{label}: {e}" for e in shard_mismatches(model, reference)]
         mine = own_experts(model)
-        read = load_sharded(model.transformers_model, path, label)  # again, to see what this rank reads
+        read = load_sharded(
+            model.transformers_model, path, label
+        ).read_whole  # again, to see what this rank reads
         experts_read = {int(EXPERT.search(k).group(1)) for k in read if EXPERT.search(k)}
         if experts_read != mine or not read:
             errors.append(
