@@ -284,7 +284,7 @@ def test_a_bad_recipe_value_fails_naming_the_field_before_any_data_work(
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["model.config.model_type=falcon_mamba"], "falcon_mamba.*refused"),
+        (["model.config.model_type=rwkv"], "rwkv.*refused"),
         (["model.config.model_type=gpt_oss", "model.attention_backend=te"], "gpt_oss uses attention sinks"),
     ],
 )

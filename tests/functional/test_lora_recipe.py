@@ -213,8 +213,12 @@ def test_lora_recipe_with_validation(tmp_path, monkeypatch):
         for key in qbase:
             assert torch.equal(exported[key], qbase[key]), (name, key)
         adapted = peft.PeftModel.from_pretrained(dequantized_base(), tmp_path / name / "adapter")
-        # CP 2 sums in another order: four AdamW steps carry float32 rounding to 1.3e-5 at logits of 1.7
-        torch.testing.assert_close(logits(adapted), logits(qadapted), rtol=1e-5, atol=1e-5, msg=name)
+        # DP 2 is bitwise. CP 2 sums attention in another order, and AdamW's first steps move a weight by
+        # about lr whatever its gradient's size, so a gradient near 0 whose rounding differs moves it
+        # differently: 1.0e-5 of the logits' norm after four steps here (a wrong adapter: above 1e-1)
+        trained, one_process = logits(adapted), logits(qadapted)
+        error = float((trained - one_process).norm() / one_process.norm())
+        assert error < 1e-4 if name == "qcp2" else error == 0, (name, error)
     for name in ("dp2", "cp2"):
         records = read_metrics(tmp_path / name)
         assert [r["val_label_tokens"] for r in records] == [r["val_label_tokens"] for r in one]
