@@ -558,9 +558,7 @@ def _row_draws(config: PretrainedConfig) -> list[tuple[str, int]]:
             try:
                 model(input_ids=ids, use_cache=False)
             except Exception as error:  # transformers' own model cannot run this config
-                raise NotBuildable(
-                    f"transformers' own {type(model).__name__} fails on it: {one_line(error)}"
-                ) from error
+                raise NotBuildable(type(model).__name__, one_line(error)) from error
         runs.append(draws.sizes)
         if not draws.sizes:  # nothing drawn at all
             return []
@@ -667,20 +665,20 @@ def verify_config(
         return Verdict("not_buildable", f"transformers cannot build it at a reduced size: {one_line(error)}")
     mixers, hybrid = [], False
     try:
-        shared = shared_noise(config)
-        if shared is not None:
-            return Verdict("refused", shared)
-        # compared with the model's noise off; the run trains with it (drawn per element or token)
-        config = without_noise(config)
-        try:
+        try:  # in eval mode: the first run of transformers' own class on the config
             probe = probe_mixers(config)
-        except Exception as error:  # the probe runs transformers' own class on the config
+        except Exception as error:
             model_class = AutoModelForCausalLM._model_mapping[type(config)].__name__
             raise NotBuildable(model_class, one_line(error)) from error
         mixers = [c.__name__ for c in probe.classes]
         # a hybrid: where it is not exact, its mixers are the first suspects; a model whose layers never
         # call the registered attention is judged as one (its own attention code under a dense mask)
         hybrid = bool(mixers) and probe.calls_attention
+        shared = shared_noise(config)
+        if shared is not None:
+            return Verdict("refused", shared)
+        # compared with the model's noise off; the run trains with it (drawn per element or token)
+        config = without_noise(config)
         randomness = random_layers(config)
         if randomness is not None:
             return Verdict("refused", randomness)

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import datasets
@@ -1118,18 +1119,20 @@ def test_kill_9_during_tokenizing_takes_the_num_proc_workers_with_it(tmp_path):
     script = tmp_path / "run_tokenizing.py"  # not tokenize.py: that would shadow the standard module
     script.write_text(TOKENIZE_FOR_A_WHILE)
     children = []
-    main = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=tmp_path)  # fmt: skip
+    log = tmp_path / "stderr.txt"  # a file, not a pipe: nobody reads the progress bar, a full pipe would block it
+    with log.open("w") as stderr:
+        main = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=stderr,
+                                text=True, cwd=tmp_path)  # fmt: skip
     try:
-        assert main.stdout.readline() == "tokenizing\n", main.stderr.read()
+        assert main.stdout.readline() == "tokenizing\n", log.read_text()
         process = psutil.Process(main.pid)
         for _ in range(300):  # the pool's 2 workers and the manager
             children = process.children(recursive=True)
             if len(children) >= 3:
                 break
-            psutil.wait_procs([], timeout=0.1)
-        assert len(children) >= 3, children
-        psutil.wait_procs([], timeout=1.0)  # the workers are tokenizing
+            time.sleep(0.1)
+        assert len(children) >= 3, (children, main.poll(), log.read_text()[-2000:])
+        time.sleep(1.0)  # the workers are tokenizing
         main.kill()
         main.wait()
         gone, alive = psutil.wait_procs(children, timeout=10)
@@ -1389,6 +1392,8 @@ def test_a_frozen_rank_is_named_by_the_ranks_that_answer(tmp_path):
                 workers = psutil.Process(process.pid).children(recursive=True)
                 (frozen,) = [p for p in workers if p.environ().get("RANK") == "1"]
                 frozen.suspend()
+            if "did not answer" in line and frozen is not None:
+                frozen.kill()  # torchrun would wait its shutdown timeout (30 s) for a stopped rank's SIGTERM
         process.wait(timeout=600)
     finally:
         if frozen is not None:

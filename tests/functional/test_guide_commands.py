@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,8 @@ class Command:
     text: str  # the line as written (continuation lines joined)
     argv: tuple[str, ...]  # what follows ``automodel`` (or ``python -m automodel``)
     needs: str | None  # the reason of a trailing ``# needs: ...``, else None
+    exits: int = 0  # a trailing ``# exits N: ...`` shows a refusal: the code it ends with
+    shell: bool = False  # a ``printf ... > FILE`` line that writes an example file: run by bash
 
 
 def shell_lines(block: str) -> list[tuple[str, str]]:
@@ -78,10 +81,14 @@ def automodel_argv(words: list[str]) -> list[str] | None:
 
 
 def commands(path: Path, root: Path = REPO_ROOT) -> list[Command]:
-    """The ``automodel`` commands of the ```bash blocks of ``path``, in order."""
+    """The ``automodel`` commands of the ```bash blocks of ``path``, and the ``printf`` lines that
+    write the files they read, in order."""
     found = []
     for block in fenced_blocks(path.read_text(), "bash"):
         for code, comment in shell_lines(block):
+            if re.match(r"\s*printf\s.*>\s*[\w./-]+\s*$", code):
+                found.append(Command(path.relative_to(root).as_posix(), code.strip(), (), None, shell=True))
+                continue
             lexer = shlex.shlex(code, posix=True, punctuation_chars=";&|")
             lexer.whitespace_split = True
             words, simple = [], []
@@ -92,9 +99,11 @@ def commands(path: Path, root: Path = REPO_ROOT) -> list[Command]:
                 else:
                     words.append(word)
             needs = re.search(r"\bneeds:\s*(.*)", comment)
+            exits = re.match(r"exits (\d+)\b", comment)
             for argv in [a for a in map(automodel_argv, simple) if a is not None]:
                 reason = needs[1].strip() if needs else None
-                found.append(Command(path.relative_to(root).as_posix(), code.strip(), tuple(argv), reason))
+                found.append(Command(path.relative_to(root).as_posix(), code.strip(), tuple(argv), reason,
+                                     int(exits[1]) if exits else 0))  # fmt: skip
     return found
 
 
@@ -119,15 +128,19 @@ def test_a_command_line_is_read_as_the_shell_reads_it(tmp_path):
         "torchrun --nproc-per-node 2 -m automodel finetune r; python -m automodel --version\n"
         "python -m automodel.benchmarks.packing  # not automodel's CLI\n"
         "nice -n 5 automodel bench chat_masks --no-gc  # needs: minutes\n"
+        "printf '%s\\n' '{\"text\": \"a\"}' \\\n  '{\"text\": 1}' > rows.jsonl\n"
+        "automodel data r data.source=rows.jsonl  # exits 2: line 2 is refused\n"
         "```\n```python\nautomodel finetune r\n```\n"
     )  # fmt: skip
     (tmp_path / "x.md").write_text(text)
-    found = [(c.argv, c.needs) for c in commands(tmp_path / "x.md", root=tmp_path)]
+    found = [(c.argv, c.needs, c.exits, c.shell) for c in commands(tmp_path / "x.md", root=tmp_path)]
     assert found == [
-        (("finetune", "tiny_llama_sft"), None),
-        (("data", "r", "data.columns={a: b}", "data.split='train[:8]'"), "your file"),
-        (("--version",), None),
-        (("bench", "chat_masks", "--no-gc"), "minutes"),
+        (("finetune", "tiny_llama_sft"), None, 0, False),
+        (("data", "r", "data.columns={a: b}", "data.split='train[:8]'"), "your file", 0, False),
+        (("--version",), None, 0, False),
+        (("bench", "chat_masks", "--no-gc"), "minutes", 0, False),
+        ((), None, 0, True),
+        (("data", "r", "data.source=rows.jsonl"), None, 2, False),
     ]
 
 
@@ -172,15 +185,18 @@ def offline_trackers(tmp_path, monkeypatch):
 def test_the_commands_of_the_guides_run(group, tmp_path, monkeypatch, offline_trackers, capfd):
     work = tmp_path / "work"
     work.mkdir()
+    (work / "tests").symlink_to(REPO_ROOT / "tests")  # a reader runs them in a clone: its example files
     monkeypatch.chdir(work)
     done = set()
     for doc in GROUPS[group]:
         for command in commands(doc):
-            if command.needs:
+            if command.shell:
+                subprocess.run(["bash", "-c", command.text], check=True)
+            elif command.needs:
                 compose(command.argv)
             elif command.argv not in done:  # the same command again in this directory: the same result
                 code = run(command.argv)
-                assert code == 0, (command.doc, command.text, capfd.readouterr().err[-3000:])
+                assert code == command.exits, (command.doc, command.text, capfd.readouterr().err[-3000:])
                 done.add(command.argv)
         for block in fenced_blocks(doc.read_text(), "python"):
             exec(compile(block, f"{doc.name} (python block)", "exec"), {"__name__": "__guide__"})

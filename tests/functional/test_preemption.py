@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -174,8 +175,11 @@ def test_under_torchrun_a_signal_to_one_rank_stops_every_rank_after_the_same_ste
     assert stopped in (5, 6), run.output[-4000:]
     meta = json.loads((output_dir / "checkpoints" / f"step_{stopped:08d}" / "meta.json").read_text())
     assert (meta["step"], meta["world_size"]) == (stopped, 2)
-    assert run.output.count(f"stopped by SIGTERM after step {stopped}") == 2, run.output[-4000:]  # each rank
-    assert "exitcode  : 143" in run.output, run.output[-4000:]
+    # rank 0 prints the run's warnings; both ranks stopped after that step with SIGTERM's code
+    assert run.output.count(f"stopped by SIGTERM after step {stopped}") == 1, run.output[-4000:]
+    # the rank that exits last may get torchrun's own SIGTERM (-15) on its way out, after its line
+    codes = re.findall(r"exitcode\s*: (-?\d+)", run.output)
+    assert "143" in codes and set(codes) <= {"143", "-15"}, run.output[-4000:]
 
     resumed = Run(output_dir, "trainer.export_hf=false", torchrun=2)
     assert resumed.finish() == 0, resumed.output[-4000:]
