@@ -1119,7 +1119,8 @@ def test_kill_9_during_tokenizing_takes_the_num_proc_workers_with_it(tmp_path):
     script = tmp_path / "run_tokenizing.py"  # not tokenize.py: that would shadow the standard module
     script.write_text(TOKENIZE_FOR_A_WHILE)
     children = []
-    log = tmp_path / "stderr.txt"  # a file, not a pipe: nobody reads the progress bar, a full pipe would block it
+    # a file, not a pipe: nobody reads the progress bar, and a full pipe would block it
+    log = tmp_path / "stderr.txt"
     with log.open("w") as stderr:
         main = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=stderr,
                                 text=True, cwd=tmp_path)  # fmt: skip
