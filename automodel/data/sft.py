@@ -521,13 +521,13 @@ def _drop_and_report(
     rows = np.flatnonzero(~np.array([bool(r) for r in bad], dtype=bool))
     ids = table.column("input_ids")
     lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False).astype(np.int64)
-    pieces = plan_pieces(lengths[rows], max_length, long_samples)
-    pieces = dataclasses.replace(pieces, rows=rows[pieces.rows])
+    kept_pieces = plan_pieces(lengths[rows], max_length, long_samples)  # rows: indices into ``rows``
+    pieces = dataclasses.replace(kept_pieces, rows=rows[kept_pieces.rows])  # rows: indices into the table
     masks = table.column("loss_mask").combine_chunks()
     row_starts = masks.offsets.to_numpy().astype(np.int64)[:-1]
     mask_values = masks.values.to_numpy(zero_copy_only=False).astype(np.int64)
     learned = piece_sums(mask_values, row_starts, pieces)
-    report(lengths[rows], learnable[rows], pieces, learned, max_length, long_samples)
+    report(lengths[rows], learnable[rows], kept_pieces, learned, max_length, long_samples)
     unlearnable = int((learned == 0).sum())
     if unlearnable:
         reason = (
