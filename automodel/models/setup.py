@@ -27,6 +27,7 @@ from automodel.attention import resolve_attention_backend
 from automodel.attention.hf import FEATURES
 from automodel.attention.varlen import FLASH_DTYPES, varlen_missing
 from automodel.config import ConfigError
+from automodel.models.build import logit_transform
 from automodel.models.lora import LoraConfig
 from automodel.models.spec import ModelSpec, check_sizes
 from automodel.models.support import config_verdict, table_verdict
@@ -474,6 +475,22 @@ def norm_gradient_scale(config: PretrainedConfig) -> tuple[float, str] | None:
         f"{name}={eps:g} in the model config, which scales the norms' output and every gradient by about "
         f"{factor:.1e} (1e-6 is common)"
     )
+
+
+def logit_gradient_scale(config: PretrainedConfig) -> tuple[float, str] | None:
+    """How much the config's logit multiplier (Cohere's ``logit_scale``, 1 / Granite's
+    ``logits_scaling``: :func:`automodel.models.build.logit_transform`) scales every gradient, which
+    all pass through the logits, with the field named; None when it does not shrink them."""
+    scale = abs(logit_transform(config)["logit_scale"])
+    if scale >= 1:
+        return None
+    divisor = getattr(config, "logits_scaling", None)
+    field = (
+        f"logits_scaling={divisor:g}, which divides"
+        if divisor
+        else f"logit_scale={scale:g}, which multiplies"
+    )
+    return scale, f"{field} the logits and every gradient in the model config"
 
 
 def _numbers(node: Any, prefix: str = ""):

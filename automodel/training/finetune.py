@@ -40,6 +40,7 @@ from automodel.models.setup import (
     checkpoint_checks,
     config_checks,
     length_checks,
+    logit_gradient_scale,
     norm_gradient_scale,
 )
 from automodel.models.spec import ModelSpec
@@ -99,8 +100,7 @@ class FinetuneRecipe:
         self._check_model_config()
         # settings under which no weight can move are refused; ones that shrink every update, a warning
         with _as_user_error(ConfigError):
-            scales = self._gradient_scales()
-            for warning in learning_checks(self.optim_config, self.trainer.max_steps, scales):
+            for warning in self._learning_checks():
                 logger.warning("%s", warning)
         # Lock, resume checks and the saved recipe: all before any data or model work.
         self.run_dir = RunDirectory(self.output_dir, self.dims.rank)
@@ -276,10 +276,25 @@ class FinetuneRecipe:
             "trainer.grad_accum_steps, peft.rank), or spread the run over more ranks (FSDP2 shards the state)",
         )
 
+    def _learning_checks(self) -> list[str]:
+        """Refuse settings under which the run learns nothing; warnings for ones that shrink it."""
+        return learning_checks(self.optim_config, self.trainer.max_steps, self._gradient_scales())
+
     def _gradient_scales(self) -> list[tuple[float, str]]:
         """The settings that scale every gradient of the objective (:func:`learning_checks`): the model
-        norms' epsilon, LoRA's ``alpha / rank``."""
-        scales = [scale] if (scale := norm_gradient_scale(self.hf_config)) else []
+        norms' epsilon, the logit scale, LoRA's ``alpha / rank``, ``trainer.loss_divisor``."""
+        scales = [s for s in (norm_gradient_scale(self.hf_config), logit_gradient_scale(self.hf_config)) if s]
+        if self.trainer.loss_normalization == "sum":
+            # sum(l_t) / divisor: the token mean's gradient times (label tokens of the step) / divisor
+            _, row_tokens = self._length_bounds()
+            if row_tokens is not None:
+                tokens = row_tokens * self.trainer.grad_accum_steps * self.dims.dp_size
+                divisor = self.trainer.loss_divisor
+                scales.append((
+                    tokens / divisor,
+                    f"trainer.loss_divisor={divisor:g} with at most {tokens:,} label tokens a step (set it to "
+                    "about the label tokens of a global batch)",
+                ))  # fmt: skip
         if self.lora is not None:
             scales.append((
                 self.lora.alpha / self.lora.rank,

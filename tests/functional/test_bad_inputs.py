@@ -257,6 +257,18 @@ RECIPE_CASES = [
     (["model.config.rms_norm_eps=1e30"], "rms_norm_eps=1e+30 in the model config, which scales"),
     (["optim.warmup_steps=1000000000000"], "optim.warmup_steps=1000000000000 > trainer.max_steps=2"),
     (["+peft=lora", "peft.alpha=1e-30"], "peft.alpha=1e-30 / peft.rank=8"),
+    # blamed on optim.warmup_steps (20 > max_steps 2), which no value fixes; a clip blamed on optim.eps
+    (["optim.lr=1e-30"], "because of: optim.lr=1e-30 (1e-5 to 1e-3 is common)"),
+    (["optim.max_grad_norm=1e-30"], "because of: optim.max_grad_norm=1e-30, which clips every gradient"),
+    # loss ~1e-27 and grad norm 0 at every step, exit 0; and a grad norm of inf at step 1 blamed on optim.lr
+    (
+        ["trainer.loss_normalization=sum", "trainer.loss_divisor=1e30"],
+        "because of: trainer.loss_divisor=1e+30 with at most 512 label tokens a step",
+    ),
+    (
+        ["trainer.loss_normalization=sum", "trainer.loss_divisor=1e-30"],
+        "trainer.loss_divisor=1e-30 is below 1",
+    ),
     # the NaN at step 1 was blamed on optim.lr
     (["optim.weight_decay=1e9"], "optim.weight_decay=1000000000.0 with optim.lr=0.002: AdamW multiplies"),
     # model types the differential check refused, and a feature the backend lacks (supported.json)
@@ -278,6 +290,24 @@ def test_a_bad_recipe_value_fails_naming_the_field_before_any_data_work(
     with pytest.raises(ConfigError) as error:
         run(load_recipe("tiny_llama_sft", [*FAST, f"trainer.output_dir={tmp_path}", *overrides]))
     assert field in str(error.value), str(error.value)
+    assert data_work == []
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        # the divergence vanished (exit 0): the run was cross-entropy at half weight
+        (
+            ["kd.temperature=1e-30"],
+            "kd.temperature=1e-30 with kd.kd_weight=0.5: the divergence's gradient is at",
+        ),
+        (["kd.temperature=1e-30", "kd.kd_weight=1"], "because of: kd.temperature=1e-30 with kd.kd_weight=1"),
+    ],
+)
+def test_a_distillation_term_that_cannot_count_is_refused(tmp_path, data_work, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        run(load_recipe("tiny_llama_kd", [*FAST, f"trainer.output_dir={tmp_path}", "+peft=lora", "kd.teacher=base",
+                                          *overrides]))  # fmt: skip
     assert data_work == []
 
 

@@ -256,11 +256,16 @@ def test_end_of_turn_token(tiny, llama3_like_tokenizer):
 def test_a_skipped_row_and_a_long_row_together_are_reported_in_the_kept_rows_terms(tiny, tmp_path, caplog):
     """The long-sample report used the table's row indices on the kept rows' lengths: with row 2 of 4
     skipped and row 3 longer than max_length, an IndexError (index 3 out of bounds for size 3)."""
-    long_chat = {"messages": [{"role": "user", "content": "hi " * 40}, {"role": "assistant", "content": "red"}]}
+    long_chat = {
+        "messages": [{"role": "user", "content": "hi " * 40}, {"role": "assistant", "content": "red"}]
+    }
     bad = {"messages": [{"role": "bot", "content": "hi"}]}
     rows, origin = load_sft_source(write(tmp_path / "data.jsonl", [GOOD_CHAT, bad, GOOD_CHAT, long_chat]))
     with caplog.at_level(logging.INFO, logger="automodel.data"):
         out = tokenize_sft_dataset(rows, tiny, format="messages", origin=origin, on_bad_row="skip",
                                    max_length=16, long_samples="split")  # fmt: skip
-    assert "skipped 1 of 4 rows" in caplog.text and "split 1 of 3 rows (33.33%) longer than 16 tokens into 6 pieces: 88 of 106" in caplog.text
+    assert (
+        "skipped 1 of 4 rows" in caplog.text
+        and "split 1 of 3 rows (33.33%) longer than 16 tokens into 6 pieces: 88 of 106" in caplog.text
+    )
     assert all(len(r["input_ids"]) <= 16 for r in out.to_list())
