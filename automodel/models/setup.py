@@ -171,9 +171,24 @@ def model_verdict(
     """The differential check's verdict on this config (``model.verify``, cached) at the run's longest
     sample (:func:`sample_bound`) and row, else the supported table's on the type's default config,
     with a warning."""
+    sample_tokens = sample_bound(spec, config, max_sample_tokens)
     if spec.verify:
-        sample_tokens = sample_bound(spec, config, max_sample_tokens)
         return config_verdict(config, sample_tokens=sample_tokens, row_tokens=row_tokens)
+    # the table checked the type's default config on short samples: past a length field, nothing did
+    crossed = {
+        name: value
+        for name, value in length_fields(config).items()
+        if value < max(sample_tokens, row_tokens or 0)
+    }
+    if crossed:
+        listed = ", ".join(f"{name}={value}" for name, value in crossed.items())
+        raise ConfigError(
+            f"model.verify=false uses the supported table's verdict, made on a tiny {config.model_type} default "
+            f"config with short samples, but this run's samples of up to {sample_tokens} tokens"
+            + (f" in rows of {row_tokens}" if row_tokens else "")
+            + f" cross this config's length fields {listed}, which nothing checked; set model.verify=true (the "
+            "check at setup crosses each, once per config: cached)"
+        )
     logger.warning(
         "model.verify=false: this config's packed step is not checked against each sample alone; the "
         "supported table's verdict on the %s default config is used",
