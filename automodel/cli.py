@@ -9,7 +9,7 @@ import signal
 import sys
 
 from automodel.benchmarks import BENCHMARKS
-from automodel.errors import PeerLostError, UserError, WriteError
+from automodel.errors import PeerLostError, Terminated, UserError, WriteError, sigterm_raises
 
 # Writes the filesystem refuses (the user's machine, not a bug): one line naming the file where the
 # error does, with the way out, instead of a traceback.
@@ -58,20 +58,24 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     try:
-        return _dispatch(command, rest, argv, debug)
+        with sigterm_raises():  # outside the training loop too: one line, staging removed, exit 143
+            return _dispatch(command, rest, argv, debug)
     except UserError as error:  # the user's input: one line; the project's own bugs keep their traceback
         if debug:
             raise
         if _first_to_report(_one_line(error)):
             print(f"automodel {command}: {error.kind} error: {_one_line(error)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt as error:  # Ctrl-C (a second one while training): no traceback to read through
+    except (KeyboardInterrupt, Terminated) as error:  # Ctrl-C (a second one while training), or SIGTERM
         if debug:
             raise
+        signum = getattr(error, "signum", signal.SIGINT)
+        what = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
         done = f" ({error})" if str(error) else ""
-        print(f"automodel {command}: interrupted{done}; a run resumes from its newest checkpoint when the same "
-              "command runs again", file=sys.stderr)  # fmt: skip
-        return 128 + signal.SIGINT
+        again = ("a run resumes from its newest checkpoint when the same command runs again" if command == "finetune"
+                 else "run the same command again")  # fmt: skip
+        print(f"automodel {command}: {what}{done}; nothing half-written is left: {again}", file=sys.stderr)
+        return 128 + signum
     except PeerLostError as error:  # a rank froze or died: the ranks that answer name the ones that do not
         if debug:
             raise

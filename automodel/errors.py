@@ -7,7 +7,12 @@ Anything else that escapes is a bug of the project and keeps its traceback. ``AU
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import signal
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -59,3 +64,61 @@ def write_failure(
 class PeerLostError(RuntimeError):
     """A collective timed out or a peer's connection closed: a rank froze, stopped or died. The CLI
     prints it as one line naming the ranks that did not answer, and exits with code 1."""
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised wherever the process is (as Python raises KeyboardInterrupt for SIGINT) while
+    :func:`sigterm_raises` is in force: code on the way out removes its staging
+    (:func:`removed_if_interrupted`), and the CLI prints one line and exits 143. A BaseException, as
+    KeyboardInterrupt: no ``except Exception`` takes it for a failure to handle."""
+
+    signum = signal.SIGTERM
+
+
+def _raise_terminated(signum: int, frame) -> None:
+    raise Terminated()
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """Within the block, SIGTERM raises :class:`Terminated` in the main thread (where its handler was
+    the default: a signal ignored, or handled by an embedding program, is left so). The training loop
+    sets its own handler meanwhile (:class:`automodel.training.signals.StopOnSignal`); forked workers
+    get the default back (:func:`_default_sigterm_in_child`), so they die on it."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL
+    ):
+        yield
+        return
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _default_sigterm_in_child() -> None:
+    if signal.getsignal(signal.SIGTERM) is _raise_terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_default_sigterm_in_child)
+
+
+@contextlib.contextmanager
+def removed_if_interrupted(*paths: Path) -> Iterator[None]:
+    """Remove ``paths`` (staging files or directories) when the block ends on SIGTERM or Ctrl-C
+    (:class:`Terminated`, KeyboardInterrupt), then let the signal go on; a kill -9 leaves them to the
+    next writer, which removes them first."""
+    try:
+        yield
+    except (Terminated, KeyboardInterrupt):
+        for path in paths:
+            if Path(path).is_dir() and not Path(path).is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+        raise

@@ -37,6 +37,7 @@ from filelock import FileLock
 
 from automodel.data import collate, packing, planning
 from automodel.data.packing import _check_arguments, _select_split, _token_columns, pack_dataset
+from automodel.errors import removed_if_interrupted
 
 logger = logging.getLogger(__name__)
 
@@ -142,9 +143,10 @@ def cached_entry(
             start = time.perf_counter()
             staging = root / f"tmp-{name}-{os.getpid()}"
             staging.mkdir()
-            write(staging)
-            (staging / DIGEST).write_text(json.dumps({"xxh3_128": entry_digest(staging)}))
-            os.rename(staging, entry)
+            with removed_if_interrupted(staging):  # SIGTERM or Ctrl-C: no half-written entry left
+                write(staging)
+                (staging / DIGEST).write_text(json.dumps({"xxh3_128": entry_digest(staging)}))
+                os.rename(staging, entry)
             logger.info("%s: wrote %s in %.1f s", what, entry, time.perf_counter() - start)
     logger.info("%s: reading %s", what, entry)
     written = json.loads((entry / DIGEST).read_text()).get("xxh3_128")

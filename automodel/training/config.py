@@ -277,7 +277,8 @@ class TrainerConfig:
     loss_divisor: the constant of ``sum`` (e.g. the tokens a global batch holds); only with ``sum``.
     checkpoint_on_signal: on SIGTERM (a scheduler's preemption) or a first Ctrl-C, finish the
         step in flight, write a checkpoint and stop (exit code 143 or 130); a second signal stops
-        at once (:mod:`automodel.training.signals`). False: Python's default (killed at once).
+        at once (:mod:`automodel.training.signals`). False: stop at once on the first (one line, exit
+        143 or 130, no checkpoint of the step in flight).
     router_aux_scope: where a MoE class's router load-balancing loss (``output_router_logits``) takes
         its statistics: ``rank`` (each data-parallel rank's micro-batch, as the class computes it on
         its own batch; the step's term is their mean) or ``global`` (the micro-batches of all ranks

@@ -29,6 +29,7 @@ from filelock import FileLock, Timeout
 from omegaconf import DictConfig, OmegaConf
 
 from automodel.config import SECTIONS, ConfigError
+from automodel.errors import removed_if_interrupted
 from automodel.training.checkpoint import (
     META,
     Checkpointer,
@@ -144,7 +145,7 @@ def write_atomic(file: Path, text: str) -> None:
     """``file`` holds ``text`` or its previous content, never a part: written beside it, flushed to
     disk, then renamed over it (a full disk or a kill leaves the old file and a stray ``.tmp``)."""
     staging = file.with_name(file.name + ".tmp")
-    with open(staging, "w") as f:
+    with removed_if_interrupted(staging), open(staging, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
