@@ -86,6 +86,13 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"automodel {command}: {error}", file=sys.stderr)
         return 1
+    except (MemoryError, RuntimeError, ImportError) as error:  # an allocation refused, not the project's bug
+        if debug or not _out_of_memory(error):
+            raise
+        print(f"automodel {command}: out of memory: {_one_line(error)[:200]} (--debug shows the traceback); "
+              f"{_memory_limit()}lower the sizes the run needs (model, packing, trainer.grad_accum_steps) or run "
+              "where there is more memory", file=sys.stderr)  # fmt: skip
+        return 1
     except OSError as error:
         if error.errno not in WRITE_FAILURES or debug:
             raise
@@ -97,6 +104,30 @@ def main(argv: list[str] | None = None) -> int:
         print(f"automodel {command}: {where}{error.strerror} (--debug shows the traceback): {fix}, then run the "
               "same command again (a run resumes from its newest checkpoint)", file=sys.stderr)  # fmt: skip
         return 1
+
+
+_ALLOCATION_FAILED = (
+    "can't allocate memory",
+    "Cannot allocate memory",
+    "failed to map segment",
+    "out of memory",
+)
+
+
+def _out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is an allocation the machine or a limit refused (torch's allocators, a shared
+    library that could not be mapped under ``ulimit -v``, CUDA's out of memory)."""
+    return isinstance(error, MemoryError) or any(text in str(error) for text in _ALLOCATION_FAILED)
+
+
+def _memory_limit() -> str:
+    """``ulimit -v``, in words, when this process has an address-space limit."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return ""
+    return f"this process's address space is limited (ulimit -v {soft // 1024} KiB): raise the limit, or "
 
 
 def _hugging_face_cache(filename: str | None) -> str | None:

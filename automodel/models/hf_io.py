@@ -29,9 +29,11 @@ a failed write on any rank (full disk) removes it and names the path and the byt
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import logging
 import math
+import resource
 import shutil
 import struct
 from collections.abc import Callable, Iterator
@@ -105,11 +107,23 @@ def stored_tensors(path: str | Path) -> dict[str, StoredTensor]:
                     tensor = handle.get_slice(name)
                     found[name] = StoredTensor(file, tuple(tensor.get_shape()), tensor.get_dtype())
         except Exception as error:  # noqa: BLE001 - safetensors raises its own SafetensorError (not exported)
+            if isinstance(error, MemoryError) or f"os error {errno.ENOMEM}" in str(error):  # its mmap refused
+                raise ValueError(
+                    f"model.pretrained_path={str(path)!r}: {file} ({file.stat().st_size:,} bytes) could not be mapped "
+                    f"into memory ({error}): this process's memory or address space is too small for it (ulimit -v "
+                    f"is {_address_space_limit()}); raise the limit or run on a machine with more memory"
+                ) from None
             raise ValueError(
                 f"model.pretrained_path={str(path)!r}: {file} is not a readable safetensors file ({error}); it is "
                 "truncated or corrupt: copy the checkpoint again"
             ) from None
     return found
+
+
+def _address_space_limit() -> str:
+    """This process's address-space limit (``ulimit -v``), in words."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    return "unlimited" if soft == resource.RLIM_INFINITY else f"{soft // 1024:,} KiB"
 
 
 def _index_files(index: Path, path: str | Path) -> list[str]:

@@ -32,7 +32,7 @@ from automodel.host_memory import limit_heap_retention
 from automodel.models import CausalLMForTraining, build_model, export_model
 from automodel.models.expert_parallel import expert_parallel_checks
 from automodel.models.inputs import model_inputs, padding_token_id
-from automodel.models.memory import available_memory, check_memory, memory_terms, model_sizes
+from automodel.models.memory import Term, available_memory, check_memory, memory_terms, model_sizes
 from automodel.models.parallelize import apply_fsdp, clip_grad_norm_
 from automodel.models.router_aux import RouterStatistics, combined, load_balancing_loss
 from automodel.models.setup import (
@@ -257,23 +257,26 @@ class FinetuneRecipe:
     def _check_memory(self) -> None:
         """The least memory this run needs per rank (:mod:`automodel.models.memory`) against the
         machine's, from the config's sizes as given: before transformers builds anything from them."""
+        check_memory(
+            self._memory_terms(),
+            available_memory(self.dims.device),
+            "lower the sizes it names (model.config or config.json of model.pretrained_path, packing, "
+            "trainer.grad_accum_steps, peft.rank, kd.teacher's config.json), or spread the run over more ranks "
+            "(FSDP2 shards the state)",
+        )
+
+    def _memory_terms(self) -> list[Term]:
+        """The parts of :meth:`_check_memory`'s estimate: the trained model's."""
         fields = self.model_spec.config_fields()
         if fields is None:
-            return
-        row = self._length_bounds()[1]  # the longest micro-batch row, in tokens
-        terms = memory_terms(
+            return []
+        return memory_terms(
             model_sizes(fields),
             dtype_bytes=self.model_spec.torch_dtype.itemsize,
             shards=self.dims.world_size,
-            tokens=row,
+            tokens=self._length_bounds()[1],  # the longest micro-batch row, in tokens
             micro_batches=self.trainer.grad_accum_steps,
             lora=self.lora,
-        )
-        check_memory(
-            terms,
-            available_memory(self.dims.device),
-            "lower the sizes it names (model.config or config.json of model.pretrained_path, packing, "
-            "trainer.grad_accum_steps, peft.rank), or spread the run over more ranks (FSDP2 shards the state)",
         )
 
     def _learning_checks(self) -> list[str]:

@@ -38,6 +38,7 @@ from automodel.data.sft import load_tokenizer
 from automodel.errors import ModelError
 from automodel.loss import DIVERGENCES, TeacherHead
 from automodel.models import CausalLMForTraining, build_model
+from automodel.models.memory import Term, frozen_model_terms, model_sizes
 from automodel.models.parallelize import apply_fsdp
 from automodel.models.setup import checkpoint_checks, config_checks
 from automodel.models.spec import ModelSpec
@@ -196,6 +197,28 @@ class KDRecipe(FinetuneRecipe):
             )
         self.teacher_spec = (
             None if self.kd.teacher == BASE else teacher_spec(self.model_spec, self.kd.teacher)
+        )
+
+    def _memory_terms(self) -> list[Term]:
+        """The student's parts and the teacher's weights (frozen: no gradient or optimizer state)."""
+        terms = super()._memory_terms()
+        if self.teacher_spec is None:
+            return terms
+        with _teacher_error(self.kd.teacher):
+            fields = self.teacher_spec.config_fields()
+        if fields is None:
+            return terms
+        shards = self.dims.world_size if self.kd.shard_teacher else 1
+        return terms + frozen_model_terms(
+            model_sizes(fields),
+            dtype_bytes=self.teacher_spec.torch_dtype.itemsize,
+            shards=shards,
+            who=f"the teacher kd.teacher={self.kd.teacher!r}"
+            + (
+                " (kd.shard_teacher=false: a full copy per rank)"
+                if shards == 1 and self.dims.world_size > 1
+                else ""
+            ),
         )
 
     def _gradient_scales(self) -> list[tuple[float, str]]:

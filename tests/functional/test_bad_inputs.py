@@ -311,6 +311,22 @@ def test_a_distillation_term_that_cannot_count_is_refused(tmp_path, data_work, o
     assert data_work == []
 
 
+def test_a_teacher_no_machine_holds_is_named_at_setup(tmp_path, data_work):
+    """Was "truncated or corrupt: copy the checkpoint again" when its weights could not be mapped."""
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    fields = dict(load_recipe("tiny_llama_sft").model.config)
+    (teacher / "config.json").write_text(json.dumps({**fields, "intermediate_size": 10**12}))
+    with pytest.raises(ConfigError, match=rf"the largest part: the teacher kd.teacher='{teacher}': "
+                       r"[\d,]+ parameters \(.*intermediate_size=1000000000000"):  # fmt: skip
+        run(
+            load_recipe(
+                "tiny_llama_kd", [*FAST, f"trainer.output_dir={tmp_path / 'run'}", f"kd.teacher={teacher}"]
+            )
+        )
+    assert data_work == []
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -1435,3 +1451,19 @@ def test_a_frozen_rank_is_named_by_the_ranks_that_answer(tmp_path):
         output,
     ), output[-4000:]
     assert "Traceback" not in output, output[-4000:]
+
+
+def test_an_address_space_limit_far_below_the_run_is_one_line(tmp_path):
+    """Under ulimit -v of 1 GB the run ended in a traceback (or SIGABRT, no message)."""
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_AS, (10**9, resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+    result = subprocess.run(
+        [sys.executable, "-m", "automodel", "finetune", "tiny_llama_sft", *FAST, f"trainer.output_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=300, preexec_fn=limited,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "automodel finetune: out of memory: " in result.stderr, result.stderr[-3000:]
+    assert "(ulimit -v 976562 KiB): raise the limit" in result.stderr and "Traceback" not in result.stderr
