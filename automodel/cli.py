@@ -3,25 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import errno
 import os
 import signal
 import sys
+from pathlib import Path
 
 from automodel.benchmarks import BENCHMARKS
-from automodel.errors import PeerLostError, Terminated, UserError, WriteError, sigterm_raises
+from automodel.errors import PeerLostError, Terminated, UserError, WriteError, refused_write, sigterm_raises
 
 # Writes the filesystem refuses (the user's machine, not a bug): one line naming the file where the
-# error does, with the way out, instead of a traceback.
-_MOVE = "or point trainer.output_dir (and packing.cache_dir) elsewhere"
-WRITE_FAILURES = {
-    errno.ENOSPC: f"free space {_MOVE}",
-    errno.EDQUOT: f"free space under your quota {_MOVE}",
-    errno.EFBIG: "raise the file size limit (ulimit -f)",
-    errno.EROFS: f"the filesystem is read-only: {_MOVE}",
-    errno.EACCES: f"fix its permissions {_MOVE}",
-    errno.EPERM: f"fix its permissions {_MOVE}",
-}
+# error does, with the way out (automodel.errors.WRITE_FIXES), instead of a traceback.
+RUN_OUTPUTS = "trainer.output_dir (and packing.cache_dir)"
 
 USAGE = """automodel <command> [...]    (automodel --version; --debug: tracebacks of input errors)
 
@@ -94,10 +86,10 @@ def main(argv: list[str] | None = None) -> int:
               "where there is more memory", file=sys.stderr)  # fmt: skip
         return 1
     except OSError as error:
-        if error.errno not in WRITE_FAILURES or debug:
+        fix = refused_write(error, RUN_OUTPUTS)
+        if fix is None or debug:
             raise
         where = f"{error.filename}: " if error.filename else ""
-        fix = WRITE_FAILURES[error.errno]
         cache = _hugging_face_cache(error.filename)
         if cache is not None:  # datasets' or the hub's cache, not the run's directory
             fix = f"the Hugging Face cache {cache} is not writable: set HF_HOME (or HF_DATASETS_CACHE) to a writable directory"
@@ -364,6 +356,14 @@ def _tokenize(argv: list[str]) -> int:
                                    num_proc=args.num_proc)  # fmt: skip
     except ValueError as error:
         raise DataError(str(error)) from None
+    except OSError as error:  # a full disk under OUTPUT is OUTPUT's, not a run's trainer.output_dir
+        output = Path(args.output).expanduser().absolute()
+        fix = refused_write(error, "OUTPUT", under=output.parent)
+        if fix is None:
+            raise
+        named = f": {error.filename}" if error.filename else ""
+        raise WriteError(f"could not write the token file {output} ({error.strerror}{named}): {fix}, then run the "
+                         "same command again") from None  # fmt: skip
     meta = written.meta
     print(f"{written.path}: {meta['documents']:,} documents, {meta['tokens']:,} tokens ({meta['dtype']}) "
           f"from {len(meta['sources'])} file(s)")  # fmt: skip

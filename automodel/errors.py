@@ -8,6 +8,7 @@ Anything else that escapes is a bug of the project and keeps its traceback. ``AU
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import signal
@@ -39,6 +40,32 @@ class ModelError(ConfigError):
     a ConfigError too, as the model section of the recipe names it."""
 
     kind = "model"
+
+
+# A write the filesystem refused, by errno: what to do, ``{where}`` the setting that moves the write.
+WRITE_FIXES = {
+    errno.ENOSPC: "free space or point {where} elsewhere",
+    errno.EDQUOT: "free space under your quota or point {where} elsewhere",
+    errno.EFBIG: "raise the file size limit (ulimit -f)",
+    errno.EROFS: "the filesystem is read-only: point {where} elsewhere",
+    errno.EACCES: "fix its permissions or point {where} elsewhere",
+    errno.EPERM: "fix its permissions or point {where} elsewhere",
+}
+
+
+def refused_write(error: BaseException, where: str, under: Path | None = None) -> str | None:
+    """The fix for ``error`` when it is a write the filesystem refused (:data:`WRITE_FIXES`) to a file
+    under ``under`` (or to an unnamed file: a write to an open file names none), ``where`` the setting
+    that moves it; None otherwise."""
+    if not isinstance(error, OSError) or error.errno not in WRITE_FIXES:
+        return None
+    if (
+        under is not None
+        and error.filename
+        and not Path(error.filename).resolve().is_relative_to(under.resolve())
+    ):
+        return None
+    return WRITE_FIXES[error.errno].format(where=where)
 
 
 class WriteError(OSError):
@@ -108,13 +135,13 @@ if hasattr(os, "register_at_fork"):
 
 
 @contextlib.contextmanager
-def removed_if_interrupted(*paths: Path) -> Iterator[None]:
+def removed_if_interrupted(*paths: Path, failures: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
     """Remove ``paths`` (staging files or directories) when the block ends on SIGTERM or Ctrl-C
-    (:class:`Terminated`, KeyboardInterrupt), then let the signal go on; a kill -9 leaves them to the
-    next writer, which removes them first."""
+    (:class:`Terminated`, KeyboardInterrupt), or one of ``failures``, then let it go on; a kill -9
+    leaves them to the next writer, which removes them first."""
     try:
         yield
-    except (Terminated, KeyboardInterrupt):
+    except (Terminated, KeyboardInterrupt, *failures):
         for path in paths:
             if Path(path).is_dir() and not Path(path).is_symlink():
                 shutil.rmtree(path, ignore_errors=True)

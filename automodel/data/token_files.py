@@ -184,7 +184,7 @@ def write_token_file(
     staging = output.with_name(f"{output.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    with removed_if_interrupted(staging):  # SIGTERM or Ctrl-C: no half-written token file left
+    with removed_if_interrupted(staging, failures=(OSError,)):  # no half-written token file left
         dtype = np.dtype("<u2") if len(tokenizer) <= 1 << 16 else np.dtype("<u4")
         tokens_digest, offsets_digest = xxhash.xxh3_128(), xxhash.xxh3_128()
         count, documents = 0, 0

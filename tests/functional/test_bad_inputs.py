@@ -1138,12 +1138,54 @@ def test_a_write_the_filesystem_refuses_mid_run_is_one_line_with_the_way_out(tmp
         signal.signal(signal.SIGXFSZ, previous)
     err = capsys.readouterr().err
     assert code == 1
-    assert (
-        "automodel finetune: File too large (--debug shows the traceback): raise the file size limit (ulimit -f), "
-        "then run the same command again" in err
+    # the pack cache's entry named (was "File too large" alone)
+    assert re.search(
+        rf"automodel finetune: could not write the pack cache entry {tmp_path / 'cache'}/packed-\w+ \(File too "
+        r"large\): raise the file size limit \(ulimit -f\), then run the same command again",
+        err,
     ), err
+    assert not list((tmp_path / "cache").glob("tmp-*"))
     assert "Traceback" not in err
     assert not list((tmp_path / "run").glob("checkpoints/*"))
+
+
+@pytest.mark.parametrize("where", ["token cache", "tokenize"])
+def test_a_refused_write_under_a_token_cache_or_output_names_that_not_the_output_dir(tmp_path, capsys, where):
+    """A file size limit (as a full disk would) under data.cache_dir, or under automodel tokenize's
+    OUTPUT: was 'free space or point trainer.output_dir (and packing.cache_dir) elsewhere'."""
+    from automodel.cli import main
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"document {i} " + "hello world " * 30 + "\n\n" for i in range(2000)))
+    command = (
+        ["finetune", "tiny_llama_pretrain", "trainer.max_steps=1", "trainer.progress_bar=false",
+         "trainer.export_hf=false", f"trainer.output_dir={tmp_path / 'run'}", f"data.source={corpus}",
+         f"data.cache_dir={tmp_path / 'tokens'}", "data.num_proc=null"]
+        if where == "token cache"
+        else ["tokenize", str(corpus), str(tmp_path / "out.tokens")]
+    )  # fmt: skip
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(
+        resource.RLIMIT_FSIZE, (60_000, limits[1])
+    )  # the run files fit; the token file does not
+    try:
+        code = main(command)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, previous)
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err and "trainer.output_dir" not in err, err
+    if where == "token cache":
+        assert f"could not write the token cache entry {tmp_path / 'tokens'}" in err, err
+        assert not list((tmp_path / "tokens").glob("tmp-*"))
+    else:
+        assert (
+            f"automodel tokenize: could not write the token file {tmp_path / 'out.tokens'} (File too large)"
+            in err
+        )
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt"]
+    assert "raise the file size limit (ulimit -f), then run the same command again" in err, err
 
 
 TOKENIZE_FOR_A_WHILE = """
