@@ -538,7 +538,7 @@ def _drop_and_report(
         logger.warning("dropped %s with no token to learn (%s)", share(unlearnable, len(learned)), reason)
     keep = learned > 0
     if not keep.any():
-        raise ValueError(f"none of the {total} rows has a token to learn (malformed, or nothing to learn)")
+        raise ValueError(_nothing_to_learn(bad, learnable, rows, max_length, origin))
     logger.info("tokenized %d samples, %d tokens to learn", int(keep.sum()), int(learned[keep].sum()))
     pieces = dataclasses.replace(pieces, rows=pieces.rows[keep], starts=pieces.starts[keep],
                                  lengths=pieces.lengths[keep])  # fmt: skip
@@ -551,6 +551,34 @@ def _drop_and_report(
     schema = tokenized.features.arrow_schema
     cut = cut_rows(table, columns, pieces).cast(pa.schema([schema.field(name) for name in columns]))
     return datasets.Dataset(InMemoryTable(cut))
+
+
+def _nothing_to_learn(
+    bad: list[str], learnable_N: np.ndarray, rows: np.ndarray, max_length: int | None, origin: RowOrigin
+) -> str:
+    """Why no row has a token to learn, by kind, each with its first row and the setting or field to
+    change: malformed rows (skipped), rows that mark no token to learn, rows whose learned tokens all
+    lie past ``max_length``."""
+    kinds = []
+    malformed = [i for i, reason in enumerate(bad) if reason]
+    if malformed:
+        kinds.append(
+            f"{len(malformed)} malformed and skipped (data.on_bad_row=skip), first {origin(malformed[0])}"
+        )
+    unmarked = [int(i) for i in rows if learnable_N[i] == 0]
+    if unmarked:
+        kinds.append(
+            f"{len(unmarked)} mark no token to learn, first {origin(unmarked[0])} (every assistant turn with "
+            "train: false or weight: 0, data.assistant_turns or data.reasoning masking them, no assistant turn, "
+            "or an empty completion): mark a turn to learn"
+        )
+    past = len(rows) - len(unmarked)
+    if past:
+        first = next(int(i) for i in rows if learnable_N[i] > 0)
+        kinds.append(
+            f"{past} learn only tokens past data.max_length={max_length}, first {origin(first)}: raise data.max_length"
+        )
+    return f"none of the {len(bad)} rows has a token to learn: " + "; ".join(kinds)
 
 
 # -- parsing: one row of fields -> the values the encoder needs, or BadRow ------------------------------

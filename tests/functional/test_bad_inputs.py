@@ -832,6 +832,25 @@ def test_damaged_or_edited_run_files_are_named_with_the_way_out(tmp_path):
         run(load_recipe("tiny_llama_sft", more_steps))
 
 
+def test_a_damaged_checkpoint_of_this_run_is_not_called_another_runs(tmp_path, data_work):
+    """Was "holds the checkpoints ['step_00000002'] of another run ...; set trainer.overwrite=true to delete
+    that run's outputs": the way out deleted the run's own checkpoint."""
+    recipe = [*FAST, f"trainer.output_dir={tmp_path}", "trainer.checkpoint_every=2"]
+    run(load_recipe("tiny_llama_sft", recipe))
+    meta = tmp_path / "checkpoints" / "step_00000002" / "meta.json"
+    meta.write_text(meta.read_text()[:40])  # cut, as a full disk would
+    data_work.clear()
+    with pytest.raises(ConfigError) as error:
+        run(load_recipe("tiny_llama_sft", recipe))
+    message = str(error.value)
+    run_id = json.loads((tmp_path / "run.json").read_text())["run_id"]
+    assert (
+        f"holds checkpoints of this run (run.json's id {run_id}) that cannot be resumed from (step_00000002: "
+        in message
+    )
+    assert "another run" not in message and "overwrite" not in message and data_work == []
+
+
 def test_run_files_are_written_whole_or_not_at_all(tmp_path):
     """write_atomic: a write that fails part-way leaves the previous content, not a cut file."""
     from automodel.training.run_dir import write_atomic

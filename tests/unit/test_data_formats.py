@@ -269,3 +269,22 @@ def test_a_skipped_row_and_a_long_row_together_are_reported_in_the_kept_rows_ter
         and "split 1 of 3 rows (33.33%) longer than 16 tokens into 6 pieces: 88 of 106" in caplog.text
     )
     assert all(len(r["input_ids"]) <= 16 for r in out.to_list())
+
+
+def test_rows_with_nothing_to_learn_name_the_file_row_and_the_setting(tiny, tmp_path):
+    """Was "none of the 4 rows has a token to learn (malformed, or nothing to learn)": no file, no field."""
+    silent = {
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "red", "train": False},
+        ]
+    }
+    rows, origin = load_sft_source(write(tmp_path / "chat.jsonl", [silent] * 4))
+    with pytest.raises(ValueError, match=rf"none of the 4 rows has a token to learn: 4 mark no token to learn, "
+                       rf"first {re.escape(str(tmp_path / 'chat.jsonl'))} line 1 \(every assistant turn with train: "
+                       r"false"):  # fmt: skip
+        tokenize_sft_dataset(rows, tiny, format="messages", origin=origin)
+    rows, origin = load_sft_source(write(tmp_path / "pc.jsonl", [{"prompt": "hi", "completion": " red"}] * 3))
+    with pytest.raises(ValueError, match=r"3 learn only tokens past data.max_length=1, first .*pc.jsonl line 1: "
+                       r"raise data.max_length"):  # fmt: skip
+        tokenize_sft_dataset(rows, tiny, format="prompt_completion", origin=origin, max_length=1)
