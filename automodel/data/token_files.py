@@ -49,14 +49,23 @@ STREAMED_EXTENSIONS = (".txt", ".jsonl", ".parquet")
 
 
 def is_token_file(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a token-file directory (it holds ``meta.json`` of this format)."""
-    meta = Path(path).expanduser() / META
-    if not meta.is_file():
-        return False
+    """Whether ``path`` is a token-file directory (it holds ``meta.json`` of this format); ValueError
+    naming it when it holds a token file's data (``tokens.bin``, ``offsets.bin``) but its ``meta.json``
+    is missing or not this format's (it was read as a directory of text files)."""
+    directory = Path(path).expanduser()
+    meta = directory / META
     try:
-        return json.loads(meta.read_text()).get("format") == FORMAT
-    except (ValueError, AttributeError):
-        return False
+        found = json.loads(meta.read_text()).get("format") == FORMAT if meta.is_file() else False
+    except (OSError, ValueError, AttributeError):
+        found = False
+    data = [name for name in (TOKENS, OFFSETS) if (directory / name).is_file()]
+    if not found and data:
+        state = "is not a token file's meta.json" if meta.is_file() else "is missing"
+        raise ValueError(
+            f"{directory} holds a token file's {' and '.join(data)} but its {META} {state}: restore {META} from a "
+            "copy, or write the token file again (automodel tokenize SOURCE OUTPUT)"
+        )
+    return found
 
 
 def tokenizer_digest(tokenizer: PreTrainedTokenizerBase) -> str:
