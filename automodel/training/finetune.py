@@ -11,6 +11,7 @@ import contextlib
 import functools
 import logging
 import math
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -107,6 +108,7 @@ class FinetuneRecipe:
         run_id, resume_from = self.run_dir.prepare(
             self.cfg, self.trainer, self.dims.world_size, self.dims.dp_size
         )
+        self._resume_step = resume_from.step if resume_from else 0
         logger.info(
             "%s %s: %d steps, world %d = dp %d x cp %d%s on %s; full config in %s",
             "resuming" if resume_from else "run",
@@ -204,6 +206,59 @@ class FinetuneRecipe:
     def _build_trained_model(self) -> None:
         with _as_user_error(ModelError, (ValueError, OSError)):
             self.model = self._build_model()
+        self._check_free_space()
+
+    def _check_free_space(self) -> None:
+        """ConfigError on every rank when ``trainer.output_dir``'s disk cannot hold what the run will
+        write there at once (its sizes are known once the model is built, before the data work): the
+        checkpoints kept plus the one being written (model state and AdamW's two moments) and the
+        export. A full disk was found at the first checkpoint or the export, after the training."""
+        problem = [None]
+        if self.dims.is_main:
+            problem[0] = self._free_space_problem()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(problem, src=0)
+        if problem[0] is not None:
+            raise ConfigError(problem[0])
+
+    def _free_space_problem(self) -> str | None:
+        parameters = list(self.model.parameters())
+        state = sum(
+            t.numel() * t.element_size() for t in self.model.state_dict().values()
+        )  # as DCP: tied twice
+        moments = sum(2 * p.numel() * p.element_size() for p in parameters if p.requires_grad)
+        checkpoint = state + moments
+        last, every, start = (
+            self.trainer.stop_at_step or self.trainer.max_steps,
+            self.trainer.checkpoint_every,
+            self._resume_step,
+        )
+        writes = sum(1 for s in range(start + 1, last + 1) if (every and s % every == 0) or s == last)
+        kept = len(list((self.output_dir / "checkpoints").glob("step_????????")))  # on disk already
+        at_once = max(1, min(self.trainer.keep_last + 1, kept + writes) - kept)
+        export = 0
+        if self.trainer.export_hf and last == self.trainer.max_steps:
+            dtype, _ = self.model_spec.export_torch_dtype(self.hf_config)
+            adapters_only = self.lora is not None and not self.lora.export_merged
+            export = sum(
+                p.numel() * (p.element_size() if adapters_only else dtype.itemsize)
+                for name, p in self.model.named_parameters()
+                if (".lora_" in name) == adapters_only
+            )
+        needed = at_once * checkpoint + export
+        where = next(p for p in (self.output_dir, *self.output_dir.parents) if p.exists())
+        free = shutil.disk_usage(where).free
+        if needed <= free:
+            return None
+        gib = lambda n: f"{n / 2**30:.3g} GiB"  # noqa: E731
+        return (
+            f"trainer.output_dir={str(self.output_dir)!r} has {gib(free)} free, and this run writes up to "
+            f"{gib(needed)} there: {at_once} checkpoint(s) of {gib(checkpoint)} at once (trainer.keep_last="
+            f"{self.trainer.keep_last} and the one being written)"
+            + (f" and an export of {gib(export)}" if export else "")
+            + "; free space, point trainer.output_dir at a larger disk, or lower trainer.keep_last"
+            + (" or set trainer.export_hf=false" if export else "")
+        )
 
     def _check_model_config(self) -> None:
         """Before anything is written: the model config, and the differential check on it

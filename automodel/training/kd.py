@@ -270,8 +270,10 @@ class KDRecipe(FinetuneRecipe):
             check_same_tokenizer(self.tokenizer, teacher_tokenizer, str(self.data.tokenizer))
             checkpoint_checks(self.teacher_spec, self.teacher_config, vocab_needed=len(self.tokenizer))
 
-    def setup(self) -> None:
-        super().setup()
+    def _build_trained_model(self) -> None:
+        """The student, then the teacher: both before the data work (a NaN in the teacher's weights was
+        found after tokenizing and packing)."""
+        super()._build_trained_model()
         self.teacher = None
         if self.teacher_spec is None:
             logger.info("KD teacher: the student's base, LoRA adapters disabled (no copy of the weights)")

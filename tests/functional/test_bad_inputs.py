@@ -311,6 +311,18 @@ def test_a_distillation_term_that_cannot_count_is_refused(tmp_path, data_work, o
     assert data_work == []
 
 
+def test_a_nan_in_the_teachers_weights_is_named_before_any_data_work(tmp_path, data_work):
+    """The student's NaN was found before tokenizing and packing, the teacher's after."""
+    teacher = _checkpoint_dir(tmp_path, "nan")
+    for file in TINY_TOKENIZER_DIR.iterdir():
+        shutil.copy(file, teacher)
+    with pytest.raises(ConfigError, match=rf"kd.teacher='{teacher}' \(the teacher\): .*"
+                       r"model.layers.1.mlp.down_proj.weight.*NaN"):  # fmt: skip
+        run(load_recipe("tiny_llama_kd", [*FAST, f"trainer.output_dir={tmp_path / 'run'}", f"kd.teacher={teacher}",
+                                          "data.tokenizer=tiny"]))  # fmt: skip
+    assert data_work == []
+
+
 def test_a_teacher_no_machine_holds_is_named_at_setup(tmp_path, data_work):
     """Was "truncated or corrupt: copy the checkpoint again" when its weights could not be mapped."""
     teacher = tmp_path / "teacher"
@@ -1131,6 +1143,33 @@ def test_a_full_disk_during_the_export_is_one_line_with_the_bytes_and_the_way_ou
     assert re.search(r"it needs about [\d,]+ bytes and [\d,]+ are free there", err), err
     assert "run the same command again" in err and "Traceback" not in err
     assert not (tmp_path / "run" / "hf").exists() and not (tmp_path / "run" / "hf.tmp").exists()
+
+
+def test_a_disk_too_small_for_the_checkpoints_and_export_is_named_before_any_data_work(
+    tmp_path, monkeypatch, data_work
+):
+    """A full disk was found at the first checkpoint or at the export, after the training. The tiny
+    Llama's float32 parameters: a checkpoint holds them (the tied head a second time, as DCP writes it)
+    and AdamW's two moments; its real size is 10,832,270 bytes with the RNG states and metadata."""
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(
+        shutil, "disk_usage", lambda path: usage._replace(free=10**6)
+    )  # a disk with 1 MB free
+    with pytest.raises(ConfigError) as error:
+        run(
+            load_recipe(
+                "tiny_llama_sft", [*FAST, f"trainer.output_dir={tmp_path / 'run'}", "trainer.export_hf=true"]
+            )
+        )
+    parameters = 851_968 + 9 * 128  # the embeddings (tied), layers and the norms of hidden_size 128
+    checkpoint, export = 3 * 4 * parameters + 4 * 512 * 128, 4 * parameters
+    assert str(error.value) == (
+        f"trainer.output_dir='{tmp_path / 'run'}' has 0.000931 GiB free, and this run writes up to "
+        f"{(checkpoint + export) / 2**30:.3g} GiB there: 1 checkpoint(s) of {checkpoint / 2**30:.3g} GiB at once "
+        f"(trainer.keep_last=2 and the one being written) and an export of {export / 2**30:.3g} GiB; free space, "
+        "point trainer.output_dir at a larger disk, or lower trainer.keep_last or set trainer.export_hf=false"
+    )
+    assert data_work == []
 
 
 def test_a_write_the_filesystem_refuses_mid_run_is_one_line_with_the_way_out(tmp_path, capsys):
