@@ -65,7 +65,7 @@ from automodel.data.chat import (
     template_facts,
 )
 from automodel.data.long_samples import check_long_samples, cut_rows, piece_sums, plan_pieces, report
-from automodel.data.sources import RAW_ROW_COLUMN, RowOrigin
+from automodel.data.sources import RAW_ROW_COLUMN, RowOrigin, lone_surrogate
 from automodel.data.workers import forked_workers
 from automodel.errors import DataError
 from automodel.loss import CROSS_ENTROPY_IGNORE_INDEX
@@ -133,6 +133,11 @@ def load_tokenizer(
     if not isinstance(path_or_name, (str, os.PathLike)):
         raise ValueError(f"path_or_name must be a path or a name, got {type(path_or_name).__name__}")
     name = os.fspath(path_or_name)
+    if not name.strip():  # Path('') is '.': the current directory, read as a tokenizer directory
+        raise ValueError(
+            f"data.tokenizer={name!r} is empty: name a tokenizer directory, a hub id in the local cache or tiny, or "
+            "null for the checkpoint's own"
+        )
     path = BUILTIN_TOKENIZERS.get(name, Path(name).expanduser())
     if path.is_file():
         raise ValueError(f"tokenizer path {name!r} is a file; pass the directory that holds tokenizer.json")
@@ -444,6 +449,7 @@ def _encode_batch(
                 if whole is None:
                     raise BadRow(fields[0], f"the row is not a JSON object: {json.loads(raw)!r:.60}")
                 named = {field: whole.get(columns.get(field, field)) for field in fields}
+            _refuse_lone_surrogates(named)
             value = _PARSERS[format](named, tokenizer)
             if chat:
                 rendered[index] = render_chat(value, tokenizer, facts, fields[0])
@@ -494,6 +500,16 @@ def _tokenized(rendered: dict[int, RenderedChat], tokenizer: PreTrainedTokenizer
             chunk, encoded["input_ids"], encoded["offset_mapping"], strict=True
         ):
             yield index, conversation, ids, offsets
+
+
+def _refuse_lone_surrogates(named: dict[str, Any]) -> None:
+    """BadRow for a text holding a lone surrogate (:func:`~automodel.data.sources.lone_surrogate`): the
+    JSON loader kept its row whole, and no tokenizer encodes it (was UnicodeEncodeError, no file or line)."""
+    for field, value in named.items():
+        found = lone_surrogate(value)
+        if found is not None:
+            raise BadRow(field, f"holds a lone surrogate {found.group()!r}, which is not Unicode text (an unpaired "
+                         "\\ud8xx escape in the JSON); fix or remove it")  # fmt: skip
 
 
 def _json_object(text: str) -> dict | None:

@@ -245,7 +245,7 @@ RECIPE_CASES = [
     ),
     (
         ["+model.config.dtype=float8_bogus"],
-        "model.config: AttributeError: module 'torch' has no attribute 'float8_bogus'; fix",
+        "dtype='float8_bogus' in model.config is not a torch dtype; write one such as 'bfloat16'",
     ),
     (
         ["parallel.timeout_minutes=1e30"],
@@ -257,6 +257,18 @@ RECIPE_CASES = [
     (["model.config.rms_norm_eps=1e30"], "rms_norm_eps=1e+30 in the model config, which scales"),
     (["optim.warmup_steps=1000000000000"], "optim.warmup_steps=1000000000000 > trainer.max_steps=2"),
     (["+peft=lora", "peft.alpha=1e-30"], "peft.alpha=1e-30 / peft.rank=8"),
+    # opaque before: Hydra's "cannot read '3' unquoted" for a key's non-ASCII letter, a TypeError of dict(),
+    # datasets' "Unrecognized instruction format", '' read as the current directory, "Error merging override"
+    (
+        ["trainér.max_steps=3"],
+        "unknown key 'trainér.max_steps' (no 'trainér' in the recipe); did you mean 'trainer'?",
+    ),
+    (
+        ["data.columns=[prompt,completion]"],
+        "data.columns=['prompt', 'completion'] for source 'tiny_sft': a mapping",
+    ),
+    (["data.split='train[:abc]'"], "data.split='train[:abc]': not a split"),
+    (["data.tokenizer=''"], "data.tokenizer='' is empty: name a tokenizer directory"),
     # blamed on optim.warmup_steps (20 > max_steps 2), which no value fixes; a clip blamed on optim.eps
     (["optim.lr=1e-30"], "because of: optim.lr=1e-30 (1e-5 to 1e-3 is common)"),
     (["optim.max_grad_norm=1e-30"], "because of: optim.max_grad_norm=1e-30, which clips every gradient"),
@@ -470,6 +482,12 @@ FILE_CASES = {
         "['model.layers.0.self_attn.q_norm.weight']"),
     "packing.cache_dir that is a file": (
         lambda t: [f"packing.cache_dir={_file(t / 'cache', b'')}"], "packing.cache_dir='"),
+    # torch's AttributeError at the build; "point it at a local Hugging Face checkpoint directory" for one that is
+    "dtype float8_bogus in config.json": (lambda t: _checkpoint(t, "good", dtype="float8_bogus"),
+                                          "dtype='float8_bogus' in config.json of model.pretrained_path="),
+    "a string hidden_size in config.json": (
+        lambda t: _checkpoint(t, "good", hidden_size="128"),
+        "expected int, got str (value: '128')); write it as that type (128 for an int, 1.0 for a float) in "),
     # trained as Gemma (step-1 loss 6.0630, not 5.7807): Llama's names and shapes, another norm and embedding scale
     "model_type gemma over Llama weights": (
         lambda t: _checkpoint(t, "good", model_type="gemma"),
@@ -486,6 +504,30 @@ def test_a_bad_file_fails_naming_it_before_any_data_work(tmp_path, data_work, ca
         run(load_recipe("tiny_llama_sft", [*FAST, f"trainer.output_dir={tmp_path / 'run'}", *overrides]))
     assert named in str(error.value), str(error.value)
     assert data_work == []
+
+
+def test_a_recipe_including_itself_and_dpo_with_single_sample_packing_are_one_line(tmp_path):
+    """Were Python's RecursionError, and "unknown key 'packing.pairs_per_micro_batch'"."""
+    (tmp_path / "loop.yaml").write_text("defaults:\n  - loop\n  - _self_\n")
+    with pytest.raises(ConfigError, match=r"recipe loop.yaml: its defaults list includes itself"):
+        load_recipe(str(tmp_path / "loop.yaml"))
+    with pytest.raises(
+        ConfigError, match="the dpo objective trains on preference pairs, which packing=preference"
+    ):
+        load_recipe("tiny_llama_dpo", ["packing=bfd"])
+    with pytest.raises(ConfigError, match=r"override 'data.sources=\{a: \{source: tiny_sft\}\}': data.sources is a "
+                       r"list in the recipe \(its first entry \{"):  # was Hydra's "Error merging override"  # fmt: skip
+        load_recipe(
+            "tiny_llama_sft", ["data=mix", "data.tokenizer=tiny", "data.sources={a: {source: tiny_sft}}"]
+        )
+
+
+def test_a_header_only_csv_is_named_as_such(tmp_path):
+    """Was 'cannot be read as csv (Instruction "train" corresponds to no data!)'."""
+    (tmp_path / "data.csv").write_text("prompt,completion\n")
+    with pytest.raises(DataError, match=rf"^{tmp_path / 'data.csv'} holds no row \(only its header"):
+        run(load_recipe("tiny_llama_sft", [*FAST, f"trainer.output_dir={tmp_path / 'run'}",
+                                           f"data.source={tmp_path / 'data.csv'}"]))  # fmt: skip
 
 
 def test_a_recipe_path_must_be_a_yaml_file(tmp_path):
@@ -539,6 +581,8 @@ def _collated(**change) -> dict:
 CU = torch.tensor([0, 4, 8], dtype=torch.int32)
 FUNCTION_CASES = [
     # (call, error class, field named)
+    # a dict (one row) was iterated as rows: "row 0 lacks seq_lens but row 3 has them"
+    (lambda: packed_sequence_thd_collater(_pack()), TypeError, "takes a list of rows (dicts), got a dict"),
     (lambda: pack_dataset(_rows(3, 4), "train", 0), ValueError, "packed_sequence_size"),
     (lambda: pack_dataset(_rows(3, 4), "train", 8, cp_size=0), ValueError, "cp_size"),
     (lambda: pack_dataset(_rows(3, 4), "train", 10, cp_size=2), ValueError, "packed_sequence_size"),

@@ -288,3 +288,15 @@ def test_rows_with_nothing_to_learn_name_the_file_row_and_the_setting(tiny, tmp_
     with pytest.raises(ValueError, match=r"3 learn only tokens past data.max_length=1, first .*pc.jsonl line 1: "
                        r"raise data.max_length"):  # fmt: skip
         tokenize_sft_dataset(rows, tiny, format="prompt_completion", origin=origin, max_length=1)
+
+
+def test_a_lone_surrogate_in_a_json_row_costs_that_row_named_by_its_line(tiny, tmp_path):
+    """Was a UnicodeEncodeError from Arrow, naming neither file nor line."""
+    file = tmp_path / "data.jsonl"
+    file.write_text('{"prompt": "a", "completion": " b"}\n{"prompt": "\\ud800x", "completion": " c"}\n')
+    rows, origin = load_sft_source(str(file))
+    with pytest.raises(ValueError, match=r"data\.jsonl line 2: field 'prompt' \(column 'prompt'\): holds a lone "
+                       r"surrogate '\\ud800', which is not Unicode text"):  # fmt: skip
+        tokenize_sft_dataset(rows, tiny, format="prompt_completion", origin=origin)
+    out = tokenize_sft_dataset(rows, tiny, format="prompt_completion", origin=origin, on_bad_row="skip")
+    assert len(out) == 1
