@@ -159,9 +159,17 @@ def check_buildable(spec: ModelSpec, config: PretrainedConfig) -> None:
                 "causal-LM class in transformers (AutoModelForCausalLM builds none for it); train a checkpoint of "
                 "a type `automodel families` lists"
             ) from None
+        # a KeyError quotes a value, not its field (hidden_act: gelu_foo -> KeyError: 'gelu_foo'): the field named
+        key = error.args[0] if isinstance(error, KeyError) and error.args else None
+        fields = [
+            f"{name}={value!r}"
+            for name, value in config.to_dict().items()
+            if key is not None and value == key
+        ]
+        fix = f"fix {' or '.join(fields)}" if fields else "fix the field it names"
         raise ConfigError(
             f"transformers cannot build model_type {config.model_type!r} from this config (model.config, or "
-            f"config.json of model.pretrained_path): {one_line(error)}; fix the field it names"
+            f"config.json of model.pretrained_path): {one_line(error)}; {fix}"
         ) from None
 
 
