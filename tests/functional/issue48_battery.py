@@ -297,7 +297,8 @@ def corrupt_data_state(tree: Path, work: Path) -> Outcome:
     first = finetune("trainer.max_steps=2")(tree, work)
     if first.code != 0:
         return first
-    (work / "run" / "checkpoints" / "step_00000002" / "data.json").write_text("{cut")
+    data = work / "run" / "checkpoints" / "step_00000002" / "data.json"
+    data.write_text("x" * len(data.read_text()))  # the size meta.json records, the content not JSON
     return finetune("trainer.max_steps=3")(tree, work)
 
 
@@ -395,8 +396,8 @@ CASES = [
          run=corrupt_data_state),
     Case("empty-tokenizer", 6, "data.tokenizer=''", "data.tokenizer=''", "data.tokenizer=''",
          run=finetune("data.tokenizer=''")),
-    Case("hidden-act", 6, "an unknown hidden_act", "model.config.hidden_act=gelu_foo", "hidden_act",
-         run=finetune("model.config.hidden_act=gelu_foo")),
+    Case("hidden-act", 6, "an unknown hidden_act", "+model.config.hidden_act=gelu_foo", "fix hidden_act=",
+         run=finetune("+model.config.hidden_act=gelu_foo")),
     Case("address-space", 6, "ulimit -v 1 GB", "ulimit -v 976562; automodel finetune ...", "ulimit -v",
          run=under_address_space),
     # 7. signals outside the training loop
