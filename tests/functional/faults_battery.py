@@ -1,9 +1,10 @@
-"""The battery of issue 48's cases, run against a source tree: ``python tests/functional/issue48_battery.py
---tree DIR [--jobs 2] [--only ID ...] [--json OUT]``; ``--markdown BEFORE.json AFTER.json`` prints the
-table of two runs. The machinery (a case per scratch directory, ``python -m automodel`` with ``DIR``
-first on ``PYTHONPATH``, the outcomes ``clear``, ``late``, ``opaque``, ``silent-wrong``, ``hang``) is
-issue39_battery.py's. Run it with a Python whose site-packages hold the dependencies but not an
-editable install of automodel (an editable install's import hook wins over ``PYTHONPATH``).
+"""The battery of issue 48's cases (bad inputs, signals and faults), run against a source tree:
+``python tests/functional/faults_battery.py --tree DIR [--jobs 2] [--only ID ...] [--json OUT]``;
+``--markdown BEFORE.json AFTER.json`` prints the table of two runs. The machinery (a case per scratch
+directory, ``python -m automodel`` with ``DIR`` first on ``PYTHONPATH``, the outcomes ``clear``,
+``late``, ``opaque``, ``silent-wrong``, ``hang``) is issue39_battery.py's. Run it with a Python whose
+site-packages hold the dependencies but not an editable install of automodel (an editable install's
+import hook wins over ``PYTHONPATH``).
 """
 
 from __future__ import annotations
