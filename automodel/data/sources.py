@@ -242,7 +242,9 @@ def _csv_text_features(file: str) -> datasets.Features:
                 )
             rows += bool(row)
     if not rows:  # datasets: 'Instruction "train" corresponds to no data!'
-        raise ValueError(f"{file} holds no row (only its header, or nothing after it); add rows or remove the file")
+        raise ValueError(
+            f"{file} holds no row (only its header, or nothing after it); add rows or remove the file"
+        )
     return datasets.Features({name: datasets.Value("string") for name in header})
 
 

@@ -331,7 +331,9 @@ def test_a_config_transformers_cannot_build_is_refused_with_its_error():
     ) as err:
         config_checks(spec, cp_size=1, max_sample_tokens=16)
     assert "THD" not in str(err.value)
-    assert str(err.value).endswith("; fix hidden_act='gelu_foo'")  # was "fix the field it names", a KeyError's value
+    assert str(err.value).endswith(
+        "; fix hidden_act='gelu_foo'"
+    )  # was "fix the field it names", a KeyError's value
 
 
 def test_an_unset_routing_size_stays_unset_and_transformers_error_is_named(tmp_path):
