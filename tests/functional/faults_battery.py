@@ -355,7 +355,7 @@ CASES = [
          "is refused on the THD path", run=cache_other_user),
     # 5. messages that named the wrong cause
     Case("full-token-cache", 5, "a refused write under the corpus token cache", "ulimit -f 58; automodel finetune tiny_llama_pretrain data.source=corpus.txt data.cache_dir=tokens",
-         "data.cache_dir", run=under_fsize("token-cache")),
+         "could not write the token cache entry", run=under_fsize("token-cache")),
     Case("full-tokenize-output", 5, "a refused write under automodel tokenize's OUTPUT", "ulimit -f 58; automodel tokenize corpus.txt out.tokens",
          "could not write the token file", run=under_fsize("tokenize")),
     Case("teacher-too-large", 5, "a teacher no machine holds", "kd.teacher=<config.json with intermediate_size 1e12>",
@@ -381,7 +381,7 @@ CASES = [
          run=finetune("data.split='train[:abc]'", fast=FAST[1:])),
     Case("mix-mapping", 6, "mix sources as a mapping", "data=mix data.sources={a: {source: tiny_sft}}", "data.sources",
          run=finetune("data=mix", "data.tokenizer=tiny", "data.sources={a: {source: tiny_sft}}", fast=FAST[1:])),
-    Case("dpo-bfd", 6, "DPO data with packing=bfd", "automodel finetune tiny_llama_dpo packing=bfd", "packing=bfd",
+    Case("dpo-bfd", 6, "DPO data with packing=bfd", "automodel finetune tiny_llama_dpo packing=bfd", "use packing=preference",
          run=finetune("packing=bfd", recipe="tiny_llama_dpo", fast=DPO_FAST)),
     Case("config-json-types", 6, "a string hidden_size in a checkpoint's config.json", "<config.json hidden_size: \"128\">",
          "hidden_size", run=checkpoint_config("c['hidden_size'] = '128'")),
