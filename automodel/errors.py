@@ -3,6 +3,10 @@
 Anything else that escapes is a bug of the project and keeps its traceback. ``AUTOMODEL_DEBUG=1``
 (or ``automodel --debug ...``) shows the traceback of a user error too. Every class is a
 ``ValueError``, so library callers that catch ``ValueError`` keep working.
+
+The machine's refusals are here too: a write the filesystem refused (:class:`WriteError`, exit 1,
+:func:`refused_write` naming the setting that moves it), a lost peer, and a SIGTERM outside the
+training loop (:class:`Terminated`, exit 143, with the staging it interrupted removed).
 """
 
 from __future__ import annotations
