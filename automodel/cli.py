@@ -3,25 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import errno
 import os
 import signal
 import sys
+from pathlib import Path
 
 from automodel.benchmarks import BENCHMARKS
-from automodel.errors import PeerLostError, UserError, WriteError
+from automodel.errors import PeerLostError, Terminated, UserError, WriteError, refused_write, sigterm_raises
 
 # Writes the filesystem refuses (the user's machine, not a bug): one line naming the file where the
-# error does, with the way out, instead of a traceback.
-_MOVE = "or point trainer.output_dir (and packing.cache_dir) elsewhere"
-WRITE_FAILURES = {
-    errno.ENOSPC: f"free space {_MOVE}",
-    errno.EDQUOT: f"free space under your quota {_MOVE}",
-    errno.EFBIG: "raise the file size limit (ulimit -f)",
-    errno.EROFS: f"the filesystem is read-only: {_MOVE}",
-    errno.EACCES: f"fix its permissions {_MOVE}",
-    errno.EPERM: f"fix its permissions {_MOVE}",
-}
+# error does, with the way out (automodel.errors.WRITE_FIXES), instead of a traceback.
+RUN_OUTPUTS = "trainer.output_dir (and packing.cache_dir)"
 
 USAGE = """automodel <command> [...]    (automodel --version; --debug: tracebacks of input errors)
 
@@ -58,20 +50,24 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     try:
-        return _dispatch(command, rest, argv, debug)
+        with sigterm_raises():  # outside the training loop too: one line, staging removed, exit 143
+            return _dispatch(command, rest, argv, debug)
     except UserError as error:  # the user's input: one line; the project's own bugs keep their traceback
         if debug:
             raise
         if _first_to_report(_one_line(error)):
             print(f"automodel {command}: {error.kind} error: {_one_line(error)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt as error:  # Ctrl-C (a second one while training): no traceback to read through
+    except (KeyboardInterrupt, Terminated) as error:  # Ctrl-C (a second one while training), or SIGTERM
         if debug:
             raise
+        signum = getattr(error, "signum", signal.SIGINT)
+        what = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
         done = f" ({error})" if str(error) else ""
-        print(f"automodel {command}: interrupted{done}; a run resumes from its newest checkpoint when the same "
-              "command runs again", file=sys.stderr)  # fmt: skip
-        return 128 + signal.SIGINT
+        again = ("a run resumes from its newest checkpoint when the same command runs again" if command == "finetune"
+                 else "run the same command again")  # fmt: skip
+        print(f"automodel {command}: {what}{done}; nothing half-written is left: {again}", file=sys.stderr)
+        return 128 + signum
     except PeerLostError as error:  # a rank froze or died: the ranks that answer name the ones that do not
         if debug:
             raise
@@ -82,17 +78,48 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"automodel {command}: {error}", file=sys.stderr)
         return 1
+    except (MemoryError, RuntimeError, ImportError) as error:  # an allocation refused, not the project's bug
+        if debug or not _out_of_memory(error):
+            raise
+        print(f"automodel {command}: out of memory: {_one_line(error)[:200]} (--debug shows the traceback); "
+              f"{_memory_limit()}lower the sizes the run needs (model, packing, trainer.grad_accum_steps) or run "
+              "where there is more memory", file=sys.stderr)  # fmt: skip
+        return 1
     except OSError as error:
-        if error.errno not in WRITE_FAILURES or debug:
+        fix = refused_write(error, RUN_OUTPUTS)
+        if fix is None or debug:
             raise
         where = f"{error.filename}: " if error.filename else ""
-        fix = WRITE_FAILURES[error.errno]
         cache = _hugging_face_cache(error.filename)
         if cache is not None:  # datasets' or the hub's cache, not the run's directory
             fix = f"the Hugging Face cache {cache} is not writable: set HF_HOME (or HF_DATASETS_CACHE) to a writable directory"
         print(f"automodel {command}: {where}{error.strerror} (--debug shows the traceback): {fix}, then run the "
               "same command again (a run resumes from its newest checkpoint)", file=sys.stderr)  # fmt: skip
         return 1
+
+
+_ALLOCATION_FAILED = (
+    "can't allocate memory",
+    "Cannot allocate memory",
+    "failed to map segment",
+    "out of memory",
+)
+
+
+def _out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is an allocation the machine or a limit refused (torch's allocators, a shared
+    library that could not be mapped under ``ulimit -v``, CUDA's out of memory)."""
+    return isinstance(error, MemoryError) or any(text in str(error) for text in _ALLOCATION_FAILED)
+
+
+def _memory_limit() -> str:
+    """``ulimit -v``, in words, when this process has an address-space limit."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return ""
+    return f"this process's address space is limited (ulimit -v {soft // 1024} KiB): raise the limit, or "
 
 
 def _hugging_face_cache(filename: str | None) -> str | None:
@@ -338,6 +365,14 @@ def _tokenize(argv: list[str]) -> int:
                                    num_proc=args.num_proc)  # fmt: skip
     except ValueError as error:
         raise DataError(str(error)) from None
+    except OSError as error:  # a full disk under OUTPUT is OUTPUT's, not a run's trainer.output_dir
+        output = Path(args.output).expanduser().absolute()
+        fix = refused_write(error, "OUTPUT", under=output.parent)
+        if fix is None:
+            raise
+        named = f": {error.filename}" if error.filename else ""
+        raise WriteError(f"could not write the token file {output} ({error.strerror}{named}): {fix}, then run the "
+                         "same command again") from None  # fmt: skip
     meta = written.meta
     print(f"{written.path}: {meta['documents']:,} documents, {meta['tokens']:,} tokens ({meta['dtype']}) "
           f"from {len(meta['sources'])} file(s)")  # fmt: skip

@@ -17,6 +17,7 @@ import difflib
 import functools
 import importlib
 import inspect
+import json
 import os
 import re
 import types
@@ -147,6 +148,11 @@ def load_recipe(recipe: str, overrides: list[str] | tuple[str, ...] = ()) -> Dic
         )
     try:
         cfg = _compose(path, overrides)
+    except RecursionError:  # Hydra follows the defaults lists without a guard
+        raise ConfigError(
+            f"recipe {path.name}: its defaults list includes itself, directly or through a file it includes (an "
+            f"entry '- {path.stem}' or a config that names it); remove that entry"
+        ) from None
     except (HydraException, OmegaConfBaseException) as error:
         unknown = re.search(r"Could not override '([^']+)'", str(error))
         if unknown:  # the same "did you mean" as a typo in a YAML file
@@ -166,7 +172,33 @@ def load_recipe(recipe: str, overrides: list[str] | tuple[str, ...] = ()) -> Dic
                 f"{group}={name}: no such option in the {group} config group; available: {', '.join(available.split())} "
                 f"(configs/{group}/*.yaml)"
             ) from None
+        merging = re.match(r"Error merging override (([^=]+)=.*)", str(error), re.S)
+        if merging and isinstance(error.__cause__, OmegaConfBaseException):  # a mapping where a list is, ...
+            override, key = merging.group(1).strip(), merging.group(2).lstrip("+")
+            groups_only = [o for o in overrides if "." not in o.split("=", 1)[0]]
+            current = OmegaConf.select(_compose(path, groups_only), key)
+            kind = (
+                "list" if OmegaConf.is_list(current) else "mapping" if OmegaConf.is_dict(current) else "value"
+            )
+            value = OmegaConf.to_container(current, resolve=True) if kind != "value" else current
+            shown = (
+                f"its first entry {json.dumps(value[0], default=str)}"
+                if kind == "list" and value
+                else repr(value)
+            )
+            raise ConfigError(
+                f"override {override!r}: {key} is a {kind} in the recipe ({shown[:160]}), and the override gives "
+                f"another kind ({str(error.__cause__).splitlines()[0]}); give a {kind}"
+            ) from None
         unreadable = getattr(error, "override", None)
+        if (
+            isinstance(error, OverrideParseException)
+            and unreadable
+            and not unreadable.partition("=")[0].isascii()
+        ):
+            key = unreadable.partition("=")[0]  # a non-ASCII letter in the key: no recipe key has one
+            groups_only = [o for o in overrides if "." not in o.split("=", 1)[0]]
+            raise ConfigError(_unknown_key_message(key, _compose(path, groups_only))) from None
         if isinstance(error, OverrideParseException) and unreadable and "=" in unreadable:
             # ~/..., non-ASCII letters, brackets (train[:10]): the grammar reads only quoted strings there
             key, _, value = unreadable.partition("=")
@@ -257,6 +289,12 @@ def check_config(cfg: DictConfig) -> None:
     missing = [key for key in SECTIONS if key not in cfg]
     if missing:
         raise ConfigError(f"recipe lacks section(s) {missing}; add them to its defaults list")
+    packing = str(cfg.packing.get("_target_", "")) if isinstance(cfg.packing, DictConfig) else ""
+    if cfg.get("dpo") is not None and not packing.startswith("automodel.data.preference."):
+        raise ConfigError(
+            f"the dpo objective trains on preference pairs, which packing=preference batches (both sides of a pair "
+            f"in one row); packing._target_={packing} batches single samples: use packing=preference"
+        )
     for section in SECTIONS + OPTIONAL_SECTIONS:
         if cfg.get(section) is not None:
             _check_node(cfg[section], section)

@@ -128,6 +128,13 @@ def packed_sequence_thd_collater(batch: Sequence[dict[str, Any]]) -> dict[str, A
         packs     seq_lens [3, 2] and [6]        ->  seq_lens [[3, 2], [6, -1000]]
         samples   attention_mask [1 1 0] and [1] ->  seq_lens [[2], [1]]   seq_lens_padded [[3], [3]]
     """
+    if isinstance(batch, Mapping) or not all(isinstance(row, Mapping) for row in batch):
+        other = next((type(r).__name__ for r in batch if not isinstance(r, Mapping)), "")
+        given = "a " + type(batch).__name__ if isinstance(batch, Mapping) else f"a row of type {other}"
+        raise TypeError(
+            f"packed_sequence_thd_collater takes a list of rows (dicts), got {given}; one row: "
+            "packed_sequence_thd_collater([row])"
+        )
     if len(batch) == 0:
         return {}
     packed = ["seq_lens" in row for row in batch]

@@ -254,7 +254,10 @@ class CorpusData:
             write_token_file(self.source, staging, tokenizer, tokenizer_name=name, text_column=self.text_column,
                              txt_samples=self.txt_samples, num_proc=self.num_proc)  # fmt: skip
 
-        return open_token_file(cached_entry(root, f"tokens-{key}", write, what="token cache"), tokenizer)
+        where = "data.cache_dir" + ("" if self.cache_dir else f" (null: {root})")
+        return open_token_file(
+            cached_entry(root, f"tokens-{key}", write, what="token cache", where=where), tokenizer
+        )
 
     def build(
         self, tokenizer: PreTrainedTokenizerBase, sample_cap: int | None = None

@@ -37,6 +37,7 @@ from filelock import FileLock
 
 from automodel.data import collate, packing, planning
 from automodel.data.packing import _check_arguments, _select_split, _token_columns, pack_dataset
+from automodel.errors import WriteError, refused_write, removed_if_interrupted
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +124,7 @@ def cached_entry(
     write,
     wait_timeout_s: float = 4 * 3600.0,
     what: str = "pack cache",
+    where: str = "packing.cache_dir",
 ) -> Path:
     """The complete directory ``cache_dir/name``: made first by ``write(staging)`` (a directory to
     fill) under the entry's lock if it does not exist, then checked against its digest. Every cached
@@ -130,6 +132,8 @@ def cached_entry(
 
     Raises:
         filelock.Timeout: another process held the lock longer than ``wait_timeout_s``.
+        WriteError: the filesystem refused the entry's files (full, quota, read-only...): one line
+            naming the entry and ``where``, the setting that moves the cache.
     """
     if not wait_timeout_s > 0:
         raise ValueError(f"wait_timeout_s must be positive, got {wait_timeout_s!r}")
@@ -141,10 +145,22 @@ def cached_entry(
             shutil.rmtree(entry, ignore_errors=True)
             start = time.perf_counter()
             staging = root / f"tmp-{name}-{os.getpid()}"
-            staging.mkdir()
-            write(staging)
-            (staging / DIGEST).write_text(json.dumps({"xxh3_128": entry_digest(staging)}))
-            os.rename(staging, entry)
+            try:
+                staging.mkdir()
+                with removed_if_interrupted(staging):  # SIGTERM or Ctrl-C: no half-written entry left
+                    write(staging)
+                    (staging / DIGEST).write_text(json.dumps({"xxh3_128": entry_digest(staging)}))
+                    os.rename(staging, entry)
+            except OSError as error:
+                fix = refused_write(error, where, under=root)
+                if fix is None:
+                    raise
+                shutil.rmtree(staging, ignore_errors=True)
+                named = f": {error.filename}" if error.filename else ""
+                raise WriteError(
+                    f"could not write the {what} entry {entry} ({error.strerror}{named}): {fix}, then run the "
+                    "same command again"
+                ) from None
             logger.info("%s: wrote %s in %.1f s", what, entry, time.perf_counter() - start)
     logger.info("%s: reading %s", what, entry)
     written = json.loads((entry / DIGEST).read_text()).get("xxh3_128")

@@ -69,7 +69,7 @@ from automodel.data.chat import (
     template_facts,
 )
 from automodel.data.long_samples import check_long_samples, cut_rows, piece_sums, plan_pieces, report
-from automodel.data.sources import RAW_ROW_COLUMN, RowOrigin
+from automodel.data.sources import RAW_ROW_COLUMN, RowOrigin, lone_surrogate
 from automodel.data.workers import forked_workers
 from automodel.errors import DataError
 from automodel.loss import CROSS_ENTROPY_IGNORE_INDEX
@@ -135,6 +135,11 @@ def load_tokenizer(
     if not isinstance(path_or_name, (str, os.PathLike)):
         raise ValueError(f"path_or_name must be a path or a name, got {type(path_or_name).__name__}")
     name = os.fspath(path_or_name)
+    if not name.strip():  # Path('') is '.': the current directory, read as a tokenizer directory
+        raise ValueError(
+            f"data.tokenizer={name!r} is empty: name a tokenizer directory, a hub id in the local cache or tiny, or "
+            "null for the checkpoint's own"
+        )
     path = BUILTIN_TOKENIZERS.get(name, Path(name).expanduser())
     if path.is_file():
         raise ValueError(f"tokenizer path {name!r} is a file; pass the directory that holds tokenizer.json")
@@ -484,6 +489,7 @@ def _encode_batch(
                 if whole is None:
                     raise BadRow(fields[0], f"the row is not a JSON object: {json.loads(raw)!r:.60}")
                 named = {field: whole.get(columns.get(field, field)) for field in fields}
+            _refuse_lone_surrogates(named)
             value = _PARSERS[format](named, tokenizer)
             if chat:
                 rendered[index] = render_chat(value, tokenizer, facts, fields[0])
@@ -563,6 +569,16 @@ def _row_text(values: list) -> str:
     return "\n".join(found)
 
 
+def _refuse_lone_surrogates(named: dict[str, Any]) -> None:
+    """BadRow for a text holding a lone surrogate (:func:`~automodel.data.sources.lone_surrogate`): the
+    JSON loader kept its row whole, and no tokenizer encodes it (was UnicodeEncodeError, no file or line)."""
+    for field, value in named.items():
+        found = lone_surrogate(value)
+        if found is not None:
+            raise BadRow(field, f"holds a lone surrogate {found.group()!r}, which is not Unicode text (an unpaired "
+                         "\\ud8xx escape in the JSON); fix or remove it")  # fmt: skip
+
+
 def _json_object(text: str) -> dict | None:
     value = json.loads(text)
     return value if isinstance(value, dict) else None
@@ -596,13 +612,13 @@ def _drop_and_report(
             f"{int(lengths[rows].sum() + len(rows)):,}", origin(first), bad[first], dict(skipped.most_common(5)),
         )  # fmt: skip
     _report_unrendered(table, rows, origin, tokenizer_name)
-    pieces = plan_pieces(lengths[rows], max_length, long_samples)
-    pieces = dataclasses.replace(pieces, rows=rows[pieces.rows])
+    kept_pieces = plan_pieces(lengths[rows], max_length, long_samples)  # rows: indices into ``rows``
+    pieces = dataclasses.replace(kept_pieces, rows=rows[kept_pieces.rows])  # rows: indices into the table
     masks = table.column("loss_mask").combine_chunks()
     row_starts = masks.offsets.to_numpy().astype(np.int64)[:-1]
     mask_values = masks.values.to_numpy(zero_copy_only=False).astype(np.int64)
     learned = piece_sums(mask_values, row_starts, pieces)
-    report(lengths[rows], learnable[rows], pieces, learned, max_length, long_samples)
+    report(lengths[rows], learnable[rows], kept_pieces, learned, max_length, long_samples)
     unlearnable = int((learned == 0).sum())
     if unlearnable:
         reason = (
@@ -613,7 +629,7 @@ def _drop_and_report(
         logger.warning("dropped %s with no token to learn (%s)", share(unlearnable, len(learned)), reason)
     keep = learned > 0
     if not keep.any():
-        raise ValueError(f"none of the {total} rows has a token to learn (malformed, or nothing to learn)")
+        raise ValueError(_nothing_to_learn(bad, learnable, rows, max_length, origin))
     logger.info("tokenized %d samples, %d tokens to learn", int(keep.sum()), int(learned[keep].sum()))
     pieces = dataclasses.replace(pieces, rows=pieces.rows[keep], starts=pieces.starts[keep],
                                  lengths=pieces.lengths[keep])  # fmt: skip
@@ -642,6 +658,34 @@ def _report_unrendered(table: pa.Table, rows: np.ndarray, origin: RowOrigin, tok
         tokenizer_name, int(turns.sum()), f"{int((turns > 0).sum())} of {len(rows)} rows", f"{tokens:,}",
         origin(int(rows[np.flatnonzero(turns)[0]])),
     )  # fmt: skip
+
+
+def _nothing_to_learn(
+    bad: list[str], learnable_N: np.ndarray, rows: np.ndarray, max_length: int | None, origin: RowOrigin
+) -> str:
+    """Why no row has a token to learn, by kind, each with its first row and the setting or field to
+    change: malformed rows (skipped), rows that mark no token to learn, rows whose learned tokens all
+    lie past ``max_length``."""
+    kinds = []
+    malformed = [i for i, reason in enumerate(bad) if reason]
+    if malformed:
+        kinds.append(
+            f"{len(malformed)} malformed and skipped (data.on_bad_row=skip), first {origin(malformed[0])}"
+        )
+    unmarked = [int(i) for i in rows if learnable_N[i] == 0]
+    if unmarked:
+        kinds.append(
+            f"{len(unmarked)} mark no token to learn, first {origin(unmarked[0])} (every assistant turn with "
+            "train: false or weight: 0, data.assistant_turns or data.reasoning masking them, no assistant turn, "
+            "or an empty completion): mark a turn to learn"
+        )
+    past = len(rows) - len(unmarked)
+    if past:
+        first = next(int(i) for i in rows if learnable_N[i] > 0)
+        kinds.append(
+            f"{past} learn only tokens past data.max_length={max_length}, first {origin(first)}: raise data.max_length"
+        )
+    return f"none of the {len(bad)} rows has a token to learn: " + "; ".join(kinds)
 
 
 # -- parsing: one row of fields -> the values the encoder needs, or BadRow ------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import datasets
@@ -15,7 +16,7 @@ from automodel.data.chat import ChatPolicy
 from automodel.data.long_samples import check_long_samples
 from automodel.data.section import check_mapping, check_shared_fields, hold_out
 from automodel.data.sft import FORMATS, load_data_tokenizer, tokenize_sft_dataset
-from automodel.data.sources import TXT_SAMPLES, check_source, is_txt_source, load_sft_source
+from automodel.data.sources import TXT_SAMPLES, check_source, check_split, is_txt_source, load_sft_source
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,14 @@ class DataSource:
             raise ValueError(f"data.txt_samples={self.txt_samples!r} for source {self.source!r}: must be one of "
                              f"{TXT_SAMPLES}")  # fmt: skip
         check_source(self.source, "data.source")
+        check_split(self.split, "data.split")
+        if self.columns is not None and not (
+            isinstance(self.columns, Mapping) and all(isinstance(v, str) for v in self.columns.values())
+        ):
+            raise ValueError(
+                f"data.columns={self.columns!r} for source {self.source!r}: a mapping of field to column name, e.g. "
+                "data.columns={prompt: question, completion: answer}"
+            )
         if self.format != "text" and is_txt_source(self.source):
             raise ValueError(
                 f"data.format={self.format!r} for source {self.source!r}: a .txt file is read as a 'text' column "

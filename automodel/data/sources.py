@@ -213,6 +213,18 @@ def _load_files(
     return rows, RowOrigin(tuple(files), tuple(starts), instruction.from_)
 
 
+def check_split(split: object, field: str) -> None:
+    """ValueError naming ``field`` unless ``split`` reads as a split: ``NAME`` or ``NAME[start:end]``
+    with integers or percents (``train[:64]``, ``train[10%:]``): datasets' own parser."""
+    try:
+        datasets.ReadInstruction.from_spec(split)
+    except (ValueError, TypeError, AttributeError) as error:
+        raise ValueError(
+            f"{field}={split!r}: not a split ({error}); give NAME or NAME[start:end] with integers or percents, e.g. "
+            "'train', 'train[:64]', 'train[10%:]'"
+        ) from None
+
+
 def _load_file(builder: str, file: str, cache_dir: str | None) -> datasets.Dataset:
     """One CSV or Parquet file; the reader's error (pandas names the row, Arrow the defect) is a
     ValueError naming the file."""
@@ -238,12 +250,18 @@ def _csv_text_features(file: str) -> datasets.Features:
             raise ValueError(
                 f"{file}: the CSV header names column(s) {twice} more than once; rename or drop one"
             )
+        rows = 0
         for row in reader:
             if row and len(row) != len(header):
                 raise ValueError(
                     f"{file} line {reader.line_num}: {len(row)} fields where the header has {len(header)} "
                     f"({header}); quote fields that hold commas"
                 )
+            rows += bool(row)
+    if not rows:  # datasets: 'Instruction "train" corresponds to no data!'
+        raise ValueError(
+            f"{file} holds no row (only its header, or nothing after it); add rows or remove the file"
+        )
     return datasets.Features({name: datasets.Value("string") for name in header})
 
 
@@ -262,7 +280,8 @@ def _load_json_files(files: list[str], split: str) -> tuple[datasets.Dataset, Ro
     majority = _majority_types(values)
     rows, raw = [], []
     for value in values:
-        if isinstance(value, dict) and all(_types_of(v, k) <= majority for k, v in value.items()):
+        typed = isinstance(value, dict) and all(_types_of(v, k) <= majority for k, v in value.items())
+        if typed and lone_surrogate(value) is None:  # a lone surrogate cannot be an Arrow string: kept raw
             rows.append(value)
             raw.append(None)
         else:  # not an object, or a field typed unlike the other rows'
@@ -275,6 +294,18 @@ def _load_json_files(files: list[str], split: str) -> tuple[datasets.Dataset, Ro
     table = datasets.Dataset.from_dict(columns)
     starts = [next((i for i, e in enumerate(entries) if e[0] >= f), len(entries)) for f in range(len(files))]
     return table, RowOrigin(tuple(files), tuple(starts), lines=tuple(line for _, line, _ in entries))
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(value: object) -> re.Match | None:
+    """The first lone surrogate (an unpaired ``\\ud800``-style escape a JSON row may hold: not Unicode
+    text, which Arrow and tokenizers cannot encode) in the strings of ``value``, nested ones included."""
+    if isinstance(value, str):
+        return _SURROGATE.search(value)
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return next((found for item in items if (found := lone_surrogate(item)) is not None), None)
 
 
 def _load_txt_files(files: list[str], split: str, samples: str) -> tuple[datasets.Dataset, RowOrigin]:

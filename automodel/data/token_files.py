@@ -39,6 +39,7 @@ from transformers import PreTrainedTokenizerBase
 from automodel.data.sft import _special_prefix
 from automodel.data.sources import TXT_SAMPLES, _decode_utf8, data_files
 from automodel.data.workers import forked_workers
+from automodel.errors import removed_if_interrupted
 
 logger = logging.getLogger(__name__)
 
@@ -48,14 +49,23 @@ STREAMED_EXTENSIONS = (".txt", ".jsonl", ".parquet")
 
 
 def is_token_file(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a token-file directory (it holds ``meta.json`` of this format)."""
-    meta = Path(path).expanduser() / META
-    if not meta.is_file():
-        return False
+    """Whether ``path`` is a token-file directory (it holds ``meta.json`` of this format); ValueError
+    naming it when it holds a token file's data (``tokens.bin``, ``offsets.bin``) but its ``meta.json``
+    is missing or not this format's (it was read as a directory of text files)."""
+    directory = Path(path).expanduser()
+    meta = directory / META
     try:
-        return json.loads(meta.read_text()).get("format") == FORMAT
-    except (ValueError, AttributeError):
-        return False
+        found = json.loads(meta.read_text()).get("format") == FORMAT if meta.is_file() else False
+    except (OSError, ValueError, AttributeError):
+        found = False
+    data = [name for name in (TOKENS, OFFSETS) if (directory / name).is_file()]
+    if not found and data:
+        state = "is not a token file's meta.json" if meta.is_file() else "is missing"
+        raise ValueError(
+            f"{directory} holds a token file's {' and '.join(data)} but its {META} {state}: restore {META} from a "
+            "copy, or write the token file again (automodel tokenize SOURCE OUTPUT)"
+        )
+    return found
 
 
 def tokenizer_digest(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -183,33 +193,34 @@ def write_token_file(
     staging = output.with_name(f"{output.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    dtype = np.dtype("<u2") if len(tokenizer) <= 1 << 16 else np.dtype("<u4")
-    tokens_digest, offsets_digest = xxhash.xxh3_128(), xxhash.xxh3_128()
-    count, documents = 0, 0
-    with open(staging / TOKENS, "wb") as tokens, open(staging / OFFSETS, "wb") as offsets:
-        start = np.zeros(1, "<i8").tobytes()
-        offsets.write(start)
-        offsets_digest.update(start)
-        batches = _batches(iter_texts(files, text_column, txt_samples), batch_bytes)
-        for flat, lengths in _encoded_batches(batches, tokenizer, dtype, num_proc):
-            ends = (count + np.cumsum(lengths)).astype("<i8").tobytes()
-            tokens.write(flat)
-            offsets.write(ends)
-            tokens_digest.update(flat)
-            offsets_digest.update(ends)
-            count += len(flat) // dtype.itemsize
-            documents += len(lengths)
-    if documents == 0:
-        shutil.rmtree(staging)
-        raise ValueError(f"source {source!r} holds no document")
-    meta = {
-        "format": FORMAT, "version": VERSION, "dtype": dtype.name, "documents": documents, "tokens": count,
-        "vocab_size": len(tokenizer), "tokenizer": tokenizer_name, "tokenizer_digest": tokenizer_digest(tokenizer),
-        "xxh3_128": _combined(tokens_digest, offsets_digest), "sources": files[:100],
-        "text_column": text_column, "txt_samples": txt_samples,
-    }  # fmt: skip
-    (staging / META).write_text(json.dumps(meta, indent=1) + "\n")
-    os.rename(staging, output)
+    with removed_if_interrupted(staging, failures=(OSError,)):  # no half-written token file left
+        dtype = np.dtype("<u2") if len(tokenizer) <= 1 << 16 else np.dtype("<u4")
+        tokens_digest, offsets_digest = xxhash.xxh3_128(), xxhash.xxh3_128()
+        count, documents = 0, 0
+        with open(staging / TOKENS, "wb") as tokens, open(staging / OFFSETS, "wb") as offsets:
+            start = np.zeros(1, "<i8").tobytes()
+            offsets.write(start)
+            offsets_digest.update(start)
+            batches = _batches(iter_texts(files, text_column, txt_samples), batch_bytes)
+            for flat, lengths in _encoded_batches(batches, tokenizer, dtype, num_proc):
+                ends = (count + np.cumsum(lengths)).astype("<i8").tobytes()
+                tokens.write(flat)
+                offsets.write(ends)
+                tokens_digest.update(flat)
+                offsets_digest.update(ends)
+                count += len(flat) // dtype.itemsize
+                documents += len(lengths)
+        if documents == 0:
+            shutil.rmtree(staging)
+            raise ValueError(f"source {source!r} holds no document")
+        meta = {
+            "format": FORMAT, "version": VERSION, "dtype": dtype.name, "documents": documents, "tokens": count,
+            "vocab_size": len(tokenizer), "tokenizer": tokenizer_name, "tokenizer_digest": tokenizer_digest(tokenizer),
+            "xxh3_128": _combined(tokens_digest, offsets_digest), "sources": files[:100],
+            "text_column": text_column, "txt_samples": txt_samples,
+        }  # fmt: skip
+        (staging / META).write_text(json.dumps(meta, indent=1) + "\n")
+        os.rename(staging, output)
     logger.info("token file %s: %d documents, %d tokens (%s) from %d file(s)", output, documents, count,
                 dtype.name, len(files))  # fmt: skip
     return open_token_file(output)

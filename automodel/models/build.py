@@ -43,6 +43,7 @@ from automodel.attention.hf import (
 )
 from automodel.attention.mixers import attach_stateful_mixers, checkpoint_context_fn, layout_scope
 from automodel.data.chat import end_of_turn_token_id
+from automodel.errors import removed_if_interrupted
 from automodel.loss import (
     TeacherHead,
     chunked_cross_entropy_sum,
@@ -629,16 +630,17 @@ def export_lora_adapter(
     adapters = {k: v for k, v in model.hf.state_dict().items() if ".lora_" in k}
     adapters = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in adapters.items()}
     staging, failure = directory.with_name(directory.name + ".tmp"), None
-    if is_main:
-        try:
-            shutil.rmtree(staging, ignore_errors=True)
-            export_adapter(model.hf, adapters, staging)
-            tokenizer.save_pretrained(staging)
-        except OSError as error:
-            failure = error
-    publish(
-        staging, directory, failure, sum(v.numel() * v.element_size() for v in adapters.values()), is_main
-    )
+    with removed_if_interrupted(staging):  # SIGTERM or Ctrl-C: no half-written adapter left
+        if is_main:
+            try:
+                shutil.rmtree(staging, ignore_errors=True)
+                export_adapter(model.hf, adapters, staging)
+                tokenizer.save_pretrained(staging)
+            except OSError as error:
+                failure = error
+        publish(
+            staging, directory, failure, sum(v.numel() * v.element_size() for v in adapters.values()), is_main
+        )
 
 
 def generation_eos(eos: int | list[int] | None, tokenizer: Any) -> int | list[int] | None:

@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import json
 import logging
 import math
+import resource
 import shutil
 import struct
 from collections.abc import Callable, Iterator
@@ -49,7 +51,7 @@ from transformers import PreTrainedModel
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import PrefixChange, revert_weight_conversion
 
-from automodel.errors import WriteError, write_failure
+from automodel.errors import WriteError, removed_if_interrupted, write_failure
 from automodel.models.frozen_base import dequantize_float32, is_quantized
 
 logger = logging.getLogger(__name__)
@@ -106,11 +108,23 @@ def stored_tensors(path: str | Path) -> dict[str, StoredTensor]:
                     tensor = handle.get_slice(name)
                     found[name] = StoredTensor(file, tuple(tensor.get_shape()), tensor.get_dtype())
         except Exception as error:  # noqa: BLE001 - safetensors raises its own SafetensorError (not exported)
+            if isinstance(error, MemoryError) or f"os error {errno.ENOMEM}" in str(error):  # its mmap refused
+                raise ValueError(
+                    f"model.pretrained_path={str(path)!r}: {file} ({file.stat().st_size:,} bytes) could not be mapped "
+                    f"into memory ({error}): this process's memory or address space is too small for it (ulimit -v "
+                    f"is {_address_space_limit()}); raise the limit or run on a machine with more memory"
+                ) from None
             raise ValueError(
                 f"model.pretrained_path={str(path)!r}: {file} is not a readable safetensors file ({error}); it is "
                 "truncated or corrupt: copy the checkpoint again"
             ) from None
     return found
+
+
+def _address_space_limit() -> str:
+    """This process's address-space limit (``ulimit -v``), in words."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    return "unlimited" if soft == resource.RLIM_INFINITY else f"{soft // 1024:,} KiB"
 
 
 def _index_files(index: Path, path: str | Path) -> list[str]:
@@ -631,74 +645,82 @@ def export_hf(
     """
     directory = Path(directory)
     staging = directory.with_name(directory.name + ".tmp")
-    every = model_tensors(hf)
-    tensors = {checkpoint_name(k): t for k, t in every.items() if ".lora_" not in k}
-    groups = conversion_groups(hf, {name: tuple(t.shape) for name, t in tensors.items()})
-    plan = export_plan(groups, tensors, dtype, max_shard_bytes)
-    names = _file_names(len(plan))
-    total = sum(math.prod(s) * torch.empty((), dtype=d).element_size() for f in plan for s, d in f.values())
-    files = [_SafetensorsFile(staging / n, entries) for n, entries in zip(names, plan)]
-    file_of = {key: file for file in files for key in file.entries}
-    failure: BaseException | None = None
-    if is_main:
-        try:
-            shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir(parents=True)
-            config = copy.deepcopy(hf.config)  # what save_pretrained records: the dtype written, the class
-            config.dtype, config.architectures = dtype, [type(hf).__name__]
-            config.save_pretrained(staging)
-            if hf.can_generate():
-                hf.generation_config.save_pretrained(staging)
-            for file in files:
-                file.create()
-        except OSError as error:
-            failure = error
-    failed = _any_rank(failure is not None)  # the files exist before any rank writes into them
-    written: list[str] = []
-    full_names = {checkpoint_name(k): k for k in every}
-    for group in groups:
-        if failed:
-            break
-        owned = _owned_entries(hf, group, tensors) if merge is None else None
-        if owned is not None:  # every rank its own entries
+    with removed_if_interrupted(staging):  # SIGTERM or Ctrl-C: no half-written export left
+        every = model_tensors(hf)
+        tensors = {checkpoint_name(k): t for k, t in every.items() if ".lora_" not in k}
+        groups = conversion_groups(hf, {name: tuple(t.shape) for name, t in tensors.items()})
+        plan = export_plan(groups, tensors, dtype, max_shard_bytes)
+        names = _file_names(len(plan))
+        total = sum(
+            math.prod(s) * torch.empty((), dtype=d).element_size() for f in plan for s, d in f.values()
+        )
+        files = [_SafetensorsFile(staging / n, entries) for n, entries in zip(names, plan)]
+        file_of = {key: file for file in files for key in file.entries}
+        failure: BaseException | None = None
+        if is_main:
             try:
-                for key, values in owned.items():
-                    file_of[key].write(key, values.to(_export_dtype(values, dtype)).cpu())
+                shutil.rmtree(staging, ignore_errors=True)
+                staging.mkdir(parents=True)
+                config = copy.deepcopy(
+                    hf.config
+                )  # what save_pretrained records: the dtype written, the class
+                config.dtype, config.architectures = dtype, [type(hf).__name__]
+                config.save_pretrained(staging)
+                if hf.can_generate():
+                    hf.generation_config.save_pretrained(staging)
+                for file in files:
+                    file.create()
+            except OSError as error:
+                failure = error
+        failed = _any_rank(failure is not None)  # the files exist before any rank writes into them
+        written: list[str] = []
+        full_names = {checkpoint_name(k): k for k in every}
+        for group in groups:
+            if failed:
+                break
+            owned = _owned_entries(hf, group, tensors) if merge is None else None
+            if owned is not None:  # every rank its own entries
+                try:
+                    for key, values in owned.items():
+                        file_of[key].write(key, values.to(_export_dtype(values, dtype)).cpu())
+                        written.append(key)
+                except OSError as error:
+                    failure = error
+                continue
+            pending = {}  # every rank gathers, in the same order; rank 0 writes
+            for name in group.tensors:
+                full = _full_tensor(full_names[name], every, merge)
+                if is_main:
+                    pending[name] = full.to(_export_dtype(full, dtype)).cpu()
+                del full
+            if not is_main or failure is not None:
+                continue
+            try:  # transformers' reverse conversion: the layout save_pretrained writes
+                out = revert_weight_conversion(hf, pending)
+                for key in group.entries:
+                    file_of[key].write(key, out.pop(key))
                     written.append(key)
             except OSError as error:
                 failure = error
-            continue
-        pending = {}  # every rank gathers, in the same order; rank 0 writes
-        for name in group.tensors:
-            full = _full_tensor(full_names[name], every, merge)
-            if is_main:
-                pending[name] = full.to(_export_dtype(full, dtype)).cpu()
-            del full
-        if not is_main or failure is not None:
-            continue
-        try:  # transformers' reverse conversion: the layout save_pretrained writes
-            out = revert_weight_conversion(hf, pending)
-            for key in group.entries:
-                file_of[key].write(key, out.pop(key))
-                written.append(key)
-        except OSError as error:
-            failure = error
-    for file in files:
-        try:
-            file.close()
-        except OSError as error:  # buffered bytes that could not be written
-            failure = failure or error
-    if is_main and not failed and failure is None:
-        try:
-            if len(names) > 1:
-                weight_map = {key: names[i] for i, entries in enumerate(plan) for key in entries}
-                index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-                (staging / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-            if write_extra is not None:
-                write_extra(staging)
-        except OSError as error:
-            failure = error
-    publish(staging, directory, failure, total, is_main)
+        for file in files:
+            try:
+                file.close()
+            except OSError as error:  # buffered bytes that could not be written
+                failure = failure or error
+        if is_main and not failed and failure is None:
+            try:
+                if len(names) > 1:
+                    weight_map = {key: names[i] for i, entries in enumerate(plan) for key in entries}
+                    index = {
+                        "metadata": {"total_size": total},
+                        "weight_map": dict(sorted(weight_map.items())),
+                    }
+                    (staging / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+                if write_extra is not None:
+                    write_extra(staging)
+            except OSError as error:
+                failure = error
+        publish(staging, directory, failure, total, is_main)
     logger.info("exported %s (%d file(s), %s bytes of weights in %s)", directory, len(names), f"{total:,}",
                 str(dtype).removeprefix("torch."))  # fmt: skip
     return written

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+import resource
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,16 +172,57 @@ def memory_terms(
     return terms
 
 
+def frozen_model_terms(sizes: dict[str, int], *, dtype_bytes: int, shards: int, who: str) -> list[Term]:
+    """A frozen model's weights per rank (a distillation teacher: ``dtype_bytes`` a parameter, no
+    gradient or optimizer state, sharded over ``shards`` ranks), one term named by ``who`` (the
+    setting that gives it); empty when the config does not give the standard sizes."""
+    names = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    if not sizes or any(not sizes.get(n) for n in names):
+        return []
+    hidden, layers = sizes["hidden_size"], sizes["num_hidden_layers"]
+    parameters = (
+        sizes["vocab_size"] * hidden * (1 if sizes["tie_word_embeddings"] else 2)
+        + layers
+        * 2
+        * hidden
+        * (sizes["num_attention_heads"] + sizes["num_key_value_heads"])
+        * sizes["head_dim"]
+        + layers * 3 * hidden * sizes["intermediate_size"]
+    )
+    return [
+        Term(
+            f"{who}: {parameters:,} parameters (vocab_size={sizes['vocab_size']}, hidden_size={hidden}, "
+            f"intermediate_size={sizes['intermediate_size']}, num_hidden_layers={layers}) frozen in "
+            f"{dtype_bytes}-byte floats",
+            -(-parameters * dtype_bytes // shards),
+            "device",
+        )
+    ]
+
+
 def available_memory(device: torch.device) -> dict[str, int]:
     """Bytes this rank can use: ``device`` (a GPU's total memory; None on CPU, where the parts share
     the host's) and ``host`` (physical memory shared by the node's ``LOCAL_WORLD_SIZE`` ranks)."""
     local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // local_ranks
     gpu = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    left = address_space_left()
+    if left is not None and left < host:  # ulimit -v: an allocation past it aborts the process, no word
+        return {"device": gpu, "host": left, "host_limit": "the address space left under ulimit -v"}
     return {"device": gpu, "host": host}
 
 
-def check_memory(terms: list[Term], available: dict[str, int | None], fix: str) -> None:
+def address_space_left() -> int | None:
+    """Bytes this process may still map under its address-space limit (``ulimit -v``); None without one."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    with open("/proc/self/statm") as statm:  # Linux: the size in pages first
+        mapped = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    return max(0, soft - mapped)
+
+
+def check_memory(terms: list[Term], available: dict[str, Any], fix: str) -> None:
     """ValueError naming the largest part when the parts on the GPU, or on the host (on CPU: all of
     them), exceed what the rank has; ``fix`` says which recipe keys set the sizes."""
     on_gpu = available["device"] is not None
@@ -191,10 +233,15 @@ def check_memory(terms: list[Term], available: dict[str, int | None], fix: str) 
         needed = sum(t.nbytes for t in parts)
         if parts and needed > available[where]:
             largest = max(parts, key=lambda t: t.nbytes)
-            memory = "the GPU's memory" if where == "device" else "this machine's memory"
+            memory = (
+                "the GPU's memory"
+                if where == "device"
+                else available.get("host_limit", "this machine's memory")
+            )
             raise ValueError(
                 f"this run needs at least {_size(needed)} per rank, more than {memory} ({_size(available[where])}); "
                 f"the largest part: {largest.what} = {_size(largest.nbytes)}; {fix}"
+                + ("; or raise ulimit -v" if where == "host" and "host_limit" in available else "")
             )
 
 

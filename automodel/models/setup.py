@@ -27,6 +27,7 @@ from automodel.attention import resolve_attention_backend
 from automodel.attention.hf import FEATURES
 from automodel.attention.varlen import FLASH_DTYPES, varlen_missing
 from automodel.config import ConfigError
+from automodel.models.build import logit_transform
 from automodel.models.lora import LoraConfig
 from automodel.models.mixers import kernels_missing, stateful_mixer_classes
 from automodel.models.spec import ModelSpec, check_sizes
@@ -160,9 +161,17 @@ def check_buildable(spec: ModelSpec, config: PretrainedConfig) -> None:
                 "causal-LM class in transformers (AutoModelForCausalLM builds none for it); train a checkpoint of "
                 "a type `automodel families` lists"
             ) from None
+        # a KeyError quotes a value, not its field (hidden_act: gelu_foo -> KeyError: 'gelu_foo'): the field named
+        key = error.args[0] if isinstance(error, KeyError) and error.args else None
+        fields = [
+            f"{name}={value!r}"
+            for name, value in config.to_dict().items()
+            if key is not None and value == key
+        ]
+        fix = f"fix {' or '.join(fields)}" if fields else "fix the field it names"
         raise ConfigError(
             f"transformers cannot build model_type {config.model_type!r} from this config (model.config, or "
-            f"config.json of model.pretrained_path): {one_line(error)}; fix the field it names"
+            f"config.json of model.pretrained_path): {one_line(error)}; {fix}"
         ) from None
 
 
@@ -172,9 +181,24 @@ def model_verdict(
     """The differential check's verdict on this config (``model.verify``, cached) at the run's longest
     sample (:func:`sample_bound`) and row, else the supported table's on the type's default config,
     with a warning."""
+    sample_tokens = sample_bound(spec, config, max_sample_tokens)
     if spec.verify:
-        sample_tokens = sample_bound(spec, config, max_sample_tokens)
         return config_verdict(config, sample_tokens=sample_tokens, row_tokens=row_tokens)
+    # the table checked the type's default config on short samples: past a length field, nothing did
+    crossed = {
+        name: value
+        for name, value in length_fields(config).items()
+        if value < max(sample_tokens, row_tokens or 0)
+    }
+    if crossed:
+        listed = ", ".join(f"{name}={value}" for name, value in crossed.items())
+        raise ConfigError(
+            f"model.verify=false uses the supported table's verdict, made on a tiny {config.model_type} default "
+            f"config with short samples, but this run's samples of up to {sample_tokens} tokens"
+            + (f" in rows of {row_tokens}" if row_tokens else "")
+            + f" cross this config's length fields {listed}, which nothing checked; set model.verify=true (the "
+            "check at setup crosses each, once per config: cached)"
+        )
     logger.warning(
         "model.verify=false: this config's packed step is not checked against each sample alone; the "
         "supported table's verdict on the %s default config is used",
@@ -495,6 +519,22 @@ def norm_gradient_scale(config: PretrainedConfig) -> tuple[float, str] | None:
         f"{name}={eps:g} in the model config, which scales the norms' output and every gradient by about "
         f"{factor:.1e} (1e-6 is common)"
     )
+
+
+def logit_gradient_scale(config: PretrainedConfig) -> tuple[float, str] | None:
+    """How much the config's logit multiplier (Cohere's ``logit_scale``, 1 / Granite's
+    ``logits_scaling``: :func:`automodel.models.build.logit_transform`) scales every gradient, which
+    all pass through the logits, with the field named; None when it does not shrink them."""
+    scale = abs(logit_transform(config)["logit_scale"])
+    if scale >= 1:
+        return None
+    divisor = getattr(config, "logits_scaling", None)
+    field = (
+        f"logits_scaling={divisor:g}, which divides"
+        if divisor
+        else f"logit_scale={scale:g}, which multiplies"
+    )
+    return scale, f"{field} the logits and every gradient in the model config"
 
 
 def _numbers(node: Any, prefix: str = ""):

@@ -184,6 +184,7 @@ class ModelSpec:
         if self.config is not None:
             fields = dict(self.config)
             check_sizes(fields, "model.config")
+            check_dtype_field(fields, "model.config")
             try:
                 return AutoConfig.for_model(fields.pop("model_type"), **fields)
             except (StrictDataclassError, ValueError, TypeError, KeyError, AttributeError) as error:
@@ -205,14 +206,38 @@ class ModelSpec:
             where = f"config.json of model.pretrained_path={self.pretrained_path!r}"
             _refuse_own_model_class(document, path / "config.json")
             check_sizes(document, where)
+            check_dtype_field(document, where)
             check_architectures(document, where)
         try:
             return AutoConfig.from_pretrained(self.pretrained_path, trust_remote_code=self.trust_remote_code)
         except (OSError, ValueError, ArithmeticError, StrictDataclassError) as error:
+            text = " ".join(str(error).split())
+            if document is not None:  # a local checkpoint: the value in its config.json is what to fix
+                fix = ("write it as that type (128 for an int, 1.0 for a float)"
+                       if isinstance(error, StrictDataclassError) and "TypeError:" in text else "fix that value")  # fmt: skip
+                raise ValueError(
+                    f"model.pretrained_path={self.pretrained_path!r}: its config.json does not read ({text}); {fix} "
+                    f"in {path / 'config.json'}"
+                ) from None
             raise ValueError(
-                f"model.pretrained_path={self.pretrained_path!r}: cannot read its config ({error}); point it at a "
+                f"model.pretrained_path={self.pretrained_path!r}: cannot read its config ({text}); point it at a "
                 "local Hugging Face checkpoint directory or a hub id already in the local cache"
             ) from None
+
+
+def check_dtype_field(fields: dict, where: str) -> None:
+    """ValueError naming ``where`` when the config's ``dtype`` (or ``torch_dtype``) is not a torch
+    dtype's name (``float8_bogus`` was torch's AttributeError at the model build)."""
+    for key in ("dtype", "torch_dtype"):
+        value = fields.get(key)
+        if value is None or value == "auto" or isinstance(value, torch.dtype):
+            continue
+        name = str(value).removeprefix("torch.")
+        if not isinstance(getattr(torch, name, None), torch.dtype):
+            raise ValueError(
+                f"{key}={value!r} in {where} is not a torch dtype; write one such as 'bfloat16', 'float16' or "
+                "'float32', or remove it"
+            )
 
 
 def _config_document(file: Path) -> dict | None:

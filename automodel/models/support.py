@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import hmac
 import json
 import logging
 import os
@@ -163,11 +164,13 @@ def exactness_cache_dir() -> Path:
 # ---------------------------------------------------------------------------------------------
 # The exactness cache: its file format and how an entry is read. Nothing read from it is trusted:
 # an entry is used only when it binds exactly this check (config, lengths, versions, the check's
-# code) and its verdict is a well-formed acceptance; anything else is named in one warning line and
-# the check runs again.
+# code), its verdict is a well-formed acceptance, and it is signed with this user's key (an HMAC
+# with a random key only this user can read: an entry anyone else wrote, on a shared cache, is not
+# one this user's check wrote); anything else is named in one warning line and the check runs again.
 
-CACHE_FORMAT = 2
-_CACHE_KEYS = {"format", "binding", "verdict"}
+CACHE_FORMAT = 3
+_CACHE_KEYS = {"format", "binding", "verdict", "mac"}
+_KEY_BYTES = 32
 _VERDICT_KEYS = {"status", "features", "backends", "ignores", "max_error"}
 _MAX_ENTRY_BYTES = 1 << 24  # a config document is kilobytes; anything larger is not an entry
 
@@ -201,15 +204,78 @@ def cache_binding(checked: PretrainedConfig, lengths: tuple[int, ...]) -> dict:
 
 
 def cache_file_name(model_type: str, binding: dict) -> str:
+    """One file per config, lengths, versions and user (each user's entries are signed with their own
+    key: on a shared cache, users do not overwrite each other's)."""
     key = hashlib.sha256(json.dumps(binding, sort_keys=True).encode()).hexdigest()[:24]
-    return f"{model_type}-{key}.json"
+    return f"{model_type}-{key}-{os.getuid()}.json"
+
+
+def cache_key(directory: Path) -> bytes | None:
+    """This user's key for signing entries in ``directory``: ``.key-<uid>``, random bytes made once,
+    readable by this user only. None (with a warning naming the file, and no entry read or written)
+    when the file there is not that: another user's, readable by others, a link or not a regular
+    file: a key anyone else could read or have written signs nothing this user can trust."""
+    path = directory / f".key-{os.getuid()}"
+    try:
+        return _read_key(path)
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError) as error:
+        logger.warning(
+            "exactness cache key %s not used (%s): the check runs on every run and nothing is cached; remove "
+            "the file (a new key is made)",
+            path,
+            error,
+        )
+        return None
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        staging = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        descriptor = os.open(
+            staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600
+        )
+        with os.fdopen(descriptor, "w") as file:
+            file.write(os.urandom(_KEY_BYTES).hex())
+        try:
+            os.link(staging, path)  # never replaces: of two processes making it at once, the first's is kept
+        except FileExistsError:
+            pass
+        finally:
+            staging.unlink()
+        return _read_key(path)
+    except (OSError, ValueError) as error:  # an unwritable cache costs the next run the check, nothing else
+        logger.warning("exactness check not cached (%s): %s", path, error)
+        return None
+
+
+def _read_key(path: Path) -> bytes:
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(descriptor, "rb") as file:
+        status = os.fstat(descriptor)
+        if not stat.S_ISREG(status.st_mode):
+            raise ValueError(f"not a regular file (mode {stat.filemode(status.st_mode)})")
+        if status.st_uid != os.getuid():
+            raise ValueError(f"owned by uid {status.st_uid}, not this user's {os.getuid()}")
+        if status.st_mode & 0o077:
+            raise ValueError(f"mode {stat.filemode(status.st_mode)}: others may read it")
+        key = file.read(4 * _KEY_BYTES)
+    if len(key) != 2 * _KEY_BYTES:
+        raise ValueError(f"{len(key)} bytes, not a key of {2 * _KEY_BYTES} hex digits")
+    return key
+
+
+def _signature(key: bytes, entry: dict) -> str:
+    """The HMAC-SHA256 of an entry's format, binding and verdict under ``key``."""
+    message = json.dumps({k: entry[k] for k in ("format", "binding", "verdict")}, sort_keys=True, default=str)
+    return hmac.new(key, message.encode(), hashlib.sha256).hexdigest()
 
 
 def read_cached_verdict(path: Path, binding: dict) -> dict | None:
     """The verified verdict cached at ``path`` for exactly ``binding``; None when there is none (no
     word) or the file is not one (a warning naming it and why): not a regular file (a FIFO is never
     waited on), unreadable, not JSON, another format, bound to another config, lengths, version or
-    check code, or a verdict that is not a well-formed acceptance (a cached refusal included)."""
+    check code, a verdict that is not a well-formed acceptance (a cached refusal included), or not
+    signed with this user's key (:func:`cache_key`: written by anyone else)."""
     try:
         problem, entry = None, _read_entry(path)
     except FileNotFoundError:
@@ -218,6 +284,12 @@ def read_cached_verdict(path: Path, binding: dict) -> dict | None:
         problem, entry = str(error), None
     if problem is None:
         problem = _entry_problem(entry, binding)
+    if problem is None:
+        key = cache_key(path.parent)
+        if key is None:
+            return None
+        if not hmac.compare_digest(str(entry["mac"]), _signature(key, entry)):
+            problem = f"not signed with this user's key {path.parent / f'.key-{os.getuid()}'}: written by someone else"
     if problem is not None:
         logger.warning("exactness cache entry %s ignored (%s); checking this config again", path, problem)
         return None
@@ -287,11 +359,17 @@ def _first_difference(stored: object, wanted: object) -> str:
 
 
 def write_cached_verdict(path: Path, binding: dict, verdict: dict) -> None:
-    """``verdict`` (verified) written to ``path`` with its binding, atomically; a failure is a warning."""
+    """``verdict`` (verified) written to ``path`` with its binding, signed with this user's key
+    (:func:`cache_key`), atomically; a failure is a warning."""
+    key = cache_key(path.parent)
+    if key is None:
+        return
+    entry = {"format": CACHE_FORMAT, "binding": binding, "verdict": verdict}
+    entry["mac"] = _signature(key, entry)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         staging = path.with_suffix(f".{os.getpid()}.tmp")
-        staging.write_text(json.dumps({"format": CACHE_FORMAT, "binding": binding, "verdict": verdict}))
+        staging.write_text(json.dumps(entry))
         staging.replace(path)  # atomic: a reader sees a whole entry or none
     except OSError as error:  # an unwritable cache costs the next run the check, nothing else
         logger.warning("exactness check not cached (%s): %s", path, error)

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from automodel.config import ConfigError
-from automodel.errors import WriteError, write_failure
+from automodel.errors import Terminated, WriteError, write_failure
 from automodel.models.frozen_base import is_quantized
 
 logger = logging.getLogger(__name__)
@@ -353,15 +353,15 @@ class Checkpointer:
             torch.save(rng_state(), staging / f"rng_rank_{self.rank:05d}.pt")
             if self.rank == 0:
                 (staging / DATA).write_text(json.dumps(stream.state_dict()))
-        except (Exception, CheckpointException) as error:  # a full disk, in DCP's or torch.save's words
-            failed[0] = 1
+        except (Exception, CheckpointException, KeyboardInterrupt, Terminated) as error:  # a full disk, in
+            failed[0] = 1  # DCP's or torch.save's words, or a signal
             cause = _first_failure(error)
             if isinstance(
-                cause, KeyboardInterrupt
-            ):  # Ctrl-C (DCP wraps it): an interruption, not a full disk
+                cause, (KeyboardInterrupt, Terminated)
+            ):  # DCP wraps it: an interruption, not a full disk
                 if self.rank == 0:
                     shutil.rmtree(staging, ignore_errors=True)
-                raise KeyboardInterrupt(f"the checkpoint of step {step} was not written") from None
+                raise type(cause)(f"the checkpoint of step {step} was not written") from None
         dist.all_reduce(failed)
         if failed.item():
             needed = self._bytes_needed(model_state, optim_state)

@@ -154,6 +154,11 @@ class OptimConfig:
 MIN_MOVE = 1e-9
 
 
+# The settings' common values, to which the settings that may explain a run that cannot learn are
+# restored to find the ones that do (:func:`learning_checks`).
+COMMON_LR, COMMON_EPS = 1e-5, 1e-8
+
+
 def learning_checks(
     optim: OptimConfig, max_steps: int, gradient_scales: list[tuple[float, str]]
 ) -> list[str]:
@@ -163,30 +168,68 @@ def learning_checks(
     AdamW moves a weight by ``lr_t * m / (sqrt(v) + eps)`` per step: about ``lr_t`` while gradients
     exceed ``eps``, ``lr_t * g / eps`` below it. Gradients are at most ``optim.max_grad_norm`` (1
     unclipped) times the factors of ``gradient_scales`` ((factor, the setting and its fix): ``dpo.beta``,
-    ``peft.alpha / peft.rank``, a model norm's epsilon), and the warmup reaches
-    ``lr * max_steps / warmup_steps`` when longer than the run. The total move over the run is
-    bounded by the sum of the schedule times ``min(1, scale * max_grad / eps)``; below
-    :data:`MIN_MOVE` the run is refused naming each factor below 1 and its fix.
+    ``peft.alpha / peft.rank``, a model norm's epsilon, the logit scale, ``trainer.loss_divisor``,
+    ``kd.temperature``), and the warmup reaches ``lr * max_steps / warmup_steps`` when longer than the
+    run. The total move over the run is bounded by the sum of the schedule times
+    ``min(1, scale * max_grad / eps)``; below :data:`MIN_MOVE` the run is refused naming the settings
+    that explain it: the fewest which, set to their common values (``optim.lr`` :data:`COMMON_LR`,
+    ``optim.eps`` :data:`COMMON_EPS`, ``optim.max_grad_norm`` 1, a warmup within the run, the other
+    factors 1), bring the bound to :data:`MIN_MOVE` (the one that raises it most first).
 
-    Example: ``optim.eps=1e30``, lr 2e-3, clip 1.0, 3 steps: at most 3 * 2e-3 * 1 / 1e30 = 6e-33."""
+    Example: ``optim.eps=1e30``, lr 2e-3, clip 1.0, 3 steps: at most 3 * 2e-3 * 1 / 1e30 = 6e-33, and
+    ``optim.eps`` alone is named; ``optim.lr=1e-30`` with a warmup of 10 steps over 3 is blamed on
+    ``optim.lr`` alone (at lr 1e-5 that warmup still moves a weight by 6e-6)."""
     lr, warmup, eps = optim.lr, optim.warmup_steps, optim.eps
-    largest_gradient = optim.max_grad_norm or 1.0
-    scale = math.prod(factor for factor, _ in gradient_scales)
     reached = min(1.0, max_steps / warmup) if warmup else 1.0
     ramp = min(warmup, max_steps)  # schedule factors (t + 1) / warmup for the warmup steps, then at most 1
     schedule_sum = (ramp * (ramp + 1) / 2 / warmup if warmup else 0.0) + (max_steps - ramp)
-    shrink = min(1.0, scale * largest_gradient / eps)
-    shrinking = [(factor, text) for factor, text in gradient_scales if factor < 1]
-    if largest_gradient / eps < 1:
-        shrinking.append((largest_gradient / eps, f"optim.eps={eps:g} above the gradients (1e-8 is common)"))
-    shrunk_by = "; ".join(text for _, text in sorted(shrinking))
     late = f"optim.warmup_steps={warmup} > trainer.max_steps={max_steps} (warm up within the run)"
-    total = lr * schedule_sum * shrink
+    values = {"lr": lr, "schedule": schedule_sum, "eps": eps, "clip": optim.max_grad_norm or 1.0}
+    values.update({("scale", k): factor for k, (factor, _) in enumerate(gradient_scales)})
+    # (text, key, common value) of each setting below its common value: the candidates to explain
+    gradient_settings = [(text, ("scale", k), 1.0) for k, (f, text) in enumerate(gradient_scales) if f < 1]
+    if values["clip"] < 1:
+        text = (
+            f"optim.max_grad_norm={values['clip']:g}, which clips every gradient to that norm (1.0 is common)"
+        )
+        gradient_settings.append((text, "clip", 1.0))
+    if eps > COMMON_EPS:
+        gradient_settings.append(
+            (f"optim.eps={eps:g} above the gradients ({COMMON_EPS:g} is common)", "eps", COMMON_EPS)
+        )
+    settings = list(gradient_settings)
+    if lr < COMMON_LR:
+        settings.append((f"optim.lr={lr:g} (1e-5 to 1e-3 is common)", "lr", COMMON_LR))
+    if reached < 1:
+        settings.append((late, "schedule", float(max_steps)))
+
+    def shrink(restored: dict) -> float:
+        """``min(1, gradient / eps)``: the factor below ``lr_t`` of every step."""
+        v = {**values, **restored}
+        gradient = math.prod(v[("scale", k)] for k in range(len(gradient_scales))) * v["clip"]
+        return min(1.0, gradient / v["eps"])
+
+    def bound(restored: dict) -> float:
+        """The most AdamW can move a weight over the run."""
+        v = {**values, **restored}
+        return v["lr"] * v["schedule"] * shrink(restored)
+
+    def explaining(candidates: list, measure, enough: float) -> str:
+        """The fewest ``candidates`` whose restoring brings ``measure`` to ``enough``, greatest gain first."""
+        restored, named, remaining = {}, [], list(candidates)
+        while remaining and measure(restored) < enough:
+            best = max(remaining, key=lambda c: measure({**restored, c[1]: c[2]}))
+            restored[best[1]] = best[2]
+            named.append(best[0])
+            remaining.remove(best)
+        return "; ".join(named)
+
+    total = bound({})
     if total < MIN_MOVE:
-        causes = "; ".join(filter(None, [shrunk_by, late if reached < 1 else ""])) or f"optim.lr={lr:g}"
         raise ValueError(
             f"nothing can be learned: over trainer.max_steps={max_steps} steps AdamW can move a weight by at most "
-            f"{total:.1e} in all, below float32's resolution of a weight of 0.02 ({MIN_MOVE:g}), because of: {causes}"
+            f"{total:.1e} in all, below float32's resolution of a weight of 0.02 ({MIN_MOVE:g}), because of: "
+            f"{explaining(settings, bound, MIN_MOVE)}"
         )
     warnings = []
     if reached < 1:
@@ -194,10 +237,10 @@ def learning_checks(
             f"optim.warmup_steps={warmup} > trainer.max_steps={max_steps}: the LR schedule never reaches its peak "
             f"optim.lr={lr:g} (the last step uses {lr * reached:.3g}); set optim.warmup_steps <= {max_steps}"
         )
-    if shrink < 1:
+    if shrink({}) < 1:
         warnings.append(
-            f"every update is shrunk {1 / shrink:.3g}x below optim.lr (AdamW's step is lr * g / eps once gradients "
-            f"fall below optim.eps={eps:g}) by: {shrunk_by}"
+            f"every update is shrunk {1 / shrink({}):.3g}x below optim.lr (AdamW's step is lr * g / eps once gradients "
+            f"fall below optim.eps={eps:g}) by: {explaining(gradient_settings, shrink, 1.0)}"
         )
     return warnings
 
@@ -234,7 +277,8 @@ class TrainerConfig:
     loss_divisor: the constant of ``sum`` (e.g. the tokens a global batch holds); only with ``sum``.
     checkpoint_on_signal: on SIGTERM (a scheduler's preemption) or a first Ctrl-C, finish the
         step in flight, write a checkpoint and stop (exit code 143 or 130); a second signal stops
-        at once (:mod:`automodel.training.signals`). False: Python's default (killed at once).
+        at once (:mod:`automodel.training.signals`). False: stop at once on the first (one line, exit
+        143 or 130, no checkpoint of the step in flight).
     router_aux_scope: where a MoE class's router load-balancing loss (``output_router_logits``) takes
         its statistics: ``rank`` (each data-parallel rank's micro-batch, as the class computes it on
         its own batch; the step's term is their mean) or ``global`` (the micro-batches of all ranks
@@ -320,6 +364,14 @@ class TrainerConfig:
                 _is_real(self.loss_divisor) and self.loss_divisor > 0,
                 "trainer.loss_normalization=sum divides the summed loss by trainer.loss_divisor, which must be a "
                 f"finite positive number (e.g. the tokens of a global batch), got {self.loss_divisor!r}",
+            )
+            # a count of tokens: below 1 it multiplies the loss and every gradient (1e-30: the gradient
+            # norm overflows float32 at step 1)
+            _check(
+                self.loss_divisor >= 1,
+                f"trainer.loss_divisor={self.loss_divisor:g} is below 1: trainer.loss_normalization=sum divides the "
+                f"summed loss by it, so every gradient is {1 / self.loss_divisor:.3g}x the summed loss's; set it to "
+                "a count of tokens, about the label tokens of a global batch",
             )
         else:
             _check(

@@ -11,6 +11,7 @@ import contextlib
 import functools
 import logging
 import math
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from automodel.host_memory import limit_heap_retention
 from automodel.models import CausalLMForTraining, build_model, export_model
 from automodel.models.expert_parallel import expert_parallel_checks
 from automodel.models.inputs import model_inputs, padding_token_id
-from automodel.models.memory import available_memory, check_memory, memory_terms, model_sizes
+from automodel.models.memory import Term, available_memory, check_memory, memory_terms, model_sizes
 from automodel.models.parallelize import apply_fsdp, clip_grad_norm_
 from automodel.models.router_aux import RouterStatistics, combined, load_balancing_loss
 from automodel.models.setup import (
@@ -40,6 +41,7 @@ from automodel.models.setup import (
     checkpoint_checks,
     config_checks,
     length_checks,
+    logit_gradient_scale,
     norm_gradient_scale,
 )
 from automodel.models.spec import ModelSpec
@@ -100,14 +102,14 @@ class FinetuneRecipe:
         self._check_model_config()
         # settings under which no weight can move are refused; ones that shrink every update, a warning
         with _as_user_error(ConfigError):
-            scales = self._gradient_scales()
-            for warning in learning_checks(self.optim_config, self.trainer.max_steps, scales):
+            for warning in self._learning_checks():
                 logger.warning("%s", warning)
         # Lock, resume checks and the saved recipe: all before any data or model work.
         self.run_dir = RunDirectory(self.output_dir, self.dims.rank)
         run_id, resume_from = self.run_dir.prepare(
             self.cfg, self.trainer, self.dims.world_size, self.dims.dp_size
         )
+        self._resume_step = resume_from.step if resume_from else 0
         logger.info(
             "%s %s: %d steps, world %d = dp %d x cp %d%s on %s, %s; full config in %s",
             "resuming" if resume_from else "run",
@@ -209,6 +211,59 @@ class FinetuneRecipe:
     def _build_trained_model(self) -> None:
         with _as_user_error(ModelError, (ValueError, OSError)):
             self.model = self._build_model()
+        self._check_free_space()
+
+    def _check_free_space(self) -> None:
+        """ConfigError on every rank when ``trainer.output_dir``'s disk cannot hold what the run will
+        write there at once (its sizes are known once the model is built, before the data work): the
+        checkpoints kept plus the one being written (model state and AdamW's two moments) and the
+        export. A full disk was found at the first checkpoint or the export, after the training."""
+        problem = [None]
+        if self.dims.is_main:
+            problem[0] = self._free_space_problem()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(problem, src=0)
+        if problem[0] is not None:
+            raise ConfigError(problem[0])
+
+    def _free_space_problem(self) -> str | None:
+        parameters = list(self.model.parameters())
+        state = sum(
+            t.numel() * t.element_size() for t in self.model.state_dict().values()
+        )  # as DCP: tied twice
+        moments = sum(2 * p.numel() * p.element_size() for p in parameters if p.requires_grad)
+        checkpoint = state + moments
+        last, every, start = (
+            self.trainer.stop_at_step or self.trainer.max_steps,
+            self.trainer.checkpoint_every,
+            self._resume_step,
+        )
+        writes = sum(1 for s in range(start + 1, last + 1) if (every and s % every == 0) or s == last)
+        kept = len(list((self.output_dir / "checkpoints").glob("step_????????")))  # on disk already
+        at_once = max(1, min(self.trainer.keep_last + 1, kept + writes) - kept)
+        export = 0
+        if self.trainer.export_hf and last == self.trainer.max_steps:
+            dtype, _ = self.model_spec.export_torch_dtype(self.hf_config)
+            adapters_only = self.lora is not None and not self.lora.export_merged
+            export = sum(
+                p.numel() * (p.element_size() if adapters_only else dtype.itemsize)
+                for name, p in self.model.named_parameters()
+                if (".lora_" in name) == adapters_only
+            )
+        needed = at_once * checkpoint + export
+        where = next(p for p in (self.output_dir, *self.output_dir.parents) if p.exists())
+        free = shutil.disk_usage(where).free
+        if needed <= free:
+            return None
+        gib = lambda n: f"{n / 2**30:.3g} GiB"  # noqa: E731
+        return (
+            f"trainer.output_dir={str(self.output_dir)!r} has {gib(free)} free, and this run writes up to "
+            f"{gib(needed)} there: {at_once} checkpoint(s) of {gib(checkpoint)} at once (trainer.keep_last="
+            f"{self.trainer.keep_last} and the one being written)"
+            + (f" and an export of {gib(export)}" if export else "")
+            + "; free space, point trainer.output_dir at a larger disk, or lower trainer.keep_last"
+            + (" or set trainer.export_hf=false" if export else "")
+        )
 
     def _check_model_config(self) -> None:
         """Before anything is written: the model config, and the differential check on it
@@ -262,29 +317,47 @@ class FinetuneRecipe:
     def _check_memory(self) -> None:
         """The least memory this run needs per rank (:mod:`automodel.models.memory`) against the
         machine's, from the config's sizes as given: before transformers builds anything from them."""
+        check_memory(
+            self._memory_terms(),
+            available_memory(self.dims.device),
+            "lower the sizes it names (model.config or config.json of model.pretrained_path, packing, "
+            "trainer.grad_accum_steps, peft.rank, kd.teacher's config.json), or spread the run over more ranks "
+            "(FSDP2 shards the state)",
+        )
+
+    def _memory_terms(self) -> list[Term]:
+        """The parts of :meth:`_check_memory`'s estimate: the trained model's."""
         fields = self.model_spec.config_fields()
         if fields is None:
-            return
-        row = self._length_bounds()[1]  # the longest micro-batch row, in tokens
-        terms = memory_terms(
+            return []
+        return memory_terms(
             model_sizes(fields),
             dtype_bytes=self.model_spec.torch_dtype.itemsize,
             shards=self.dims.world_size,
-            tokens=row,
+            tokens=self._length_bounds()[1],  # the longest micro-batch row, in tokens
             micro_batches=self.trainer.grad_accum_steps,
             lora=self.lora,
         )
-        check_memory(
-            terms,
-            available_memory(self.dims.device),
-            "lower the sizes it names (model.config or config.json of model.pretrained_path, packing, "
-            "trainer.grad_accum_steps, peft.rank), or spread the run over more ranks (FSDP2 shards the state)",
-        )
+
+    def _learning_checks(self) -> list[str]:
+        """Refuse settings under which the run learns nothing; warnings for ones that shrink it."""
+        return learning_checks(self.optim_config, self.trainer.max_steps, self._gradient_scales())
 
     def _gradient_scales(self) -> list[tuple[float, str]]:
         """The settings that scale every gradient of the objective (:func:`learning_checks`): the model
-        norms' epsilon, LoRA's ``alpha / rank``."""
-        scales = [scale] if (scale := norm_gradient_scale(self.hf_config)) else []
+        norms' epsilon, the logit scale, LoRA's ``alpha / rank``, ``trainer.loss_divisor``."""
+        scales = [s for s in (norm_gradient_scale(self.hf_config), logit_gradient_scale(self.hf_config)) if s]
+        if self.trainer.loss_normalization == "sum":
+            # sum(l_t) / divisor: the token mean's gradient times (label tokens of the step) / divisor
+            _, row_tokens = self._length_bounds()
+            if row_tokens is not None:
+                tokens = row_tokens * self.trainer.grad_accum_steps * self.dims.dp_size
+                divisor = self.trainer.loss_divisor
+                scales.append((
+                    tokens / divisor,
+                    f"trainer.loss_divisor={divisor:g} with at most {tokens:,} label tokens a step (set it to "
+                    "about the label tokens of a global batch)",
+                ))  # fmt: skip
         if self.lora is not None:
             scales.append((
                 self.lora.alpha / self.lora.rank,

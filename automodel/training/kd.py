@@ -40,6 +40,7 @@ from automodel.data.sft import load_tokenizer
 from automodel.errors import ModelError
 from automodel.loss import DIVERGENCES, TeacherHead
 from automodel.models import CausalLMForTraining, build_model
+from automodel.models.memory import Term, frozen_model_terms, model_sizes
 from automodel.models.parallelize import apply_fsdp
 from automodel.models.setup import checkpoint_checks, config_checks
 from automodel.models.spec import ModelSpec
@@ -51,6 +52,10 @@ logger = logging.getLogger("automodel")
 BASE = "base"
 # tau^2 scales the divergence: beyond this the step-1 gradient of a float32 loss overflows
 MAX_TEMPERATURE = 100.0
+# float32's relative resolution (2**-24): a term of a sum smaller than this share changes no bit of it
+FLOAT32_RESOLUTION = 2.0**-24
+# below this share of the gradient the divergence is a warning: the run is close to cross-entropy alone
+FAINT_DIVERGENCE = 1e-2
 
 
 @dataclass
@@ -106,6 +111,35 @@ class KDConfig:
             raise ValueError(f"kd.kd_weight must be a number in [0, 1], got {self.kd_weight!r}")
         if not isinstance(self.shard_teacher, bool):
             raise ValueError(f"kd.shard_teacher must be true or false, got {self.shard_teacher!r}")
+
+    def temperature_scale(self) -> float:
+        """How much ``tau`` scales the divergence's gradient: ``tau^2 * KL`` at temperature ``tau`` has
+        gradient ``tau * (p_student - p_teacher)`` in the student's logits, each term in [-1, 1], so ``tau``
+        below 1 shrinks it (above 1 it tends to ``z - y`` over the vocabulary, Hinton et al.'s limit)."""
+        return min(1.0, self.temperature)
+
+    def divergence_checks(self) -> list[str]:
+        """Beside the cross-entropy (``kd_weight`` < 1) the divergence's gradient is at most
+        ``kd_weight * min(1, tau)`` against the cross-entropy's ``1 - kd_weight``: refuse (ValueError) a
+        ratio below float32's resolution (adding it changes no bit of the gradient: the run is
+        cross-entropy alone), warn below :data:`FAINT_DIVERGENCE`."""
+        if self.kd_weight in (0, 1):  # one term: the learning check bounds it (the temperature scale)
+            return []
+        ratio = self.kd_weight * self.temperature_scale() / (1 - self.kd_weight)
+        settings = f"kd.temperature={self.temperature:g} with kd.kd_weight={self.kd_weight:g}"
+        if ratio < FLOAT32_RESOLUTION:
+            raise ValueError(
+                f"{settings}: the divergence's gradient is at most {ratio:.1e} times the cross-entropy's, below "
+                f"float32's resolution ({FLOAT32_RESOLUTION:.1e}): the run would train on cross-entropy alone at "
+                f"weight {1 - self.kd_weight:g}; set kd.temperature in [1, 4] (tau^2 * KL's gradient is about tau "
+                "times the logits' below tau = 1)"
+            )
+        if ratio < FAINT_DIVERGENCE:
+            return [
+                f"{settings}: the divergence's gradient is at most {ratio:.1e} times the cross-entropy's, so the run "
+                f"is close to cross-entropy alone; kd.temperature in [1, 4] is common"
+            ]
+        return []
 
 
 def teacher_spec(student: ModelSpec, teacher: str) -> ModelSpec:
@@ -168,6 +202,43 @@ class KDRecipe(FinetuneRecipe):
             None if self.kd.teacher == BASE else teacher_spec(self.model_spec, self.kd.teacher)
         )
 
+    def _memory_terms(self) -> list[Term]:
+        """The student's parts and the teacher's weights (frozen: no gradient or optimizer state)."""
+        terms = super()._memory_terms()
+        if self.teacher_spec is None:
+            return terms
+        with _teacher_error(self.kd.teacher):
+            fields = self.teacher_spec.config_fields()
+        if fields is None:
+            return terms
+        shards = self.dims.world_size if self.kd.shard_teacher else 1
+        return terms + frozen_model_terms(
+            model_sizes(fields),
+            dtype_bytes=self.teacher_spec.torch_dtype.itemsize,
+            shards=shards,
+            who=f"the teacher kd.teacher={self.kd.teacher!r}"
+            + (
+                " (kd.shard_teacher=false: a full copy per rank)"
+                if shards == 1 and self.dims.world_size > 1
+                else ""
+            ),
+        )
+
+    def _gradient_scales(self) -> list[tuple[float, str]]:
+        """With ``kd.kd_weight=1`` the divergence is the whole objective: ``tau`` below 1 scales every
+        gradient (:meth:`KDConfig.temperature_scale`)."""
+        scales = super()._gradient_scales()
+        if self.kd.kd_weight == 1 and self.kd.temperature_scale() < 1:
+            scales.append((
+                self.kd.temperature_scale(),
+                f"kd.temperature={self.kd.temperature:g} with kd.kd_weight=1 (tau^2 * KL's gradient is about tau "
+                "times the logits'; 1 to 4 is common)",
+            ))  # fmt: skip
+        return scales
+
+    def _learning_checks(self) -> list[str]:
+        return [*super()._learning_checks(), *self.kd.divergence_checks()]
+
     def _check_model_config(self) -> None:
         super()._check_model_config()
         if self.teacher_spec is None:
@@ -207,8 +278,10 @@ class KDRecipe(FinetuneRecipe):
                 theirs, ours, self.kd_vocab, self.kd_vocab,
             )  # fmt: skip
 
-    def setup(self) -> None:
-        super().setup()
+    def _build_trained_model(self) -> None:
+        """The student, then the teacher: both before the data work (a NaN in the teacher's weights was
+        found after tokenizing and packing)."""
+        super()._build_trained_model()
         self.teacher = None
         if self.teacher_spec is None:
             logger.info("KD teacher: the student's base, LoRA adapters disabled (no copy of the weights)")

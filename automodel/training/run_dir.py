@@ -29,6 +29,7 @@ from filelock import FileLock, Timeout
 from omegaconf import DictConfig, OmegaConf
 
 from automodel.config import SECTIONS, ConfigError
+from automodel.errors import removed_if_interrupted
 from automodel.training.checkpoint import (
     META,
     Checkpointer,
@@ -145,7 +146,7 @@ def write_atomic(file: Path, text: str) -> None:
     """``file`` holds ``text`` or its previous content, never a part: written beside it, flushed to
     disk, then renamed over it (a full disk or a kill leaves the old file and a stray ``.tmp``)."""
     staging = file.with_name(file.name + ".tmp")
-    with open(staging, "w") as f:
+    with removed_if_interrupted(staging), open(staging, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
@@ -256,6 +257,8 @@ class RunDirectory:
             verify_checkpoint(latest.path)  # nothing in it is unpickled unchecked, and a bad file stops here
             self._check_resume(cfg, trainer, latest, world_size, dp_size)
         else:
+            if trainer.resume == "auto" and run_id is not None:
+                self._refuse_damaged_checkpoints(run_id)
             # Checkpoints with a meta.json belong to a run; a fresh run must not mix its own with them.
             others = [
                 p.name for p in Checkpointer(self.path, 1, 0, 1, "").step_dirs() if (p / META).is_file()
@@ -281,6 +284,31 @@ class RunDirectory:
             write_atomic(saved_run, json.dumps({"run_id": run_id}))
         write_atomic(self.path / RECIPE, OmegaConf.to_yaml(cfg))
         return run_id, latest
+
+    def _refuse_damaged_checkpoints(self, run_id: str) -> None:
+        """ConfigError when this run has checkpoints none of which can be resumed from: they are named
+        with what is wrong (they were called another run's, with the advice to set
+        ``trainer.overwrite=true``, which deletes them)."""
+        damaged = []
+        for path in Checkpointer(self.path, 1, 0, 1, "").step_dirs():
+            if not (path / META).is_file():
+                continue
+            try:
+                owner = json.loads((path / META).read_text()).get("run_id", run_id)
+            except (OSError, ValueError, AttributeError):
+                owner = run_id  # its meta.json does not read: in this run's directory, it is this run's
+            if owner != run_id:
+                continue
+            try:
+                read_info(path)
+            except (ValueError, KeyError, TypeError) as error:
+                damaged.append(f"{path.name}: {error}")
+        if damaged:
+            raise ConfigError(
+                f"trainer.output_dir={str(self.path)!r} holds checkpoints of this run (run.json's id {run_id}) that "
+                f"cannot be resumed from ({'; '.join(damaged)[:400]}); restore them from a copy to resume, or "
+                "delete those step directories to start this run again from step 0 in this directory"
+            )
 
     def _saved_run_id(self) -> str:
         """``run.json``'s run id; ConfigError naming the file and the ways out when it is damaged (a

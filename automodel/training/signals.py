@@ -5,17 +5,18 @@ during training does not kill the run. The first one is recorded; the step in fl
 the step boundary every rank learns whether any rank was signalled (one flag all-reduced over the
 CPU group), so all ranks stop after the same step; a checkpoint is written and logged, and the run
 ends with :class:`TrainingStopped` (the CLI exits with ``128 + the signal``: 143 for SIGTERM, 130 for
-SIGINT). A second signal stops at once (SIGTERM's default action; KeyboardInterrupt for SIGINT).
+SIGINT). A second signal stops at once (:class:`~automodel.errors.Terminated` for SIGTERM,
+KeyboardInterrupt for SIGINT: the CLI's one line, exit 143 or 130).
 The same signal again within :data:`REPEAT_WINDOW_S` counts once: torchrun forwards the SIGTERM or
 Ctrl-C it gets to every worker, which a scheduler or the terminal has often signalled already.
 
-``trainer.checkpoint_on_signal=false`` leaves Python's default handling.
+``trainer.checkpoint_on_signal=false`` stops at once on the first signal, as outside the training loop
+(:func:`automodel.errors.sigterm_raises`).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 import time
@@ -23,6 +24,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from automodel.errors import Terminated
 
 logger = logging.getLogger("automodel")
 
@@ -87,8 +90,7 @@ class StopOnSignal:
         self.__exit__()
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
+        raise Terminated()
 
     def agreed(self) -> int | None:
         """The signal any rank received (the largest number if several), the same on every rank; None

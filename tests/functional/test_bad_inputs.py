@@ -246,7 +246,7 @@ RECIPE_CASES = [
     ),
     (
         ["+model.config.dtype=float8_bogus"],
-        "model.config: AttributeError: module 'torch' has no attribute 'float8_bogus'; fix",
+        "dtype='float8_bogus' in model.config is not a torch dtype; write one such as 'bfloat16'",
     ),
     (
         ["parallel.timeout_minutes=1e30"],
@@ -258,6 +258,30 @@ RECIPE_CASES = [
     (["model.config.rms_norm_eps=1e30"], "rms_norm_eps=1e+30 in the model config, which scales"),
     (["optim.warmup_steps=1000000000000"], "optim.warmup_steps=1000000000000 > trainer.max_steps=2"),
     (["+peft=lora", "peft.alpha=1e-30"], "peft.alpha=1e-30 / peft.rank=8"),
+    # opaque before: Hydra's "cannot read '3' unquoted" for a key's non-ASCII letter, a TypeError of dict(),
+    # datasets' "Unrecognized instruction format", '' read as the current directory, "Error merging override"
+    (
+        ["trainér.max_steps=3"],
+        "unknown key 'trainér.max_steps' (no 'trainér' in the recipe); did you mean 'trainer'?",
+    ),
+    (
+        ["data.columns=[prompt,completion]"],
+        "data.columns=['prompt', 'completion'] for source 'tiny_sft': a mapping",
+    ),
+    (["data.split='train[:abc]'"], "data.split='train[:abc]': not a split"),
+    (["data.tokenizer=''"], "data.tokenizer='' is empty: name a tokenizer directory"),
+    # blamed on optim.warmup_steps (20 > max_steps 2), which no value fixes; a clip blamed on optim.eps
+    (["optim.lr=1e-30"], "because of: optim.lr=1e-30 (1e-5 to 1e-3 is common)"),
+    (["optim.max_grad_norm=1e-30"], "because of: optim.max_grad_norm=1e-30, which clips every gradient"),
+    # loss ~1e-27 and grad norm 0 at every step, exit 0; and a grad norm of inf at step 1 blamed on optim.lr
+    (
+        ["trainer.loss_normalization=sum", "trainer.loss_divisor=1e30"],
+        "because of: trainer.loss_divisor=1e+30 with at most 512 label tokens a step",
+    ),
+    (
+        ["trainer.loss_normalization=sum", "trainer.loss_divisor=1e-30"],
+        "trainer.loss_divisor=1e-30 is below 1",
+    ),
     # the NaN at step 1 was blamed on optim.lr
     (["optim.weight_decay=1e9"], "optim.weight_decay=1000000000.0 with optim.lr=0.002: AdamW multiplies"),
     # model types the differential check refused, and a feature the backend lacks (supported.json)
@@ -279,6 +303,52 @@ def test_a_bad_recipe_value_fails_naming_the_field_before_any_data_work(
     with pytest.raises(ConfigError) as error:
         run(load_recipe("tiny_llama_sft", [*FAST, f"trainer.output_dir={tmp_path}", *overrides]))
     assert field in str(error.value), str(error.value)
+    assert data_work == []
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        # the divergence vanished (exit 0): the run was cross-entropy at half weight
+        (
+            ["kd.temperature=1e-30"],
+            "kd.temperature=1e-30 with kd.kd_weight=0.5: the divergence's gradient is at",
+        ),
+        (["kd.temperature=1e-30", "kd.kd_weight=1"], "because of: kd.temperature=1e-30 with kd.kd_weight=1"),
+    ],
+)
+def test_a_distillation_term_that_cannot_count_is_refused(tmp_path, data_work, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        run(load_recipe("tiny_llama_kd", [*FAST, f"trainer.output_dir={tmp_path}", "+peft=lora", "kd.teacher=base",
+                                          *overrides]))  # fmt: skip
+    assert data_work == []
+
+
+def test_a_nan_in_the_teachers_weights_is_named_before_any_data_work(tmp_path, data_work):
+    """The student's NaN was found before tokenizing and packing, the teacher's after."""
+    teacher = _checkpoint_dir(tmp_path, "nan")
+    for file in TINY_TOKENIZER_DIR.iterdir():
+        shutil.copy(file, teacher)
+    with pytest.raises(ConfigError, match=rf"kd.teacher='{teacher}' \(the teacher\): .*"
+                       r"model.layers.1.mlp.down_proj.weight.*NaN"):  # fmt: skip
+        run(load_recipe("tiny_llama_kd", [*FAST, f"trainer.output_dir={tmp_path / 'run'}", f"kd.teacher={teacher}",
+                                          "data.tokenizer=tiny"]))  # fmt: skip
+    assert data_work == []
+
+
+def test_a_teacher_no_machine_holds_is_named_at_setup(tmp_path, data_work):
+    """Was "truncated or corrupt: copy the checkpoint again" when its weights could not be mapped."""
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    fields = dict(load_recipe("tiny_llama_sft").model.config)
+    (teacher / "config.json").write_text(json.dumps({**fields, "intermediate_size": 10**12}))
+    with pytest.raises(ConfigError, match=rf"the largest part: the teacher kd.teacher='{teacher}': "
+                       r"[\d,]+ parameters \(.*intermediate_size=1000000000000"):  # fmt: skip
+        run(
+            load_recipe(
+                "tiny_llama_kd", [*FAST, f"trainer.output_dir={tmp_path / 'run'}", f"kd.teacher={teacher}"]
+            )
+        )
     assert data_work == []
 
 
@@ -413,6 +483,12 @@ FILE_CASES = {
         "['model.layers.0.self_attn.q_norm.weight']"),
     "packing.cache_dir that is a file": (
         lambda t: [f"packing.cache_dir={_file(t / 'cache', b'')}"], "packing.cache_dir='"),
+    # torch's AttributeError at the build; "point it at a local Hugging Face checkpoint directory" for one that is
+    "dtype float8_bogus in config.json": (lambda t: _checkpoint(t, "good", dtype="float8_bogus"),
+                                          "dtype='float8_bogus' in config.json of model.pretrained_path="),
+    "a string hidden_size in config.json": (
+        lambda t: _checkpoint(t, "good", hidden_size="128"),
+        "expected int, got str (value: '128')); write it as that type (128 for an int, 1.0 for a float) in "),
     # trained as Gemma (step-1 loss 6.0630, not 5.7807): Llama's names and shapes, another norm and embedding scale
     "model_type gemma over Llama weights": (
         lambda t: _checkpoint(t, "good", model_type="gemma"),
@@ -429,6 +505,30 @@ def test_a_bad_file_fails_naming_it_before_any_data_work(tmp_path, data_work, ca
         run(load_recipe("tiny_llama_sft", [*FAST, f"trainer.output_dir={tmp_path / 'run'}", *overrides]))
     assert named in str(error.value), str(error.value)
     assert data_work == []
+
+
+def test_a_recipe_including_itself_and_dpo_with_single_sample_packing_are_one_line(tmp_path):
+    """Were Python's RecursionError, and "unknown key 'packing.pairs_per_micro_batch'"."""
+    (tmp_path / "loop.yaml").write_text("defaults:\n  - loop\n  - _self_\n")
+    with pytest.raises(ConfigError, match=r"recipe loop.yaml: its defaults list includes itself"):
+        load_recipe(str(tmp_path / "loop.yaml"))
+    with pytest.raises(
+        ConfigError, match="the dpo objective trains on preference pairs, which packing=preference"
+    ):
+        load_recipe("tiny_llama_dpo", ["packing=bfd"])
+    with pytest.raises(ConfigError, match=r"override 'data.sources=\{a: \{source: tiny_sft\}\}': data.sources is a "
+                       r"list in the recipe \(its first entry \{"):  # was Hydra's "Error merging override"  # fmt: skip
+        load_recipe(
+            "tiny_llama_sft", ["data=mix", "data.tokenizer=tiny", "data.sources={a: {source: tiny_sft}}"]
+        )
+
+
+def test_a_header_only_csv_is_named_as_such(tmp_path):
+    """Was 'cannot be read as csv (Instruction "train" corresponds to no data!)'."""
+    (tmp_path / "data.csv").write_text("prompt,completion\n")
+    with pytest.raises(DataError, match=rf"^{tmp_path / 'data.csv'} holds no row \(only its header"):
+        run(load_recipe("tiny_llama_sft", [*FAST, f"trainer.output_dir={tmp_path / 'run'}",
+                                           f"data.source={tmp_path / 'data.csv'}"]))  # fmt: skip
 
 
 def test_a_recipe_path_must_be_a_yaml_file(tmp_path):
@@ -482,6 +582,8 @@ def _collated(**change) -> dict:
 CU = torch.tensor([0, 4, 8], dtype=torch.int32)
 FUNCTION_CASES = [
     # (call, error class, field named)
+    # a dict (one row) was iterated as rows: "row 0 lacks seq_lens but row 3 has them"
+    (lambda: packed_sequence_thd_collater(_pack()), TypeError, "takes a list of rows (dicts), got a dict"),
     (lambda: pack_dataset(_rows(3, 4), "train", 0), ValueError, "packed_sequence_size"),
     (lambda: pack_dataset(_rows(3, 4), "train", 8, cp_size=0), ValueError, "cp_size"),
     (lambda: pack_dataset(_rows(3, 4), "train", 10, cp_size=2), ValueError, "packed_sequence_size"),
@@ -787,6 +889,25 @@ def test_damaged_or_edited_run_files_are_named_with_the_way_out(tmp_path):
         run(load_recipe("tiny_llama_sft", more_steps))
 
 
+def test_a_damaged_checkpoint_of_this_run_is_not_called_another_runs(tmp_path, data_work):
+    """Was "holds the checkpoints ['step_00000002'] of another run ...; set trainer.overwrite=true to delete
+    that run's outputs": the way out deleted the run's own checkpoint."""
+    recipe = [*FAST, f"trainer.output_dir={tmp_path}", "trainer.checkpoint_every=2"]
+    run(load_recipe("tiny_llama_sft", recipe))
+    meta = tmp_path / "checkpoints" / "step_00000002" / "meta.json"
+    meta.write_text(meta.read_text()[:40])  # cut, as a full disk would
+    data_work.clear()
+    with pytest.raises(ConfigError) as error:
+        run(load_recipe("tiny_llama_sft", recipe))
+    message = str(error.value)
+    run_id = json.loads((tmp_path / "run.json").read_text())["run_id"]
+    assert (
+        f"holds checkpoints of this run (run.json's id {run_id}) that cannot be resumed from (step_00000002: "
+        in message
+    )
+    assert "another run" not in message and "overwrite" not in message and data_work == []
+
+
 def test_run_files_are_written_whole_or_not_at_all(tmp_path):
     """write_atomic: a write that fails part-way leaves the previous content, not a cut file."""
     from automodel.training.run_dir import write_atomic
@@ -1069,6 +1190,33 @@ def test_a_full_disk_during_the_export_is_one_line_with_the_bytes_and_the_way_ou
     assert not (tmp_path / "run" / "hf").exists() and not (tmp_path / "run" / "hf.tmp").exists()
 
 
+def test_a_disk_too_small_for_the_checkpoints_and_export_is_named_before_any_data_work(
+    tmp_path, monkeypatch, data_work
+):
+    """A full disk was found at the first checkpoint or at the export, after the training. The tiny
+    Llama's float32 parameters: a checkpoint holds them (the tied head a second time, as DCP writes it)
+    and AdamW's two moments; its real size is 10,832,270 bytes with the RNG states and metadata."""
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(
+        shutil, "disk_usage", lambda path: usage._replace(free=10**6)
+    )  # a disk with 1 MB free
+    with pytest.raises(ConfigError) as error:
+        run(
+            load_recipe(
+                "tiny_llama_sft", [*FAST, f"trainer.output_dir={tmp_path / 'run'}", "trainer.export_hf=true"]
+            )
+        )
+    parameters = 851_968 + 9 * 128  # the embeddings (tied), layers and the norms of hidden_size 128
+    checkpoint, export = 3 * 4 * parameters + 4 * 512 * 128, 4 * parameters
+    assert str(error.value) == (
+        f"trainer.output_dir='{tmp_path / 'run'}' has 0.000931 GiB free, and this run writes up to "
+        f"{(checkpoint + export) / 2**30:.3g} GiB there: 1 checkpoint(s) of {checkpoint / 2**30:.3g} GiB at once "
+        f"(trainer.keep_last=2 and the one being written) and an export of {export / 2**30:.3g} GiB; free space, "
+        "point trainer.output_dir at a larger disk, or lower trainer.keep_last or set trainer.export_hf=false"
+    )
+    assert data_work == []
+
+
 def test_a_write_the_filesystem_refuses_mid_run_is_one_line_with_the_way_out(tmp_path, capsys):
     """A file size limit (as a full disk would) while the pack cache is written, after setup: was a traceback."""
     from automodel.cli import main
@@ -1093,12 +1241,54 @@ def test_a_write_the_filesystem_refuses_mid_run_is_one_line_with_the_way_out(tmp
         signal.signal(signal.SIGXFSZ, previous)
     err = capsys.readouterr().err
     assert code == 1
-    assert (
-        "automodel finetune: File too large (--debug shows the traceback): raise the file size limit (ulimit -f), "
-        "then run the same command again" in err
+    # the pack cache's entry named (was "File too large" alone)
+    assert re.search(
+        rf"automodel finetune: could not write the pack cache entry {tmp_path / 'cache'}/packed-\w+ \(File too "
+        r"large\): raise the file size limit \(ulimit -f\), then run the same command again",
+        err,
     ), err
+    assert not list((tmp_path / "cache").glob("tmp-*"))
     assert "Traceback" not in err
     assert not list((tmp_path / "run").glob("checkpoints/*"))
+
+
+@pytest.mark.parametrize("where", ["token cache", "tokenize"])
+def test_a_refused_write_under_a_token_cache_or_output_names_that_not_the_output_dir(tmp_path, capsys, where):
+    """A file size limit (as a full disk would) under data.cache_dir, or under automodel tokenize's
+    OUTPUT: was 'free space or point trainer.output_dir (and packing.cache_dir) elsewhere'."""
+    from automodel.cli import main
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"document {i} " + "hello world " * 30 + "\n\n" for i in range(2000)))
+    command = (
+        ["finetune", "tiny_llama_pretrain", "trainer.max_steps=1", "trainer.progress_bar=false",
+         "trainer.export_hf=false", f"trainer.output_dir={tmp_path / 'run'}", f"data.source={corpus}",
+         f"data.cache_dir={tmp_path / 'tokens'}", "data.num_proc=null"]
+        if where == "token cache"
+        else ["tokenize", str(corpus), str(tmp_path / "out.tokens")]
+    )  # fmt: skip
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(
+        resource.RLIMIT_FSIZE, (60_000, limits[1])
+    )  # the run files fit; the token file does not
+    try:
+        code = main(command)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, previous)
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err and "trainer.output_dir" not in err, err
+    if where == "token cache":
+        assert f"could not write the token cache entry {tmp_path / 'tokens'}" in err, err
+        assert not list((tmp_path / "tokens").glob("tmp-*"))
+    else:
+        assert (
+            f"automodel tokenize: could not write the token file {tmp_path / 'out.tokens'} (File too large)"
+            in err
+        )
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt"]
+    assert "raise the file size limit (ulimit -f), then run the same command again" in err, err
 
 
 TOKENIZE_FOR_A_WHILE = """
@@ -1411,3 +1601,19 @@ def test_a_frozen_rank_is_named_by_the_ranks_that_answer(tmp_path):
         output,
     ), output[-4000:]
     assert "Traceback" not in output, output[-4000:]
+
+
+def test_an_address_space_limit_far_below_the_run_is_one_line(tmp_path):
+    """Under ulimit -v of 1 GB the run ended in a traceback (or SIGABRT, no message)."""
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_AS, (10**9, resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+    result = subprocess.run(
+        [sys.executable, "-m", "automodel", "finetune", "tiny_llama_sft", *FAST, f"trainer.output_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=300, preexec_fn=limited,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "automodel finetune: out of memory: " in result.stderr, result.stderr[-3000:]
+    assert "(ulimit -v 976562 KiB): raise the limit" in result.stderr and "Traceback" not in result.stderr

@@ -152,13 +152,18 @@ def test_a_second_signal_stops_at_once(tmp_path):
     ]
 
 
-def test_checkpoint_on_signal_false_keeps_the_default(tmp_path):
+def test_checkpoint_on_signal_false_stops_at_once(tmp_path):
+    """Was killed by the signal's default action: exit -15, no word."""
     output_dir = tmp_path / "run"
     run = Run(output_dir, "trainer.export_hf=false", "trainer.checkpoint_on_signal=false")
     run.wait_for("step 5/16")
     os.kill(run.process.pid, signal.SIGTERM)
-    assert run.finish() == -signal.SIGTERM
+    assert run.finish() == 143, run.output[-4000:]
     assert newest_checkpoint(output_dir) == 4
+    assert "automodel finetune: stopped by SIGTERM; nothing half-written is left" in run.output, run.output[
+        -4000:
+    ]
+    assert "Traceback" not in run.output
 
 
 def test_under_torchrun_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
@@ -186,9 +191,12 @@ def test_under_torchrun_a_signal_to_one_rank_stops_every_rank_after_the_same_ste
     assert [r[0] for r in steps_of(output_dir)] == list(range(1, 17))
 
 
-def test_ctrl_c_while_tokenizing_is_one_line_not_a_multiprocess_traceback(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_tokenizing_is_one_line_not_a_multiprocess_traceback(tmp_path, signum):
     """The terminal's Ctrl-C reaches the whole process group: each ``data.num_proc`` worker printed a
-    KeyboardInterrupt traceback and the run ended in datasets' ``multiprocess`` TimeoutError (or hung)."""
+    KeyboardInterrupt traceback and the run ended in datasets' ``multiprocess`` TimeoutError (or hung).
+    A scheduler's SIGTERM of the group ended it with exit -15 and no word (and, once this process
+    handled it, a worker killed holding the task queue's lock left the pool's cleanup waiting forever)."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(f"line {i} " + "hello world " * 20 + "\n" for i in range(300_000)))
     text = ["data=text", f"data.source={corpus}", "data.tokenizer=tiny", "data.num_proc=2"]
@@ -199,9 +207,10 @@ def test_ctrl_c_while_tokenizing_is_one_line_not_a_multiprocess_traceback(tmp_pa
         assert run.process.poll() is None and time.monotonic() < deadline, run.output[-4000:]
         time.sleep(0.02)
     time.sleep(0.5)
-    os.killpg(run.process.pid, signal.SIGINT)  # as a terminal does
-    assert run.finish(timeout=120) == 130, run.output[-4000:]
-    assert "automodel finetune: interrupted (while tokenizing)" in run.output, run.output[-4000:]
+    os.killpg(run.process.pid, signum)  # as a terminal, or a scheduler, does
+    assert run.finish(timeout=120) == 128 + signum, run.output[-4000:]
+    what = "interrupted" if signum == signal.SIGINT else "stopped by SIGTERM"
+    assert f"automodel finetune: {what} (while tokenizing)" in run.output, run.output[-4000:]
     for text in ("Traceback", "TimeoutError", "KeyboardInterrupt"):
         assert text not in run.output, run.output[-4000:]
 
@@ -251,3 +260,69 @@ def test_ctrl_c_during_a_checkpoint_write_is_not_reported_as_a_full_disk(tmp_pat
     else:
         assert newest_checkpoint(output_dir) == 0
         assert "automodel finetune: interrupted (the checkpoint of step 4 was not written)" in result.stderr
+
+
+SIGTERM_AT = """
+import functools, importlib, os, signal, sys
+from automodel.cli import main
+
+point, at = sys.argv[1].split("@")
+owner, name = point.rsplit(".", 1)
+module, _, attribute = owner.partition(":")
+holder = importlib.import_module(module)
+holder = getattr(holder, attribute) if attribute else holder
+real, calls = getattr(holder, name), []
+
+
+@functools.wraps(real)
+def signalled(*args, **kwargs):  # a scheduler's SIGTERM arrives here, at its call number `at`
+    calls.append(1)
+    if len(calls) == int(at):
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real(*args, **kwargs)
+
+
+setattr(holder, name, signalled)
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("where", ["setup", "export", "tokenize"])
+def test_a_sigterm_outside_the_training_loop_is_one_line_and_leaves_no_staging(tmp_path, where):
+    """Was exit -15 with no word, and the export's ``hf.tmp/`` or ``automodel tokenize``'s
+    ``<output>.tmp-<pid>/`` left behind."""
+    script = tmp_path / "sigterm_at.py"
+    script.write_text(SIGTERM_AT)
+    output_dir = tmp_path / "run"
+    finetune = [
+        "finetune",
+        "tiny_llama_sft",
+        *FAST[:3],
+        "trainer.max_steps=1",
+        f"trainer.output_dir={output_dir}",
+    ]
+    if where == "tokenize":
+        corpus = tmp_path / "corpus.txt"
+        corpus.write_text(
+            "".join(f"line {i} " + "hello world " * 20 + "\n" for i in range(30_000))
+        )  # 3 batches
+        point, command = (
+            "automodel.data.token_files._encode_batch@2",
+            ["tokenize", str(corpus), str(tmp_path / "tok")],
+        )
+    else:
+        point = ("automodel.training.finetune:FinetuneRecipe._learning_checks@1" if where == "setup"
+                 else "automodel.models.hf_io:_SafetensorsFile.write@2")  # fmt: skip
+        command = finetune
+    result = subprocess.run(
+        [sys.executable, str(script), point, *command], cwd=REPO_ROOT, capture_output=True, text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 143, result.stderr[-4000:]
+    name = "tokenize" if where == "tokenize" else "finetune"
+    assert f"automodel {name}: stopped by SIGTERM; nothing half-written is left" in result.stderr, (
+        result.stderr[-4000:]
+    )
+    assert "Traceback" not in result.stderr, result.stderr[-4000:]
+    assert sorted(p.name for p in tmp_path.glob("*tmp*")) == [], sorted(tmp_path.iterdir())
+    assert not (output_dir / "hf.tmp").exists() and not (output_dir / "hf").exists()

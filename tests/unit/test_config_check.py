@@ -261,6 +261,28 @@ def test_verify_false_uses_the_tables_verdict_with_a_warning(caplog):
     assert any("model.verify=false" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("model_type, heads", [("deepseek_v32", 64), ("glm_moe_dsa", 32)])
+def test_verify_false_is_refused_where_the_runs_samples_cross_a_length_field(model_type, heads):
+    """DeepSeek-V3.2 and GLM-5 layouts (top-2048 sparse indexers) trained 6e-3 and 9e-3 off at 2,100-token
+    samples under the table's verdict (made on short samples), exit 0 with a warning."""
+    fields = {"model_type": model_type, "num_hidden_layers": 2, "hidden_size": 64, "vocab_size": 256}
+    spec = ModelSpec(config=fields, attention_backend="portable", verify=False)
+    with pytest.raises(ConfigError) as error:
+        config_checks(spec, cp_size=1, max_sample_tokens=2100, row_tokens=2100)
+    assert str(error.value) == (
+        f"model.verify=false uses the supported table's verdict, made on a tiny {model_type} default config with "
+        "short samples, but this run's samples of up to 2100 tokens in rows of 2100 cross this config's length "
+        f"fields index_topk=2048, index_head_dim=128, index_n_heads={heads}, qk_head_dim="
+        f"{192 if heads == 64 else 256}, which nothing checked; set model.verify=true (the check at setup crosses "
+        "each, once per config: cached)"
+    )
+    # below every length field, the table's verdict stands
+    assert (
+        config_checks(spec, cp_size=1, max_sample_tokens=30, row_tokens=30)[1]
+        == supported_table()[model_type]
+    )
+
+
 def test_bert_generation_as_a_decoder_is_verified_and_as_an_encoder_refused(tmp_path):
     no_dropout = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_hidden_layers=2)
     decoder = AutoConfig.for_model("bert-generation", is_decoder=True, **no_dropout)
@@ -315,6 +337,9 @@ def test_a_config_transformers_cannot_build_is_refused_with_its_error():
     ) as err:
         config_checks(spec, cp_size=1, max_sample_tokens=16)
     assert "THD" not in str(err.value)
+    assert str(err.value).endswith(
+        "; fix hidden_act='gelu_foo'"
+    )  # was "fix the field it names", a KeyError's value
 
 
 def test_an_unset_routing_size_stays_unset_and_transformers_error_is_named(tmp_path):

@@ -164,3 +164,18 @@ def test_a_checkpoint_brings_its_tokenizer_to_the_corpus(tmp_path):
     assert data.token_file(tokenizer).meta["tokenizer"] == str(checkpoint)
     with pytest.raises(ValueError, match="data.tokenizer is null and the model is built from model.config"):
         data.load_tokenizer()
+
+
+def test_a_token_file_that_lost_its_meta_json_is_named_not_read_as_text(tmp_path, tiny):
+    """Was read as a directory of text files (data=corpus tokenized nothing of it, or its other files)."""
+    write_sources(tmp_path / "src")
+    path = write_token_file(str(tmp_path / "src"), tmp_path / "t", tiny, txt_samples="blocks").path
+    (path / "meta.json").unlink()
+    data = CorpusData(source=str(path), tokenizer="tiny", cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match=rf"^{path} holds a token file's tokens.bin and offsets.bin but its "
+                       r"meta.json is missing: restore meta.json from a copy, or write the token file again"):  # fmt: skip
+        data.token_file(tiny)
+    (path / "meta.json").write_text("{cut")
+    with pytest.raises(ValueError, match="but its meta.json is not a token file's meta.json"):
+        data.token_file(tiny)
+    assert not (tmp_path / "cache").exists()

@@ -251,3 +251,52 @@ def test_end_of_turn_token(tiny, llama3_like_tokenizer):
     assert end_of_turn_token_id(llama3_like_tokenizer) == 3  # "<|eot|>"
     llama3_like_tokenizer.chat_template = None
     assert end_of_turn_token_id(llama3_like_tokenizer) is None
+
+
+def test_a_skipped_row_and_a_long_row_together_are_reported_in_the_kept_rows_terms(tiny, tmp_path, caplog):
+    """The long-sample report used the table's row indices on the kept rows' lengths: with row 2 of 4
+    skipped and row 3 longer than max_length, an IndexError (index 3 out of bounds for size 3)."""
+    long_chat = {
+        "messages": [{"role": "user", "content": "hi " * 40}, {"role": "assistant", "content": "red"}]
+    }
+    bad = {"messages": [{"role": "bot", "content": "hi"}]}
+    rows, origin = load_sft_source(write(tmp_path / "data.jsonl", [GOOD_CHAT, bad, GOOD_CHAT, long_chat]))
+    with caplog.at_level(logging.INFO, logger="automodel.data"):
+        out = tokenize_sft_dataset(rows, tiny, format="messages", origin=origin, on_bad_row="skip",
+                                   max_length=16, long_samples="split")  # fmt: skip
+    assert (
+        "skipped 1 of 4 rows" in caplog.text
+        and "split 1 of 3 rows (33.33%) longer than 16 tokens into 6 pieces: 88 of 106" in caplog.text
+    )
+    assert all(len(r["input_ids"]) <= 16 for r in out.to_list())
+
+
+def test_rows_with_nothing_to_learn_name_the_file_row_and_the_setting(tiny, tmp_path):
+    """Was "none of the 4 rows has a token to learn (malformed, or nothing to learn)": no file, no field."""
+    silent = {
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "red", "train": False},
+        ]
+    }
+    rows, origin = load_sft_source(write(tmp_path / "chat.jsonl", [silent] * 4))
+    with pytest.raises(ValueError, match=rf"none of the 4 rows has a token to learn: 4 mark no token to learn, "
+                       rf"first {re.escape(str(tmp_path / 'chat.jsonl'))} line 1 \(every assistant turn with train: "
+                       r"false"):  # fmt: skip
+        tokenize_sft_dataset(rows, tiny, format="messages", origin=origin)
+    rows, origin = load_sft_source(write(tmp_path / "pc.jsonl", [{"prompt": "hi", "completion": " red"}] * 3))
+    with pytest.raises(ValueError, match=r"3 learn only tokens past data.max_length=1, first .*pc.jsonl line 1: "
+                       r"raise data.max_length"):  # fmt: skip
+        tokenize_sft_dataset(rows, tiny, format="prompt_completion", origin=origin, max_length=1)
+
+
+def test_a_lone_surrogate_in_a_json_row_costs_that_row_named_by_its_line(tiny, tmp_path):
+    """Was a UnicodeEncodeError from Arrow, naming neither file nor line."""
+    file = tmp_path / "data.jsonl"
+    file.write_text('{"prompt": "a", "completion": " b"}\n{"prompt": "\\ud800x", "completion": " c"}\n')
+    rows, origin = load_sft_source(str(file))
+    with pytest.raises(ValueError, match=r"data\.jsonl line 2: field 'prompt' \(column 'prompt'\): holds a lone "
+                       r"surrogate '\\ud800', which is not Unicode text"):  # fmt: skip
+        tokenize_sft_dataset(rows, tiny, format="prompt_completion", origin=origin)
+    out = tokenize_sft_dataset(rows, tiny, format="prompt_completion", origin=origin, on_bad_row="skip")
+    assert len(out) == 1

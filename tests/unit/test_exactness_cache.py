@@ -180,3 +180,42 @@ def test_a_planted_acceptance_does_not_make_a_run_of_a_refused_hybrid_train(tmp_
     ):
         run(cfg)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_an_acceptance_another_user_wrote_is_checked_again(tmp_path, monkeypatch, caplog):
+    """Whoever can write the cache (a team cache on shared storage) can write a well-formed acceptance
+    with the exact binding, which anyone can compute: a refused Mamba hybrid trained, exit 0. Entries
+    are signed with a key only this user can read; another user's entry (a stand-in acceptance, signed
+    with their key) is named and the check runs again."""
+    check = functools.partial(verdict, llama(), tmp_path)
+    accept = Verdict("verified", backends=backends_for([]), max_error=0.0)
+    with monkeypatch.context() as patch:
+        patch.setattr(support, "verify_config", lambda *args, **kwargs: accept)
+        patch.setattr(support, "cache_key", lambda directory: b"another user's key", raising=False)
+        assert check()["max_error"] == 0.0
+    (path,) = tmp_path.glob("*.json")
+    with caplog.at_level(logging.WARNING, logger="automodel.models.support"):
+        entry = check()
+    assert entry["max_error"] > 0, entry  # the real check ran
+    (warning,) = warnings_of(caplog)
+    key = tmp_path / f".key-{os.getuid()}"
+    assert f"exactness cache entry {path} ignored (not signed with this user's key {key}" in warning
+    assert oct(key.stat().st_mode & 0o777) == "0o600"
+
+
+@pytest.mark.parametrize("make", ["readable by others", "a link"])
+def test_a_key_others_could_read_or_write_signs_nothing(tmp_path, caplog, make):
+    check = functools.partial(verdict, llama(), tmp_path)
+    assert check()["status"] == "verified"  # the key made, the entry signed with it
+    key = tmp_path / f".key-{os.getuid()}"
+    if make == "readable by others":
+        key.chmod(0o644)
+    else:
+        os.replace(key, tmp_path / "elsewhere")
+        key.symlink_to(tmp_path / "elsewhere")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="automodel.models.support"):
+        assert check()["status"] == "verified"
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith(f"exactness cache key {key} not used") for m in messages), messages
+    assert any("checking this config's packed step" in m for m in messages)  # the entry was not used

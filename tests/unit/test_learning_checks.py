@@ -82,3 +82,53 @@ def test_the_bound_holds_for_torchs_adamw_where_eps_dominates(lr, eps, scale, cl
     bound = lr * schedule * min(1.0, scale * clip / eps)
     assert moved <= bound * (1 + 1e-9)
     assert (bound < MIN_MOVE) == message.startswith("nothing can be learned")
+
+
+def _refusal(optim: dict, steps: int, scales: list) -> str:
+    with pytest.raises(ValueError, match="^nothing can be learned") as error:
+        learning_checks(OptimConfig(**optim), steps, scales)
+    return str(error.value)
+
+
+def test_the_refusal_names_the_settings_that_explain_it_not_a_bystander():
+    """lr 1e-30 under a warmup of 10 steps over 3: the warmup was named, and raising it changes nothing
+    (at lr 1e-5 that warmup still moves a weight by 1e-5 x 0.6 = 6e-6). A clip of 1e-30 was blamed on
+    optim.eps=1e-8."""
+    assert _refusal({"lr": 1e-30, "warmup_steps": 10}, 3, []).endswith(
+        "at most 6.0e-31 in all, below float32's resolution of a weight of 0.02 (1e-09), because of: optim.lr=1e-30 "
+        "(1e-5 to 1e-3 is common)"
+    )
+    # 3 x 2e-3 x 1e-30 / 1e-8
+    assert _refusal({"lr": 2e-3, "max_grad_norm": 1e-30}, 3, []).endswith(
+        "at most 6.0e-25 in all, below float32's resolution of a weight of 0.02 (1e-09), because of: "
+        "optim.max_grad_norm=1e-30, which clips every gradient to that norm (1.0 is common)"
+    )
+    # both needed: beta restored alone leaves 6e-3 / 1e30; eps restored alone leaves 6e-3 x 1e-30 / 1e-8
+    both = _refusal({"lr": 2e-3, "eps": 1e30}, 3, [(1e-30, "dpo.beta=1e-30 (0.1 is common)")])
+    assert both.endswith(
+        "because of: optim.eps=1e+30 above the gradients (1e-08 is common); dpo.beta=1e-30 (0.1 is common)"
+    )
+    # a huge loss divisor: 512 tokens / 1e30 per step, 3 x 2e-3 x 5.12e-28 / 1e-8
+    divisor = (512 / 1e30, "trainer.loss_divisor=1e+30 with at most 512 label tokens a step")
+    assert _refusal({"lr": 2e-3}, 3, [divisor]).endswith("at most 3.1e-22 in all, below float32's resolution of "
+                                                         "a weight of 0.02 (1e-09), because of: " + divisor[1])  # fmt: skip
+
+
+def test_a_shrunk_update_names_only_the_gradient_settings():
+    (_, shrunk) = learning_checks(OptimConfig(lr=2e-3, warmup_steps=10, max_grad_norm=1e-9), 3, [])
+    assert shrunk == (
+        "every update is shrunk 10x below optim.lr (AdamW's step is lr * g / eps once gradients fall below "
+        "optim.eps=1e-08) by: optim.max_grad_norm=1e-09, which clips every gradient to that norm (1.0 is common)"
+    )
+
+
+def test_the_logit_multipliers_scale_the_gradient_by_their_value():
+    from transformers import CohereConfig, GraniteConfig, LlamaConfig
+
+    from automodel.models.setup import logit_gradient_scale
+
+    assert logit_gradient_scale(LlamaConfig()) is None
+    assert logit_gradient_scale(CohereConfig(logit_scale=1e-30)) == (
+        1e-30, "logit_scale=1e-30, which multiplies the logits and every gradient in the model config")  # fmt: skip
+    assert logit_gradient_scale(GraniteConfig(logits_scaling=1e3)) == (
+        1e-3, "logits_scaling=1000, which divides the logits and every gradient in the model config")  # fmt: skip

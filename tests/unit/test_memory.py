@@ -109,3 +109,56 @@ def test_the_gpus_memory_on_cuda_through_a_stand_in(monkeypatch):
     host = memory.os.sysconf("SC_PAGE_SIZE") * memory.os.sysconf("SC_PHYS_PAGES")
     assert found["host"] == host // 8
     assert available_memory(torch.device("cpu"))["device"] is None
+
+
+def test_a_frozen_teachers_weights_by_hand():
+    """A teacher too large for memory was called "truncated or corrupt: copy the checkpoint again" when
+    its safetensors file could not be mapped: its weights now count at setup."""
+    (term,) = memory.frozen_model_terms(model_sizes(TINY), dtype_bytes=2, shards=2, who="the teacher")
+    parameters = 512 * 128 + 4 * 2 * 128 * (4 + 2) * 32 + 4 * 3 * 128 * 384  # 65,536 + 196,608 + 589,824
+    assert (term.nbytes, term.where) == (parameters * 2 // 2, "device")
+    assert term.what == (
+        "the teacher: 851,968 parameters (vocab_size=512, hidden_size=128, intermediate_size=384, "
+        "num_hidden_layers=4) frozen in 2-byte floats"
+    )
+
+
+ADDRESS_SPACE = """
+import json, resource, struct, sys
+from pathlib import Path
+from automodel.models import memory
+from automodel.models.hf_io import stored_tensors
+
+directory = Path(sys.argv[1])
+n = 400 * 2**20  # a 400 MiB tensor (a sparse file)
+header = json.dumps({"w": {"dtype": "F32", "shape": [n // 4], "data_offsets": [0, n]}}).encode()
+with open(directory / "model.safetensors", "wb") as f:
+    f.write(struct.pack("<Q", len(header)) + header)
+    f.truncate(8 + len(header) + n)
+left = 100 * 2**20
+with open("/proc/self/statm") as statm:
+    mapped = int(statm.read().split()[0]) * memory.os.sysconf("SC_PAGE_SIZE")
+resource.setrlimit(resource.RLIMIT_AS, (mapped + left, resource.RLIM_INFINITY))
+print(memory.available_memory(memory.torch.device("cpu")))
+try:
+    stored_tensors(directory)
+except ValueError as error:
+    print(error)
+"""
+
+
+@pytest.mark.skipif(not memory.os.path.exists("/proc/self/statm"), reason="Linux")
+def test_an_address_space_limit_is_the_memory_setup_checks_against_and_is_named(tmp_path):
+    """Under ulimit -v a model far larger than the limit aborted the process (no message) and a checkpoint
+    file that could not be mapped was called corrupt."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", ADDRESS_SPACE, str(tmp_path)], capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
+    available, message = result.stdout.strip().splitlines()[-2:]
+    assert "'host_limit': 'the address space left under ulimit -v'" in available, (
+        result.stdout + result.stderr
+    )
+    assert f"{tmp_path / 'model.safetensors'} (419,430,485 bytes) could not be mapped into memory" in message
+    assert "truncated or corrupt" not in message and "ulimit -v is" in message

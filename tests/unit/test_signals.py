@@ -70,3 +70,15 @@ def test_the_stop_names_the_signal_step_and_checkpoint_and_its_exit_code():
         "command to resume from it"
     )
     assert (stopped.exit_code, TrainingStopped(signal.SIGINT, 1, "c").exit_code) == (143, 130)
+
+
+def test_a_second_sigterm_after_the_window_stops_at_once_as_terminated():
+    """Was SIGTERM's default action: the process killed, exit -15, no word. Now the CLI's one line, 143."""
+    from automodel.errors import Terminated
+
+    with StopOnSignal() as stop, pytest.raises(Terminated):
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.received == signal.SIGTERM
+        time.sleep(REPEAT_WINDOW_S + 0.1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1)
