@@ -1,5 +1,3 @@
-import sys
+from automodel.cli import console
 
-from automodel.cli import main
-
-sys.exit(main())
+console()

@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from automodel.benchmarks import BENCHMARKS
 from automodel.errors import PeerLostError, Terminated, UserError, WriteError, refused_write, sigterm_raises
@@ -41,7 +42,16 @@ USAGE = """automodel <command> [...]    (automodel --version; --debug: traceback
 """
 
 
-def main(argv: list[str] | None = None) -> int:
+def console() -> NoReturn:
+    """``automodel`` on the command line (and ``python -m automodel``): :func:`main`'s exit code."""
+    sys.exit(main(exit_at_once_when_out_of_memory=True))
+
+
+def main(argv: list[str] | None = None, exit_at_once_when_out_of_memory: bool = False) -> int:
+    """Run one command of ``argv`` (``sys.argv[1:]`` when None); its exit code. With
+    ``exit_at_once_when_out_of_memory``, an allocation the machine refused ends the process right
+    after its line, without the interpreter's teardown: a library whose mapping failed half-way can
+    crash that (SIGSEGV instead of the exit code 1 just printed)."""
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv or os.environ.get("AUTOMODEL_DEBUG", "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
@@ -84,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"automodel {command}: out of memory: {_one_line(error)[:200]} (--debug shows the traceback); "
               f"{_memory_limit()}lower the sizes the run needs (model, packing, trainer.grad_accum_steps) or run "
               "where there is more memory", file=sys.stderr)  # fmt: skip
+        if exit_at_once_when_out_of_memory:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
         return 1
     except OSError as error:
         fix = refused_write(error, RUN_OUTPUTS)

@@ -40,6 +40,7 @@ SECTIONS = ("model", "data", "packing", "parallel", "optim", "trainer")
 # distillation from a teacher (automodel.training.kd), ``reward`` a reward model
 # (automodel.training.reward), ``rl`` a policy-gradient step on rollouts (automodel.training.rl).
 OPTIONAL_SECTIONS = ("peft", "dpo", "kd", "reward", "rl")
+OBJECTIVE_SECTIONS = ("dpo", "kd", "reward", "rl")  # at most one per recipe
 _HYDRA_KEYS = {"_target_", "_recursive_", "_convert_", "_partial_", "_args_"}
 # Components from outside the project a recipe may name: configuration classes, nothing that reads
 # files or runs code.
@@ -289,6 +290,11 @@ def check_config(cfg: DictConfig) -> None:
     missing = [key for key in SECTIONS if key not in cfg]
     if missing:
         raise ConfigError(f"recipe lacks section(s) {missing}; add them to its defaults list")
+    objectives = [name for name in OBJECTIVE_SECTIONS if cfg.get(name) is not None]
+    if len(objectives) > 1:
+        raise ConfigError(
+            f"a recipe has one objective, this one has the sections {objectives}; remove all but one"
+        )
     packing = str(cfg.packing.get("_target_", "")) if isinstance(cfg.packing, DictConfig) else ""
     if cfg.get("dpo") is not None and not packing.startswith("automodel.data.preference."):
         raise ConfigError(

@@ -22,6 +22,7 @@ import collections
 import functools
 import logging
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,14 +124,7 @@ class PreferenceData:
 
     def _pairs(self, source: str, split: str, tokenizer: PreTrainedTokenizerBase) -> datasets.Dataset:
         rows, origin = load_sft_source(source, split)
-        columns = {field: (self.columns or {}).get(field, field) for field in PREFERENCE_FORMATS[self.format]}
-        missing = {field: column for field, column in columns.items() if column not in rows.column_names}
-        if missing:
-            raise ValueError(
-                f"{source}: format={self.format!r} needs the column(s) {sorted(missing.values())} (fields "
-                f"{sorted(missing)}), which the rows lack (columns: {rows.column_names}); map them with "
-                "data.columns={field: column}, or pick another data.format"
-            )
+        columns = _format_columns(rows, source, self.format, PREFERENCE_FORMATS[self.format], self.columns)
         if self.margin is not None and self.margin not in rows.column_names:
             raise ValueError(
                 f"{source}: data.margin={self.margin!r} is not a column of the rows (columns: {rows.column_names})"
@@ -176,6 +170,22 @@ class PreferenceData:
         if self.margin is not None:
             pairs = pairs.add_column("margin", [float(row[self.margin]) for row in row_dicts(rows)])
         return pairs
+
+
+def _format_columns(
+    rows: datasets.Dataset, source: str, format: str, fields: Iterable[str], mapping: dict[str, str] | None
+) -> dict[str, str]:
+    """Field -> the column of ``rows`` that holds it (``data.columns`` renames); a missing one is
+    refused naming the source, the format, the fields and the columns the rows have."""
+    columns = {field: (mapping or {}).get(field, field) for field in fields}
+    missing = {field: column for field, column in columns.items() if column not in rows.column_names}
+    if missing:
+        raise ValueError(
+            f"{source}: format={format!r} needs the column(s) {sorted(missing.values())} (fields "
+            f"{sorted(missing)}), which the rows lack (columns: {rows.column_names}); map them with "
+            "data.columns={field: column}, or pick another data.format"
+        )
+    return columns
 
 
 def _without(rows: datasets.Dataset, origin, dropped: set[int]) -> tuple[datasets.Dataset, Any]:
@@ -340,14 +350,7 @@ class KTOData:
 
     def _samples(self, source: str, split: str, tokenizer: PreTrainedTokenizerBase) -> datasets.Dataset:
         rows, origin = load_sft_source(source, split)
-        columns = {field: (self.columns or {}).get(field, field) for field in KTO_FORMATS[self.format]}
-        missing = {field: column for field, column in columns.items() if column not in rows.column_names}
-        if missing:
-            raise ValueError(
-                f"{source}: format={self.format!r} needs the column(s) {sorted(missing.values())} (fields "
-                f"{sorted(missing)}), which the rows lack (columns: {rows.column_names}); map them with "
-                "data.columns={field: column}, or pick another data.format"
-            )
+        columns = _format_columns(rows, source, self.format, KTO_FORMATS[self.format], self.columns)
         if self.format == "preference":
             bad = bad_pairs(rows, "prompt_completion", columns)
         else:

@@ -556,12 +556,13 @@ def _token_counts(tokenizer: PreTrainedTokenizerBase, texts: dict[int, list[str]
 
 def _row_text(values: list) -> str:
     """Every text of a row's fields (message contents, tool arguments...), one per line: what a
-    malformed row held, counted in tokens when it is dropped."""
+    malformed row held, counted in tokens when it is dropped (a lone surrogate, which no tokenizer
+    encodes, counted as a "?")."""
     found, stack = [], list(reversed(values))
     while stack:
         value = stack.pop()
         if isinstance(value, str):
-            found.append(value)
+            found.append(value.encode("utf-8", "replace").decode("utf-8"))
         elif isinstance(value, dict):
             stack.extend(reversed(list(value.values())))
         elif isinstance(value, list):

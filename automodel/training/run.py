@@ -13,6 +13,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from automodel.config import OBJECTIVE_SECTIONS
 from automodel.distributed.parallel import lost_peer, unanswered_ranks
 from automodel.errors import ConfigError, PeerLostError
 from automodel.training.dpo import DPORecipe, KTORecipe
@@ -20,8 +21,6 @@ from automodel.training.finetune import FinetuneRecipe
 from automodel.training.kd import KDRecipe
 from automodel.training.reward import RewardRecipe
 from automodel.training.rl import RLRecipe
-
-OBJECTIVE_SECTIONS = ("dpo", "kd", "reward", "rl")
 
 
 def recipe_class(cfg: DictConfig) -> type[FinetuneRecipe]:
@@ -37,10 +36,6 @@ def recipe_class(cfg: DictConfig) -> type[FinetuneRecipe]:
         raise ConfigError(
             f"{', '.join(preference)} holds preference pairs or KTO samples, which need a dpo section (dpo=sigmoid, "
             "dpo=kto) or a reward section (+reward=bradley_terry)"
-        )
-    if len(objectives) > 1:
-        raise ConfigError(
-            f"a recipe has one objective, this one has the sections {objectives}; remove all but one"
         )
     if cfg.get("reward") is not None:
         return RewardRecipe

@@ -179,6 +179,11 @@ def offline_trackers(tmp_path, monkeypatch):
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
     for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(name, str(tmp_path / "wandb-home"))
+    import wandb
+
+    wandb.teardown()  # W&B reads its settings once per process: the next test would inherit offline mode
+    yield
+    wandb.teardown()
 
 
 @pytest.mark.parametrize("group", GROUPS)

@@ -193,8 +193,9 @@ def test_the_teacher_is_checked_at_the_door(teacher, tmp_path, monkeypatch):
 
 
 def test_a_recipe_has_one_objective(tmp_path):
-    from automodel.training.run import recipe_class
-
-    cfg = load_recipe("tiny_llama_kd", [f"trainer.output_dir={tmp_path}", "+dpo=sigmoid"])
-    with pytest.raises(ConfigError, match="one objective"):
-        recipe_class(cfg)
+    """Refused as the recipe is composed, before what one objective asks of another's sections
+    (dpo's packing=preference) is checked."""
+    with pytest.raises(
+        ConfigError, match=r"a recipe has one objective, this one has the sections \['dpo', 'kd'\]"
+    ):
+        load_recipe("tiny_llama_kd", [f"trainer.output_dir={tmp_path}", "+dpo=sigmoid"])

@@ -47,6 +47,11 @@ def no_wandb_credentials(tmp_path, monkeypatch):
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
     for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(name, str(tmp_path / "wandb-home"))
+    import wandb
+
+    wandb.teardown()  # W&B reads its settings once per process: an earlier test's WANDB_MODE would stay
+    yield
+    wandb.teardown()
 
 
 def wandb_records(run_dir: Path) -> list[list[dict]]:
