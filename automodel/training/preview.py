@@ -156,8 +156,9 @@ def preview(cfg: DictConfig, samples: int = 3) -> dict[str, Any]:
         print(f"the rows hold {in_data[0]:,} tokens, {in_data[1]:,} learned: the rest is dropped by the batching mode "
               "or not dealt to the data-parallel ranks (see the log)")  # fmt: skip
     print(f"fill {100 * figures['fill']:.1f}% of the token slots (over {measured} micro-batches)")
+    steps = stream.batches_per_epoch / trainer.grad_accum_steps  # below 1: a step spans epochs
+    epochs = trainer.max_steps / max(steps, 1e-9)
     print(f"{stream.batches_per_epoch} micro-batches per epoch on each of {env.dp_size} data-parallel rank(s) "
           f"(WORLD_SIZE={world}, cp_size={cp_size}); grad_accum_steps {trainer.grad_accum_steps}: "
-          f"{figures['steps_per_epoch']} steps per epoch, max_steps {trainer.max_steps} = "
-          f"{trainer.max_steps / max(1, figures['steps_per_epoch']):.1f} epochs")  # fmt: skip
+          f"{steps:.3g} steps per epoch, max_steps {trainer.max_steps} = {epochs:.1f} epochs")  # fmt: skip
     return figures

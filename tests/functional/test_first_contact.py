@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 from torchrun import REPO_ROOT
@@ -103,6 +104,18 @@ def test_data_command_shows_learned_tokens_and_steps_per_epoch(capfd):
     assert "--- sample 1 of 40" in out and "--- sample 3" not in out
     assert "Answer:[[ silver summer cotton river rabbit<|eos|>]]" in out
     assert "rows 40 (validation 0)" in out and "steps per epoch" in out and "fill " in out
+
+
+def test_an_epoch_shorter_than_a_step_is_counted_in_fractions_of_a_step(capfd):
+    """Was "0 steps per epoch, max_steps 100 = 100.0 epochs" for 1 micro-batch at grad_accum_steps 2."""
+    rows = Path(__file__).parents[1] / "unit" / "agent_data" / "openai.jsonl"
+    assert (
+        main(["data", "tiny_llama_tools", f"data.source={rows}", "data.format=messages", "--samples", "0"])
+        == 0
+    )
+    out = capfd.readouterr().out
+    assert "1 micro-batches per epoch" in out, out
+    assert "grad_accum_steps 2: 0.5 steps per epoch, max_steps 100 = 200.0 epochs" in out, out
 
 
 def test_usage_and_help_name_groups_keys_and_torchrun(capsys):
