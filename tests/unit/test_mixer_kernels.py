@@ -103,6 +103,11 @@ def test_check_gpu_rows_pass_through_the_standins_and_a_kernel_that_ignores_the_
     for model_type, (name, _, _) in FAMILY_KERNELS.items():
         refused = with_standins["refused"][f"1 {model_type}"]
         assert f"{name}'s kernels differ from its reference path" in refused
+    # a Mamba-2 mixer whose unfused scan (eval mode: validation) alone ignores seq_idx: refused too
+    for model_type in ("mamba2", "nemotron_h"):
+        refused = with_standins["refused"][f"mamba_chunk_scan_combined {model_type}"]
+        assert f"{FAMILY_KERNELS[model_type][0]}'s kernels differ from its reference path" in refused
+    assert with_standins["refused"]["mamba_chunk_scan_combined qwen3_5_text"] is None  # no mamba-ssm call
 
 
 def test_the_mamba_ssm_standin_restarts_its_scan_where_seq_idx_changes_and_decodes_as_it_scans(with_standins):
