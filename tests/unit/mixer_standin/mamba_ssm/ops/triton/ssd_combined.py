@@ -137,11 +137,11 @@ def mamba_split_conv1d_scan_combined(
     rmsnorm_eps=1e-6, outproj_weight=None, outproj_bias=None, headdim=None, ngroups=1,
     norm_before_gate=True, state_dtype=None,
 ):  # fmt: skip
-    """zxbcdt ``[b, T, 2 h p + 2 g n + h]`` (the gate z, the convolution's input x B C, dt), conv1d_weight
-    ``[h p + 2 g n, W]``, seq_idx int32 ``[b, T]`` -> ``[b, T, out_dim]``: causal-conv1d's convolution
-    (with seq_idx), the scan with ``dt_softplus``, then either the gated RMS norm over groups
-    (``rmsnorm_weight``: ``norm(x silu(z))`` or, ``norm_before_gate``, ``norm(x) silu(z)``) or the z
-    gate, then the output projection."""
+    """zxbcdt ``[b, T, 2 h p + 2 g n + h]`` (the gate z, the convolution's input x B C, dt),
+    conv1d_weight ``[h p + 2 g n, W]``, seq_idx int32 ``[b, T]`` -> ``[b, T, out_dim]``: causal-conv1d's
+    convolution (with seq_idx), the scan with ``dt_softplus``, then either the gated RMS norm over
+    groups (``rmsnorm_weight``: ``norm(x silu(z))``, as transformers asks) or the z gate, then the
+    output projection."""
     require(activation in ACTIVATIONS, f"activation must be None, silu or swish, got {activation!r}")
     if D.dim() == 1:
         require(headdim is not None, "headdim must be passed in when D is 1-D")
@@ -161,6 +161,8 @@ def mamba_split_conv1d_scan_combined(
     require(dt_bias.shape == (nheads,) and A.shape == (nheads,), "dt_bias and A must be [nheads]")
     if d_nonssm:
         raise NotImplementedError("the stand-in computes no SwiGLU part (d_nonssm > 0)")
+    if rmsnorm_weight is not None and norm_before_gate:
+        raise NotImplementedError("the stand-in gates before the norm only (norm_before_gate=False)")
     z, xBC, dt = zxbcdt.split([dim, dim + 2 * ngroups * dstate, nheads], dim=-1)
     require(xBC.shape[2] % 8 == 0, "Number of convolution channels is required to be a multiple of 8.")
     if rmsnorm_weight is not None:
@@ -199,22 +201,16 @@ def mamba_split_conv1d_scan_combined(
     )
     out = y.flatten(-2)
     if rmsnorm_weight is not None:
-        out = gated_rms_norm(
-            out, z.flatten(-2), rmsnorm_weight, rmsnorm_eps, dim // ngroups, norm_before_gate
-        )
+        out = gated_rms_norm(out, z.flatten(-2), rmsnorm_weight, rmsnorm_eps, dim // ngroups)
     if outproj_weight is not None:
         out = F.linear(out, outproj_weight, outproj_bias)
     return (out, final_states) if return_final_states else out
 
 
-def gated_rms_norm(x, z, weight, eps, group_size, norm_before_gate):
+def gated_rms_norm(x, z, weight, eps, group_size):
     """x, z ``[b, T, d]``, weight ``[d]`` -> like x: RMS norm over each group of ``group_size``
-    channels, gated by silu(z) before the norm or, ``norm_before_gate``, after it."""
-    x_f, gate = x.float(), F.silu(z.float())
-    if not norm_before_gate:
-        x_f = x_f * gate
-    groups = x_f.unflatten(-1, (-1, group_size))
+    channels of x silu(z)."""
+    gated = x.float() * F.silu(z.float())
+    groups = gated.unflatten(-1, (-1, group_size))
     out = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2) * weight.float()
-    if norm_before_gate:
-        out = out * gate
     return out.to(x.dtype)
