@@ -7,8 +7,8 @@ sample boundaries (:func:`~automodel.models.mixers.kernels_missing`, the reason 
 PASS/FAIL row for :func:`~automodel.models.mixers.kernel_error` within ``KERNEL_RTOL``: the class's
 forward through its own kernels with the layout (one call on a row of three sequences, one of a
 single token) against the per-sample reference path, output, input gradients and parameter
-gradients, in float32. ``model.mixer_backend=auto`` runs the same check at build and picks the
-kernels only where it passes.
+gradients, in float32, in train and in eval mode. ``model.mixer_backend=auto`` runs the same check
+at build and picks the kernels only where it passes.
 """
 
 from __future__ import annotations

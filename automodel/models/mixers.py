@@ -272,28 +272,42 @@ def kernel_error(
     """Relative error of ``cls``'s kernel path against its reference path on ``device`` (float32), on
     the reduced copy's module and inputs as a row of three sequences (``KERNEL_CHECK_LENGTHS``): the
     largest over the output, the inputs' gradients and the parameters' gradients (a fixed random
-    projection of the output as the loss), each against its own norm."""
+    projection of the output as the loss), each against its own norm, in train and in eval mode (a
+    Mamba-2 mixer calls a fused kernel when training and its convolution and scan apart in eval, as
+    validation runs it)."""
     module, args, kwargs = probe_mixers(config, trust_remote_code).modules[cls]
-    module = copy.deepcopy(module).to(device).float().train()
+    module = copy.deepcopy(module).to(device).float()
     bounds = torch.tensor([0, *torch.tensor(KERNEL_CHECK_LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
     layout = ThdAttentionMetadata(bounds, bounds.clone(), max(KERNEL_CHECK_LENGTHS))
-    results = []
-    for backend in ("reference", "kernels"):
-        inputs = _on(device, (args, kwargs))
-        leaves = [x for x in _tensors(inputs) if x.is_floating_point()]
-        for x in leaves:
-            x.requires_grad_()
-        module.zero_grad(set_to_none=True)
-        with layout_scope(layout):
-            out = _first_per_token(mixer_forward(module.forward, backend, *inputs[0], **inputs[1])).float()
-        weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(device)
-        (out * weight).sum().backward()
-        grads = [x.grad for x in leaves] + [p.grad for p in module.parameters()]
-        results.append([out.detach(), *(g for g in grads if g is not None)])
-    reference, kernels = results
-    if len(reference) != len(kernels):
-        return float("inf")
-    return max(float((k - r).norm()) / max(float(r.norm()), 1e-12) for r, k in zip(reference, kernels))
+    errors = []
+    for training in (True, False):
+        module.train(training)
+        reference, kernels = [
+            _outputs_and_grads(module, backend, args, kwargs, layout, device)
+            for backend in ("reference", "kernels")
+        ]
+        if len(reference) != len(kernels):
+            return float("inf")
+        errors += [float((k - r).norm()) / max(float(r.norm()), 1e-12) for r, k in zip(reference, kernels)]
+    return max(errors)
+
+
+def _outputs_and_grads(
+    module: nn.Module, backend: str, args: tuple, kwargs: dict, layout: ThdAttentionMetadata, device
+) -> list[torch.Tensor]:
+    """``module``'s per-token output through ``backend`` on the layout's row, then the gradients of
+    its float inputs and its parameters under a fixed random projection of the output."""
+    inputs = _on(device, (args, kwargs))
+    leaves = [x for x in _tensors(inputs) if x.is_floating_point()]
+    for x in leaves:
+        x.requires_grad_()
+    module.zero_grad(set_to_none=True)
+    with layout_scope(layout):
+        out = _first_per_token(mixer_forward(module.forward, backend, *inputs[0], **inputs[1])).float()
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(device)
+    (out * weight).sum().backward()
+    grads = [x.grad for x in leaves] + [p.grad for p in module.parameters()]
+    return [out.detach(), *(g for g in grads if g is not None)]
 
 
 def _tensors(node: Any) -> Iterator[torch.Tensor]:

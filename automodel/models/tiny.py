@@ -189,7 +189,8 @@ _DEPTH_AND_LENGTHS = {
 # integer fields that set a per-layer pattern at build time (every k-th layer, the first k dense)
 _LAYER_PATTERN_INTS = (
     "interval",
-    "_step",
+    "sparse_step",  # decoder_sparse_step; not a Mamba's time_step_rank, a width
+    "layer_step",
     "_freq",
     "first_k_dense",
     "period",

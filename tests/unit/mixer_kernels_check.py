@@ -1,8 +1,9 @@
 """Run by tests/unit/test_mixer_kernels.py in a fresh interpreter with the stand-in kernel packages
 (tests/unit/mixer_standin) first on PYTHONPATH: transformers then takes its Gated DeltaNet's
-convolution and delta rule from them, as it takes causal-conv1d's and flash-linear-attention's on
-CUDA. Last, the stand-ins ignore the boundaries (``STANDIN_IGNORE_LAYOUT``), as a kernel that does not
-take them would. Prints one JSON line of findings."""
+convolution and delta rule, and its Mamba-2 mixers' convolution and scans, from them, as it takes
+causal-conv1d's, flash-linear-attention's and mamba-ssm's on CUDA. Last, the stand-ins ignore the
+boundaries (``STANDIN_IGNORE_LAYOUT``), as a kernel that does not take them would. Prints one JSON
+line of findings."""
 
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ warnings.filterwarnings("ignore")
 
 import causal_conv1d  # noqa: E402  (the stand-ins)
 import fla.ops.gated_delta_rule as gated_delta_rule  # noqa: E402
+import mamba_ssm  # noqa: E402
+from mamba_ssm.ops.triton.selective_state_update import selective_state_update  # noqa: E402
+from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined  # noqa: E402
+from transformers.models.mamba2 import modeling_mamba2  # noqa: E402
 
 from automodel.attention import ThdAttentionMetadata  # noqa: E402
 from automodel.attention.mixers import mixer_backend_of, stateful_mixer_modules  # noqa: E402
@@ -27,50 +32,123 @@ from automodel.models import (  # noqa: E402
 from automodel.models.check_mixers import mixer_kernel_rows  # noqa: E402
 from automodel.models.tiny import tiny_config  # noqa: E402
 
+# a Gated DeltaNet hybrid, a pure Mamba-2 model and a Mamba-2 hybrid
+FAMILIES = ("qwen3_5_text", "mamba2", "nemotron_h")
+STANDINS = (gated_delta_rule, causal_conv1d, mamba_ssm)
 
-def step(config, backend: str):
+
+def build(config, backend: str):
     spec = ModelSpec(
         config={"model_type": config.model_type}, attention_backend="portable", mixer_backend=backend
     )
-    model = build_model(spec, config, device=torch.device("cpu"), shard=lambda m: None, seed=0)
+    return build_model(spec, config, device=torch.device("cpu"), shard=lambda m: None, seed=0)
+
+
+def step(model, config, train: bool):
+    """One packed row's loss (and, ``train``, the gradients) with the stand-ins' calls of this step."""
+    for standin in STANDINS:
+        del standin.CALLS[:]
+    model.train(train)
     cu = torch.tensor([0, 5, 6, 22, 32], dtype=torch.int32)  # four sequences, one of a single token
     lengths = cu.diff().tolist()
     ids = torch.randint(1, config.vocab_size, (32,), generator=torch.Generator().manual_seed(0))
     positions = torch.cat([torch.arange(n) for n in lengths])
-    loss = model(ids, positions, ids.roll(-1), ThdAttentionMetadata(cu, cu.clone(), max(lengths)))
-    loss.backward()
+    with torch.set_grad_enabled(train):
+        loss = model(ids, positions, ids.roll(-1), ThdAttentionMetadata(cu, cu.clone(), max(lengths)))
+    if train:
+        loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    return model, float(loss), grads
+    return float(loss), grads, [call for standin in STANDINS for call in standin.CALLS]
 
 
-def main() -> None:
-    config = tiny_config("qwen3_5_text")
+def family(model_type: str) -> dict:
+    config = tiny_config(model_type)
     (cls,) = mixers.stateful_mixer_classes(config)
-    found = {"missing": mixers.kernels_missing(cls)}
+    found = {"class": cls.__name__, "missing": mixers.kernels_missing(cls)}
     found["error"] = mixers.kernel_error(config, cls, torch.device("cpu"))
     found["chosen"] = [
         c.__name__ for c in mixers.mixer_kernel_classes(config, "kernels", torch.device("cpu"))
     ]
-    model, loss, grads = step(config, "kernels")
-    found["backends"] = sorted({mixer_backend_of(m) for m in stateful_mixer_modules(model)})
-    del gated_delta_rule.CALLS[:], causal_conv1d.CALLS[:]
-    model, loss, grads = step(config, "kernels")
-    found["calls"] = gated_delta_rule.CALLS + causal_conv1d.CALLS
-    _, ref_loss, ref_grads = step(config, "reference")
+    kernels, reference = build(config, "kernels"), build(config, "reference")
+    found["backends"] = sorted({mixer_backend_of(m) for m in stateful_mixer_modules(kernels)})
+    loss, grads, found["calls"] = step(kernels, config, train=True)
+    ref_loss, ref_grads, _ = step(reference, config, train=True)
     found["loss_error"] = abs(loss - ref_loss) / abs(ref_loss)
     found["grad_error"] = max(
         float((grads[n] - ref_grads[n]).norm() / ref_grads[n].norm()) for n in ref_grads
     )
     found["grad_names_equal"] = set(grads) == set(ref_grads)
+    # validation runs the model in eval mode: Mamba-2 mixers then take their unfused kernels
+    loss, _, found["eval_calls"] = step(kernels, config, train=False)
+    ref_loss, _, _ = step(reference, config, train=False)
+    found["eval_loss_error"] = abs(loss - ref_loss) / abs(ref_loss)
+    return found
+
+
+def scans() -> dict:
+    """mamba-ssm's scan stand-in on a row of three sequences against transformers' torch scan run on
+    each sequence alone; and its decoding step against the scan one token further."""
+    g = torch.Generator().manual_seed(0)
+    x, dt = torch.randn(1, 13, 4, 3, generator=g), torch.randn(1, 13, 4, generator=g)
+    A, D, dt_bias = -torch.rand(4, generator=g), torch.randn(4, generator=g), torch.randn(4, generator=g)
+    B, C = torch.randn(1, 13, 2, 5, generator=g), torch.randn(1, 13, 2, 5, generator=g)
+    reference = modeling_mamba2.mamba2_chunk_scan.__wrapped__  # the torch function, unwrapped
+    options = {"D": D, "dt_bias": dt_bias, "dt_softplus": True}
+    bounds = [(0, 5), (5, 6), (6, 13)]
+    per_sequence = torch.cat(
+        [
+            reference(x[:, a:b], dt[:, a:b], A, B[:, a:b], C[:, a:b], chunk_size=4, **options)
+            for a, b in bounds
+        ],
+        dim=1,
+    )
+    seq_idx = torch.repeat_interleave(torch.arange(3, dtype=torch.int32), torch.tensor([5, 1, 7]))[None]
+    found = {}
+    out = mamba_chunk_scan_combined(x, dt, A, B, C, 4, seq_idx=seq_idx, **options)
+    found["scan_error"] = float((out - per_sequence).abs().max())
+    os.environ["STANDIN_IGNORE_LAYOUT"] = "1"
+    out = mamba_chunk_scan_combined(x, dt, A, B, C, 4, seq_idx=seq_idx, **options)
+    del os.environ["STANDIN_IGNORE_LAYOUT"]
+    found["ignoring_error"] = float((out - per_sequence).abs().max())
+    whole = reference(x, dt, A, B, C, chunk_size=4, **options)
+    found["ignoring_whole_error"] = float((out - whole).abs().max())
+    # decoding: the state after 12 tokens, then token 13 through selective_state_update (the
+    # arguments laid out as transformers' Mamba2Mixer lays them) == the scan's token 13
+    _, state = mamba_chunk_scan_combined(
+        x[:, :12], dt[:, :12], A, B[:, :12], C[:, :12], 4, return_final_states=True, **options
+    )
+    expand = {"dt_bias": dt_bias[:, None].expand(-1, 3), "dt_softplus": True}
+    token = (
+        x[:, 12],
+        dt[:, 12, :, None].expand(-1, -1, 3),
+        A[:, None, None].expand(-1, 3, 5),
+        B[:, 12],
+        C[:, 12],
+    )
+    step_out = selective_state_update(state, *token, D[:, None].expand(-1, 3), **expand)
+    found["decode_error"] = float((step_out - whole[:, 12]).abs().max())
+    try:
+        mamba_chunk_scan_combined(x, dt, A, B, C, 4, seq_idx=seq_idx[:, :12], **options)
+        found["short_seq_idx"] = None
+    except AssertionError as error:
+        found["short_seq_idx"] = str(error)
+    return found
+
+
+def main() -> None:
+    found = {"families": {model_type: family(model_type) for model_type in FAMILIES}, **scans()}
     rows = mixer_kernel_rows(torch.device("cpu"))  # check-gpu's rows, here on the CPU
     found["rows"] = {row.case: row.status for row in rows}
-    os.environ["STANDIN_IGNORE_LAYOUT"] = "1"  # the stand-ins now run the row as one sequence
-    mixers._CHOSEN.clear()
-    try:
-        mixers.mixer_kernel_classes(config, "kernels", torch.device("cpu"))
-        found["refused"] = None
-    except ValueError as error:
-        found["refused"] = str(error)
+    found["refused"] = {}
+    for ignored in ("1", "mamba_chunk_scan_combined"):  # all kernels; mamba-ssm's unfused scan alone
+        os.environ["STANDIN_IGNORE_LAYOUT"] = ignored
+        mixers._CHOSEN.clear()
+        for model_type in FAMILIES:
+            try:
+                mixers.mixer_kernel_classes(tiny_config(model_type), "kernels", torch.device("cpu"))
+                found["refused"][f"{ignored} {model_type}"] = None
+            except ValueError as error:
+                found["refused"][f"{ignored} {model_type}"] = str(error)
     print(json.dumps(found))
 
 

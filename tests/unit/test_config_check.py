@@ -22,7 +22,7 @@ from automodel.config import ConfigError
 from automodel.models import ModelSpec, check_model_config, setup_checks
 from automodel.models.setup import config_checks
 from automodel.models.support import config_verdict, supported_table
-from automodel.models.tiny import _balance, width_config
+from automodel.models.tiny import _balance, tiny_config, width_config
 from automodel.models.verify import (
     BASE_TOKENS,
     PAD_MULTIPLE,
@@ -79,6 +79,16 @@ def test_the_depth_cut_keeps_layer_counts_from_either_end_and_per_layer_override
     assert [gemma4.layer_types[int(i)] for i in overrides] == ["full_attention"] * len(overrides)
     assert {v["head_dim"] for v in overrides.values()} == {16}  # 512 of 256 -> 16 of 8
     assert gemma4.kv_sharing_modes.count("reuse") == gemma4.num_kv_shared_layers == 4
+
+
+def test_a_mamba_time_step_rank_is_a_width_and_a_sparse_step_a_layer_pattern():
+    # time_step_rank (a width, 256 in Mamba-2's default) was read as a layer pattern: all 64 layers kept
+    for model_type in ("mamba", "mamba2", "falcon_mamba"):
+        assert tiny_config(model_type).num_hidden_layers == 2, model_type
+    assert width_config(AutoConfig.for_model("mamba2", num_hidden_layers=12)).num_hidden_layers == 2
+    # every 3rd layer sparse (decoder_sparse_step=3): the first period, layers 0..3, stays
+    moe = width_config(AutoConfig.for_model("qwen2_moe", num_hidden_layers=12, decoder_sparse_step=3))
+    assert (moe.num_hidden_layers, moe.decoder_sparse_step) == (4, 3)
 
 
 @settings(max_examples=300, deadline=None)

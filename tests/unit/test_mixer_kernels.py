@@ -1,8 +1,8 @@
 """The stateful mixers' kernel path (``model.mixer_backend``): one call per layer through the
 module's own forward with the layout as the keywords transformers hands its kernels, against the
-per-sample reference path. On CPU through stand-ins of causal-conv1d and flash-linear-attention as
-strict as the real signatures (tests/unit/mixer_standin); on a GPU ``automodel check-gpu`` compares
-the real kernels the same way."""
+per-sample reference path. On CPU through stand-ins of causal-conv1d, flash-linear-attention and
+mamba-ssm as strict as the real signatures (tests/unit/mixer_standin); on a GPU ``automodel
+check-gpu`` compares the real kernels the same way."""
 
 from __future__ import annotations
 
@@ -25,7 +25,9 @@ from automodel.models.tiny import tiny_config
 HERE = Path(__file__).parent
 
 
+@pytest.fixture(scope="module")
 def with_standins() -> dict:
+    """The findings of mixer_kernels_check.py, run once in a fresh interpreter with the stand-ins."""
     paths = [str(HERE / "mixer_standin"), str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")]
     result = subprocess.run(
         [sys.executable, str(HERE / "mixer_kernels_check.py")],
@@ -42,22 +44,79 @@ def with_standins() -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def test_the_kernel_path_equals_the_reference_path_through_strict_standins_and_a_wrong_kernel_is_refused():
-    found = with_standins()
+# each family's mixer class and the kernels one training step and one eval step (validation) call: a
+# Gated DeltaNet's delta rule and convolution; a Mamba-2 mixer's fused convolution and scan when
+# training, its convolution and scan apart in eval
+FAMILY_KERNELS = {
+    "qwen3_5_text": (
+        "Qwen3_5GatedDeltaNet",
+        {"chunk_gated_delta_rule", "causal_conv1d_fn"},
+        {"chunk_gated_delta_rule", "causal_conv1d_fn"},
+    ),
+    "mamba2": (
+        "Mamba2Mixer",
+        {"mamba_split_conv1d_scan_combined", "causal_conv1d_fn"},
+        {"mamba_chunk_scan_combined", "causal_conv1d_fn"},
+    ),
+    "nemotron_h": (
+        "NemotronHMamba2Mixer",
+        {"mamba_split_conv1d_scan_combined", "causal_conv1d_fn"},
+        {"mamba_chunk_scan_combined", "causal_conv1d_fn"},
+    ),
+}
+
+
+@pytest.mark.parametrize("model_type", FAMILY_KERNELS)
+def test_the_kernel_path_equals_the_reference_path_through_strict_standins(with_standins, model_type):
+    found = with_standins["families"][model_type]
+    name, train_kernels, eval_kernels = FAMILY_KERNELS[model_type]
+    assert found["class"] == name
     assert found["missing"] is None  # installed, and its kernels take cu_seqlens / seq_idx
-    assert found["error"] <= 1e-5 and found["chosen"] == ["Qwen3_5GatedDeltaNet"]
+    assert found["error"] <= 1e-5 and found["chosen"] == [name]
     assert found["backends"] == ["kernels"]
-    # one call per layer with the row's boundaries: the delta rule with cu_seqlens, the conv with seq_idx
-    assert {"fn": "chunk_gated_delta_rule", "cu_seqlens": True} in found["calls"]
-    assert {"fn": "causal_conv1d_fn", "seq_idx": True} in found["calls"]
-    assert not any(call.get("cu_seqlens") is False or call.get("seq_idx") is False for call in found["calls"])
+    for calls, kernels in ((found["calls"], train_kernels), (found["eval_calls"], eval_kernels)):
+        assert {call["fn"] for call in calls} == kernels, calls
+        # every call with the row's boundaries: cu_seqlens (the delta rule) or seq_idx (the others)
+        assert all(call.get("cu_seqlens", call.get("seq_idx")) is True for call in calls), calls
     assert found["grad_names_equal"] and found["loss_error"] <= 1e-5 and found["grad_error"] <= 1e-5
-    # check-gpu's rows: the Gated DeltaNet families PASS through the stand-ins, the others SKIP (no mamba-ssm)
-    assert found["rows"]["qwen3_5_text Qwen3_5GatedDeltaNet"] == "PASS"
-    assert found["rows"]["nemotron_h NemotronHMamba2Mixer"] == "SKIP"
-    assert "FAIL" not in found["rows"].values(), found["rows"]
-    # a kernel that ignores the boundaries differs from the reference path: refused
-    assert "Qwen3_5GatedDeltaNet's kernels differ from its reference path" in found["refused"], found
+    assert found["eval_loss_error"] <= 1e-5
+
+
+def test_check_gpu_rows_pass_through_the_standins_and_a_kernel_that_ignores_the_boundaries_is_refused(
+    with_standins,
+):
+    # check-gpu's rows: every family with stand-ins PASSes; KDA (no fla stand-in of chunk_kda) and
+    # Jamba (no stand-in of mamba-ssm's Mamba v1 scan) SKIP
+    assert with_standins["rows"] == {
+        "qwen3_5_text Qwen3_5GatedDeltaNet": "PASS",
+        "qwen3_next Qwen3NextGatedDeltaNet": "PASS",
+        "olmo_hybrid OlmoHybridGatedDeltaNet": "PASS",
+        "kimi_linear KimiLinearDeltaAttention": "SKIP",
+        "nemotron_h NemotronHMamba2Mixer": "PASS",
+        "falcon_h1 FalconH1Mixer": "PASS",
+        "granitemoehybrid GraniteMoeHybridMambaLayer": "PASS",
+        "bamba BambaMixer": "PASS",
+        "jamba JambaMambaMixer": "SKIP",
+        "lfm2 Lfm2ShortConv": "PASS",
+    }
+    # kernels that ignore the boundaries differ from the reference path: refused
+    for model_type, (name, _, _) in FAMILY_KERNELS.items():
+        refused = with_standins["refused"][f"1 {model_type}"]
+        assert f"{name}'s kernels differ from its reference path" in refused
+    # a Mamba-2 mixer whose unfused scan (eval mode: validation) alone ignores seq_idx: refused too
+    for model_type in ("mamba2", "nemotron_h"):
+        refused = with_standins["refused"][f"mamba_chunk_scan_combined {model_type}"]
+        assert f"{FAMILY_KERNELS[model_type][0]}'s kernels differ from its reference path" in refused
+    assert with_standins["refused"]["mamba_chunk_scan_combined qwen3_5_text"] is None  # no mamba-ssm call
+
+
+def test_the_mamba_ssm_standin_restarts_its_scan_where_seq_idx_changes_and_decodes_as_it_scans(with_standins):
+    # a row of three sequences == transformers' torch scan on each alone; ignoring seq_idx == on the row
+    assert with_standins["scan_error"] <= 1e-5
+    assert with_standins["ignoring_error"] > 0.1 and with_standins["ignoring_whole_error"] <= 1e-5
+    # selective_state_update on the scan's state after 12 tokens == the scan's 13th token
+    assert with_standins["decode_error"] <= 1e-5
+    assert with_standins["short_seq_idx"].startswith("seq_idx must be an integer [batch, seqlen]")
 
 
 def test_without_the_packages_the_reference_path_runs_and_kernels_are_refused_at_setup(monkeypatch):

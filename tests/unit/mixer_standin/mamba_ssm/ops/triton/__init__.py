@@ -1,0 +1,1 @@
+"""Stand-in for ``mamba_ssm.ops.triton`` (README.md beside)."""
