@@ -17,11 +17,13 @@ Shape legend: T = the probe's tokens.
 
 from __future__ import annotations
 
+import ast
 import copy
 import inspect
 import logging
-import re
 import sys
+import textwrap
+from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -218,22 +220,33 @@ class KernelFunction:
     """A function a mixer class calls that transformers takes from a package where installed
     (``use_kernel_func_from_hub_with_fallback``), else its torch fallback."""
 
-    name: str
+    name: str  # the package's name of it (``selective_scan_fn``), not the module's
     package: str
     installed: bool
-    takes_layout: bool  # its installed implementation takes cu_seqlens or seq_idx
+    # its installed implementation takes cu_seqlens or seq_idx AND every call of it in the class hands
+    # it the layout (those keywords, or the forward's ``**kwargs`` passed on): a signature alone does
+    # not say a kernel sees the boundaries
+    takes_layout: bool
+    # a decoding step: it updates a state it is handed (a required ``state`` / ``*_state``
+    # parameter), one token at a time, called only with a cache, which the THD path turns off
+    decodes: bool = False
 
 
 def kernel_functions(cls: type) -> list[KernelFunction]:
     """The package kernels ``cls``'s code calls, read from transformers' fallback wrappers in its
-    module (their closure holds the package and whether it was found)."""
+    module (their closure holds the package, the implementation and whether it was found) and from
+    the calls of them in ``cls``'s source (whether each hands the layout on)."""
     try:
-        source = inspect.getsource(cls)
+        source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):
         return []
     namespace = vars(sys.modules[cls.__module__])
+    calls: dict[str, list[ast.Call]] = defaultdict(list)
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            calls[node.func.id].append(node)
     found = []
-    for name in sorted(set(re.findall(r"\b([A-Za-z_]\w*)\(", source))):
+    for name in sorted(calls):
         function = namespace.get(name)
         if not callable(function) or getattr(function, "__closure__", None) is None:
             continue
@@ -241,9 +254,14 @@ def kernel_functions(cls: type) -> list[KernelFunction]:
         if "is_new_implementation" not in cells or "package" not in cells:
             continue
         params = set(cells.get("applicable_params") or ())
+        handed = all(_hands_layout(call) for call in calls[name])
         found.append(
             KernelFunction(
-                name, cells["package"], bool(cells["is_new_implementation"]), bool(params & LAYOUT_PARAMS)
+                cells.get("func_name", name),
+                cells["package"],
+                bool(cells["is_new_implementation"]),
+                bool(params & LAYOUT_PARAMS) and handed,
+                _updates_a_state(cells.get("implementation")),
             )
         )
     return found
@@ -252,17 +270,45 @@ def kernel_functions(cls: type) -> list[KernelFunction]:
 LAYOUT_PARAMS = {"cu_seqlens", "seq_idx"}
 
 
+def _hands_layout(call: ast.Call) -> bool:
+    """Whether a call passes a layout keyword or spreads a dict (the forward's ``**kwargs``, which
+    carry :func:`~automodel.attention.mixers.kernel_keywords`)."""
+    return any(k.arg is None or k.arg in LAYOUT_PARAMS for k in call.keywords)
+
+
+def _updates_a_state(implementation: Any) -> bool:
+    try:
+        params = inspect.signature(implementation).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(
+        p.default is inspect.Parameter.empty and (p.name == "state" or p.name.endswith("_state"))
+        for p in params
+    )
+
+
+def packages_missing(cls: type) -> list[str]:
+    """The packages of ``cls``'s kernels that are not installed (sorted)."""
+    return sorted({f.package for f in kernel_functions(cls) if not f.installed})
+
+
 def kernels_missing(cls: type) -> str | None:
     """Why ``cls`` cannot run through its kernels with the layout here, or None: it calls no package
-    kernel, a package is not installed, or none of its kernels takes ``cu_seqlens`` / ``seq_idx``."""
+    kernel, a package is not installed, or a kernel that carries a state along the row (any but a
+    decoding step) is not handed ``cu_seqlens`` / ``seq_idx``: it would carry one sample's state
+    into the next."""
     functions = kernel_functions(cls)
     if not functions:
         return f"{cls.__name__} calls no package kernel (torch code only)"
-    missing = sorted({f.package for f in functions if not f.installed})
+    missing = packages_missing(cls)
     if missing:
         return f"{cls.__name__} needs {', '.join(missing)} (not installed)"
-    if not any(f.takes_layout for f in functions):
-        return f"{cls.__name__}'s kernels take no sample boundaries (cu_seqlens, seq_idx)"
+    blind = [f.name for f in functions if not f.takes_layout and not f.decodes]
+    if blind:
+        return (
+            f"{cls.__name__}'s kernels take no sample boundaries: {', '.join(blind)} "
+            f"{'is' if len(blind) == 1 else 'are'} handed neither cu_seqlens nor seq_idx"
+        )
     return None
 
 
