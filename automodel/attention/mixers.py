@@ -17,9 +17,11 @@ Two backends, chosen per mixer class (:func:`automodel.models.mixers.mixer_kerne
   module as one batch, so a row costs one call per distinct sequence length and O(T) work in all.
 - ``kernels``: one call per layer, the module's own forward with the layout as the keywords
   transformers hands to the kernels it calls where they are installed (:func:`kernel_keywords`):
-  flash-linear-attention's chunked gated delta rule and KDA take ``cu_seqlens``, causal-conv1d's
+  flash-linear-attention's chunked gated delta rule takes ``cu_seqlens``, causal-conv1d's
   convolution and mamba-ssm's Mamba-2 scan take ``seq_idx``. transformers' torch fallbacks refuse
-  those keywords, so the path never silently runs without them.
+  those keywords, and a class with an installed kernel the layout does not reach (mamba-ssm's Mamba
+  scan, Kimi Linear's KDA) is never given this path
+  (:func:`automodel.models.mixers.kernels_missing`), so it never silently runs without them.
 
 How the layout reaches a module that transformers calls without it: :func:`layout_scope` holds it
 in a context variable around the decoder's forward; under activation checkpointing the recompute
@@ -112,19 +114,19 @@ def mixer_backend_of(module: nn.Module) -> str | None:
     return module.__dict__.get(_WRAPPED)
 
 
+# the names :func:`kernel_keywords` gives the layout; a kernel called with the forward's ``**kwargs``
+# gets those of them in its signature (transformers' wrapper drops the rest)
+KERNEL_KEYWORDS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
 def kernel_keywords(meta: ThdAttentionMetadata, device: torch.device) -> dict[str, Any]:
     """The layout as the keywords transformers' stateful mixers hand to their kernels: the padded
     sequences' offsets (``cu_seq_lens_q``/``_k``, int32 ``[N+1]``: flash-linear-attention's
     ``cu_seqlens``), their longest (``max_length_q``/``_k``) and each token's sequence
     (``seq_idx``, int32 ``[1, T]``: causal-conv1d's and mamba-ssm's)."""
     cu_seqlens = meta.on_device("cu_seqlens_padded", device)
-    return {
-        "cu_seq_lens_q": cu_seqlens,
-        "cu_seq_lens_k": cu_seqlens,
-        "max_length_q": meta.max_seqlen,
-        "max_length_k": meta.max_seqlen,
-        "seq_idx": meta.sequence_index(device),
-    }
+    values = (cu_seqlens, cu_seqlens, meta.max_seqlen, meta.max_seqlen, meta.sequence_index(device))
+    return dict(zip(KERNEL_KEYWORDS, values, strict=True))
 
 
 def mixer_forward(forward: Callable, backend: str, *args: Any, **kwargs: Any) -> Any:

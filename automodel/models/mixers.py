@@ -39,7 +39,7 @@ from automodel.attention.hf import (
     attention_callers,
     register_thd_attention,
 )
-from automodel.attention.mixers import MIXER_BACKENDS, layout_scope, mixer_forward
+from automodel.attention.mixers import KERNEL_KEYWORDS, MIXER_BACKENDS, layout_scope, mixer_forward
 from automodel.models.tiny import width_config
 
 logger = logging.getLogger(__name__)
@@ -224,8 +224,8 @@ class KernelFunction:
     package: str
     installed: bool
     # its installed implementation takes cu_seqlens or seq_idx AND every call of it in the class hands
-    # it the layout (those keywords, or the forward's ``**kwargs`` passed on): a signature alone does
-    # not say a kernel sees the boundaries
+    # it one of them (by name, or in the forward's ``**kwargs`` passed on): a signature alone does not
+    # say a kernel sees the boundaries
     takes_layout: bool
     # a decoding step: it updates a state it is handed (a required ``state`` / ``*_state``
     # parameter), one token at a time, called only with a cache, which the THD path turns off
@@ -254,13 +254,12 @@ def kernel_functions(cls: type) -> list[KernelFunction]:
         if "is_new_implementation" not in cells or "package" not in cells:
             continue
         params = set(cells.get("applicable_params") or ())
-        handed = all(_hands_layout(call) for call in calls[name])
         found.append(
             KernelFunction(
                 cells.get("func_name", name),
                 cells["package"],
                 bool(cells["is_new_implementation"]),
-                bool(params & LAYOUT_PARAMS) and handed,
+                all(_hands_layout(call, params) for call in calls[name]),
                 _updates_a_state(cells.get("implementation")),
             )
         )
@@ -270,10 +269,14 @@ def kernel_functions(cls: type) -> list[KernelFunction]:
 LAYOUT_PARAMS = {"cu_seqlens", "seq_idx"}
 
 
-def _hands_layout(call: ast.Call) -> bool:
-    """Whether a call passes a layout keyword or spreads a dict (the forward's ``**kwargs``, which
-    carry :func:`~automodel.attention.mixers.kernel_keywords`)."""
-    return any(k.arg is None or k.arg in LAYOUT_PARAMS for k in call.keywords)
+def _hands_layout(call: ast.Call, params: set[str]) -> bool:
+    """Whether a call hands a kernel whose signature has ``params`` the layout: a layout keyword it
+    takes, passed by name, or spread from a dict (the forward's ``**kwargs``) among the names
+    :data:`~automodel.attention.mixers.KERNEL_KEYWORDS` gives it (``seq_idx``: the row's
+    ``cu_seqlens`` travel there as ``cu_seq_lens_q``, which transformers' wrapper drops for a kernel
+    that takes ``cu_seqlens``)."""
+    taken = params & LAYOUT_PARAMS
+    return any(k.arg in taken if k.arg else bool(taken & set(KERNEL_KEYWORDS)) for k in call.keywords)
 
 
 def _updates_a_state(implementation: Any) -> bool:

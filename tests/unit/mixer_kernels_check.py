@@ -18,10 +18,12 @@ warnings.filterwarnings("ignore")
 
 import causal_conv1d  # noqa: E402  (the stand-ins)
 import fla.ops.gated_delta_rule as gated_delta_rule  # noqa: E402
+import fla.ops.kda as kda  # noqa: E402
 import mamba_ssm  # noqa: E402
 from mamba_ssm.ops.selective_scan_interface import selective_scan_fn  # noqa: E402
 from mamba_ssm.ops.triton.selective_state_update import selective_state_update  # noqa: E402
 from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined  # noqa: E402
+from transformers.models.kimi_linear import modeling_kimi_linear  # noqa: E402
 from transformers.models.mamba import modeling_mamba  # noqa: E402
 from transformers.models.mamba2 import modeling_mamba2  # noqa: E402
 
@@ -38,9 +40,10 @@ from automodel.models.tiny import tiny_config  # noqa: E402
 
 # a Gated DeltaNet hybrid, a pure Mamba-2 model and a Mamba-2 hybrid
 FAMILIES = ("qwen3_5_text", "mamba2", "nemotron_h")
-# Mamba (v1) mixers: a pure Mamba model, FalconMamba (norms inside the fused kernel) and a hybrid; their
-# scan kernels take no sample boundaries
-NO_BOUNDARIES = ("mamba", "falcon_mamba", "jamba")
+# Mamba (v1) mixers (a pure Mamba model, FalconMamba: norms inside the fused kernel, a hybrid), whose
+# scan kernels take no sample boundaries; and Kimi Linear's KDA, whose kernels take cu_seqlens but
+# whose call hands them the forward's keywords only (cu_seq_lens_q: dropped)
+NO_BOUNDARIES = ("mamba", "falcon_mamba", "jamba", "kimi_linear")
 STANDINS = (gated_delta_rule, causal_conv1d, mamba_ssm)
 
 
@@ -112,16 +115,19 @@ def refused(model_type: str) -> dict:
         except ValueError as error:
             found[key] = str(error)
     torch.cuda.is_available = is_available
-    del mamba_ssm.CALLS[:], causal_conv1d.CALLS[:]
+    del mamba_ssm.CALLS[:], causal_conv1d.CALLS[:], kda.CALLS[:]
     found["forced_error"] = mixers.kernel_error(config, cls, torch.device("cpu"))
-    found["forced_calls"] = sorted({c["fn"] for c in mamba_ssm.CALLS + causal_conv1d.CALLS})
+    found["forced_calls"] = sorted(
+        {f"{c['fn']}{' with boundaries' if c.get('cu_seqlens', c.get('seq_idx')) else ''}"
+         for c in mamba_ssm.CALLS + causal_conv1d.CALLS + kda.CALLS}
+    )  # fmt: skip
     return found
 
 
 def selective_scans() -> dict:
     """mamba-ssm's Mamba (v1) stand-ins: the scan against transformers' torch scan, the fused
-    ``mamba_inner_fn`` (a Mamba mixer in training) against the convolution and scan apart (in eval),
-    and one of the real checks."""
+    ``mamba_inner_fn`` (a Mamba mixer in training) against the convolution and scan apart (in eval);
+    flash-linear-attention's KDA stand-ins on a row of three sequences; one real check of each."""
     g = torch.Generator().manual_seed(0)
     u, dt, z = (torch.randn(2, 6, 9, generator=g) for _ in range(3))
     A, D, delta_bias = (
@@ -148,6 +154,37 @@ def selective_scans() -> dict:
         outputs[training] = module.train(training)(x)
         found[f"inner_calls_{training}"] = [c["fn"] for c in mamba_ssm.CALLS]
     found["inner_error"] = float((outputs[True] - outputs[False]).norm() / outputs[False].norm())
+    # KDA with cu_seqlens on a row of three sequences == transformers' torch KDA on each alone
+    q, k = torch.randn(1, 13, 2, 4, generator=g), torch.randn(1, 13, 2, 4, generator=g)
+    v, kda_g = torch.randn(1, 13, 2, 3, generator=g), -torch.rand(1, 13, 2, 4, generator=g)
+    beta = torch.rand(1, 13, 2, generator=g)
+    bounds = [0, 5, 6, 13]
+    reference = modeling_kimi_linear.chunk_kimi_delta_attention.__wrapped__
+    per_sequence = torch.cat(
+        [
+            reference(
+                q[:, a:b],
+                k[:, a:b],
+                v[:, a:b],
+                g=kda_g[:, a:b],
+                beta=beta[:, a:b],
+                use_qk_l2norm_in_kernel=True,
+            )[0]
+            for a, b in zip(bounds[:-1], bounds[1:])
+        ],
+        dim=1,
+    )
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
+    for fn in (kda.chunk_kda, kda.fused_recurrent_kda):
+        out, _ = fn(q, k, v, kda_g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+        found[f"{fn.__name__}_error"] = float((out - per_sequence).abs().max())
+    out, _ = kda.chunk_kda(q, k, v, kda_g, beta, use_qk_l2norm_in_kernel=True)  # no boundaries: one sequence
+    found["kda_without_cu_seqlens_error"] = float((out - per_sequence).abs().max())
+    try:
+        kda.chunk_kda(q, k, v, kda_g[..., :3], beta)
+        found["kda_short_g"] = None
+    except AssertionError as error:
+        found["kda_short_g"] = str(error)
     try:
         selective_scan_fn(u, dt, A, B, C, D.half())
         found["half_D"] = None

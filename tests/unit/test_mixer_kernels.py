@@ -85,8 +85,8 @@ def test_the_kernel_path_equals_the_reference_path_through_strict_standins(with_
 def test_check_gpu_rows_pass_through_the_standins_and_a_kernel_that_ignores_the_boundaries_is_refused(
     with_standins,
 ):
-    # check-gpu's rows: every family with stand-ins PASSes; KDA (no fla stand-in of chunk_kda) and
-    # Jamba (its Mamba v1 scan takes no sample boundaries) SKIP, naming why
+    # check-gpu's rows: every family whose kernels are handed the boundaries PASSes; Kimi Linear (KDA)
+    # and Jamba (Mamba v1) SKIP, naming why
     assert with_standins["rows"] == {
         "qwen3_5_text Qwen3_5GatedDeltaNet": "PASS",
         "qwen3_next Qwen3NextGatedDeltaNet": "PASS",
@@ -100,7 +100,7 @@ def test_check_gpu_rows_pass_through_the_standins_and_a_kernel_that_ignores_the_
         "lfm2 Lfm2ShortConv": "PASS",
     }
     assert with_standins["row_details"] == {
-        "kimi_linear KimiLinearDeltaAttention": "KimiLinearDeltaAttention needs fla (not installed)",
+        "kimi_linear KimiLinearDeltaAttention": f"KimiLinearDeltaAttention{NO_BOUNDARIES['kimi_linear'][1]}",
         "jamba JambaMambaMixer": f"JambaMambaMixer{NO_BOUNDARIES['jamba'][1]}",
     }
     # kernels that ignore the boundaries differ from the reference path: refused
@@ -114,27 +114,31 @@ def test_check_gpu_rows_pass_through_the_standins_and_a_kernel_that_ignores_the_
     assert with_standins["refused"]["mamba_chunk_scan_combined qwen3_5_text"] is None  # no mamba-ssm call
 
 
-# Mamba (v1) mixers: their class and why automodel keeps their kernels off packed rows (mamba-ssm's
-# selective scan, fused or not, takes no sample boundaries; a Jamba mixer calls no fused kernel)
+# mixers whose installed kernels are not handed the boundaries: their class, why (the kernels named), and
+# the kernel that carries a state across them. mamba-ssm's Mamba (v1) scan, fused or not, takes no
+# boundaries (a Jamba mixer calls no fused kernel); flash-linear-attention's KDA takes cu_seqlens,
+# but Kimi Linear hands it the forward's keywords only, where the row's offsets are cu_seq_lens_q
 NO_BOUNDARIES = {
     model_type: (
         name,
         f"'s kernels take no sample boundaries: {blind} handed neither cu_seqlens nor seq_idx",
+        scan,
     )
-    for model_type, name, blind in (
-        ("mamba", "MambaMixer", "mamba_inner_fn, selective_scan_fn are"),
-        ("falcon_mamba", "FalconMambaMixer", "mamba_inner_fn, selective_scan_fn are"),
-        ("jamba", "JambaMambaMixer", "selective_scan_fn is"),
+    for model_type, name, blind, scan in (
+        ("mamba", "MambaMixer", "mamba_inner_fn, selective_scan_fn are", "selective_scan_fn"),
+        ("falcon_mamba", "FalconMambaMixer", "mamba_inner_fn, selective_scan_fn are", "selective_scan_fn"),
+        ("jamba", "JambaMambaMixer", "selective_scan_fn is", "selective_scan_fn"),
+        ("kimi_linear", "KimiLinearDeltaAttention", "chunk_kda, fused_recurrent_kda are", "chunk_kda"),
     )
 }
 
 
 @pytest.mark.parametrize("model_type", NO_BOUNDARIES)
-def test_installed_kernels_that_take_no_boundaries_are_never_chosen_and_kernels_is_refused_naming_why(
+def test_installed_kernels_not_handed_the_boundaries_are_never_chosen_and_kernels_is_refused_naming_why(
     with_standins, model_type
 ):
     found = with_standins["no_boundaries"][model_type]
-    name, reason = NO_BOUNDARIES[model_type]
+    name, reason, scan = NO_BOUNDARIES[model_type]
     why = f"{name}{reason}"
     assert found["class"] == name and found["missing"] == why
     assert found["auto"] == []  # auto on a GPU: the reference path, per sample
@@ -144,8 +148,10 @@ def test_installed_kernels_that_take_no_boundaries_are_never_chosen_and_kernels_
     assert found["setup"] == (
         f"model.mixer_backend='kernels': {why}; use model.mixer_backend=auto or reference (per sample, in torch)"
     )
-    # what the refusal keeps away: forced onto the row, the scan carries a sample's state into the next
-    assert "selective_scan_fn" in found["forced_calls"] and found["forced_error"] > 0.1
+    # what the refusal keeps away: forced onto the row, the kernel runs without the boundaries and
+    # carries a sample's state into the next
+    assert scan in found["forced_calls"] and f"{scan} with boundaries" not in found["forced_calls"]
+    assert found["forced_error"] > 0.1
 
 
 def test_the_mamba_v1_standins_scan_as_transformers_and_the_fused_kernel_as_the_scan_apart(with_standins):
@@ -156,6 +162,14 @@ def test_the_mamba_v1_standins_scan_as_transformers_and_the_fused_kernel_as_the_
     assert with_standins["inner_calls_False"] == ["selective_scan_fn"]
     assert with_standins["inner_error"] <= 1e-5
     assert with_standins["half_D"] == "D must be float32 [d]"  # the extension's dtype check
+
+
+def test_the_kda_standins_restart_at_each_cu_seqlens_boundary(with_standins):
+    # chunk_kda and fused_recurrent_kda with cu_seqlens on a row of three sequences == transformers'
+    # torch KDA on each alone; without cu_seqlens the row is one sequence
+    assert with_standins["chunk_kda_error"] <= 1e-5 and with_standins["fused_recurrent_kda_error"] <= 1e-5
+    assert with_standins["kda_without_cu_seqlens_error"] > 0.1
+    assert with_standins["kda_short_g"] == "g must have shape [B, T, HV, K]=[1, 13, 2, 4], got [1, 13, 2, 3]"
 
 
 def test_the_mamba_ssm_standin_restarts_its_scan_where_seq_idx_changes_and_decodes_as_it_scans(with_standins):
