@@ -39,7 +39,13 @@ from automodel.attention.hf import (
     attention_callers,
     register_thd_attention,
 )
-from automodel.attention.mixers import KERNEL_KEYWORDS, MIXER_BACKENDS, layout_scope, mixer_forward
+from automodel.attention.mixers import (
+    CU_SEQLENS,
+    KERNEL_KEYWORDS,
+    MIXER_BACKENDS,
+    layout_scope,
+    mixer_forward,
+)
 from automodel.models.tiny import width_config
 
 logger = logging.getLogger(__name__)
@@ -236,6 +242,26 @@ def kernel_functions(cls: type) -> list[KernelFunction]:
     """The package kernels ``cls``'s code calls, read from transformers' fallback wrappers in its
     module (their closure holds the package, the implementation and whether it was found) and from
     the calls of them in ``cls``'s source (whether each hands the layout on)."""
+    kernels = _kernel_calls(cls)
+    spread = set(_spread_keywords(kernels))
+    return [
+        KernelFunction(
+            cells.get("func_name", name),
+            cells["package"],
+            bool(cells["is_new_implementation"]),
+            all(_hands_layout(call, _params(cells), spread) for call in calls),
+            _updates_a_state(cells.get("implementation")),
+        )
+        for name, cells, calls in kernels
+    ]
+
+
+LAYOUT_PARAMS = {"cu_seqlens", "seq_idx"}
+
+
+def _kernel_calls(cls: type) -> list[tuple[str, dict[str, Any], list[ast.Call]]]:
+    """Each transformers kernel wrapper ``cls``'s source calls by name: (its name in the module, its
+    closure's cells, the calls of it)."""
     try:
         source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):
@@ -251,32 +277,42 @@ def kernel_functions(cls: type) -> list[KernelFunction]:
         if not callable(function) or getattr(function, "__closure__", None) is None:
             continue
         cells = inspect.getclosurevars(function).nonlocals
-        if "is_new_implementation" not in cells or "package" not in cells:
-            continue
-        params = set(cells.get("applicable_params") or ())
-        found.append(
-            KernelFunction(
-                cells.get("func_name", name),
-                cells["package"],
-                bool(cells["is_new_implementation"]),
-                all(_hands_layout(call, params) for call in calls[name]),
-                _updates_a_state(cells.get("implementation")),
-            )
-        )
+        if "is_new_implementation" in cells and "package" in cells:
+            found.append((name, cells, calls[name]))
     return found
 
 
-LAYOUT_PARAMS = {"cu_seqlens", "seq_idx"}
+def _params(cells: dict[str, Any]) -> set[str]:
+    """The parameters of a kernel wrapper's implementation (the package's function where found)."""
+    return set(cells.get("applicable_params") or ())
 
 
-def _hands_layout(call: ast.Call, params: set[str]) -> bool:
+def layout_keywords(cls: type) -> tuple[str, ...]:
+    """The layout keywords ``cls``'s forward gets on the kernel path
+    (:func:`~automodel.attention.mixers.kernel_keywords`): :data:`KERNEL_KEYWORDS`, and ``cu_seqlens``
+    where a kernel takes it but not ``seq_idx`` and gets only the forward's ``**kwargs`` (Kimi
+    Linear's KDA: the offsets there are ``cu_seq_lens_q``, which transformers' wrapper drops)."""
+    return _spread_keywords(_kernel_calls(cls))
+
+
+def _spread_keywords(kernels: list[tuple[str, dict[str, Any], list[ast.Call]]]) -> tuple[str, ...]:
+    needs = any(
+        CU_SEQLENS in _params(cells)
+        and "seq_idx" not in _params(cells)
+        and all(any(k.arg is None for k in call.keywords) for call in calls)
+        for _, cells, calls in kernels
+    )
+    # a call that names cu_seqlens beside **kwargs would get it twice (a TypeError)
+    named = any(k.arg == CU_SEQLENS for _, _, calls in kernels for call in calls for k in call.keywords)
+    return (*KERNEL_KEYWORDS, CU_SEQLENS) if needs and not named else KERNEL_KEYWORDS
+
+
+def _hands_layout(call: ast.Call, params: set[str], spread: set[str]) -> bool:
     """Whether a call hands a kernel whose signature has ``params`` the layout: a layout keyword it
-    takes, passed by name, or spread from a dict (the forward's ``**kwargs``) among the names
-    :data:`~automodel.attention.mixers.KERNEL_KEYWORDS` gives it (``seq_idx``: the row's
-    ``cu_seqlens`` travel there as ``cu_seq_lens_q``, which transformers' wrapper drops for a kernel
-    that takes ``cu_seqlens``)."""
+    takes, passed by name, or spread from a dict (the forward's ``**kwargs``) holding ``spread``
+    (:func:`layout_keywords`)."""
     taken = params & LAYOUT_PARAMS
-    return any(k.arg in taken if k.arg else bool(taken & set(KERNEL_KEYWORDS)) for k in call.keywords)
+    return any(k.arg in taken if k.arg else bool(taken & spread) for k in call.keywords)
 
 
 def _updates_a_state(implementation: Any) -> bool:
@@ -352,7 +388,10 @@ def _outputs_and_grads(
         x.requires_grad_()
     module.zero_grad(set_to_none=True)
     with layout_scope(layout):
-        out = _first_per_token(mixer_forward(module.forward, backend, *inputs[0], **inputs[1])).float()
+        keywords = layout_keywords(type(module))
+        out = _first_per_token(
+            mixer_forward(module.forward, backend, keywords, *inputs[0], **inputs[1])
+        ).float()
     weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(device)
     (out * weight).sum().backward()
     grads = [x.grad for x in leaves] + [p.grad for p in module.parameters()]

@@ -38,13 +38,12 @@ from automodel.models.check_mixers import mixer_kernel_rows  # noqa: E402
 from automodel.models.setup import check_mixer_backend  # noqa: E402
 from automodel.models.tiny import tiny_config  # noqa: E402
 
-# a Gated DeltaNet hybrid, a pure Mamba-2 model and a Mamba-2 hybrid
-FAMILIES = ("qwen3_5_text", "mamba2", "nemotron_h")
+# a Gated DeltaNet hybrid, a KDA hybrid, a pure Mamba-2 model and a Mamba-2 hybrid
+FAMILIES = ("qwen3_5_text", "kimi_linear", "mamba2", "nemotron_h")
 # Mamba (v1) mixers (a pure Mamba model, FalconMamba: norms inside the fused kernel, a hybrid), whose
-# scan kernels take no sample boundaries; and Kimi Linear's KDA, whose kernels take cu_seqlens but
-# whose call hands them the forward's keywords only (cu_seq_lens_q: dropped)
-NO_BOUNDARIES = ("mamba", "falcon_mamba", "jamba", "kimi_linear")
-STANDINS = (gated_delta_rule, causal_conv1d, mamba_ssm)
+# scan kernels take no sample boundaries
+NO_BOUNDARIES = ("mamba", "falcon_mamba", "jamba")
+STANDINS = (gated_delta_rule, kda, causal_conv1d, mamba_ssm)
 
 
 def build(config, backend: str):
@@ -115,12 +114,9 @@ def refused(model_type: str) -> dict:
         except ValueError as error:
             found[key] = str(error)
     torch.cuda.is_available = is_available
-    del mamba_ssm.CALLS[:], causal_conv1d.CALLS[:], kda.CALLS[:]
+    del mamba_ssm.CALLS[:], causal_conv1d.CALLS[:]
     found["forced_error"] = mixers.kernel_error(config, cls, torch.device("cpu"))
-    found["forced_calls"] = sorted(
-        {f"{c['fn']}{' with boundaries' if c.get('cu_seqlens', c.get('seq_idx')) else ''}"
-         for c in mamba_ssm.CALLS + causal_conv1d.CALLS + kda.CALLS}
-    )  # fmt: skip
+    found["forced_calls"] = sorted({c["fn"] for c in mamba_ssm.CALLS + causal_conv1d.CALLS})
     return found
 
 

@@ -45,13 +45,19 @@ def with_standins() -> dict:
 
 
 # each family's mixer class and the kernels one training step and one eval step (validation) call: a
-# Gated DeltaNet's delta rule and convolution; a Mamba-2 mixer's fused convolution and scan when
-# training, its convolution and scan apart in eval
+# Gated DeltaNet's delta rule and convolution; KDA's chunked form and convolution (its kernels take
+# cu_seqlens through the forward's **kwargs only: automodel puts it there); a Mamba-2 mixer's fused
+# convolution and scan when training, its convolution and scan apart in eval
 FAMILY_KERNELS = {
     "qwen3_5_text": (
         "Qwen3_5GatedDeltaNet",
         {"chunk_gated_delta_rule", "causal_conv1d_fn"},
         {"chunk_gated_delta_rule", "causal_conv1d_fn"},
+    ),
+    "kimi_linear": (
+        "KimiLinearDeltaAttention",
+        {"chunk_kda", "causal_conv1d_fn"},
+        {"chunk_kda", "causal_conv1d_fn"},
     ),
     "mamba2": (
         "Mamba2Mixer",
@@ -85,13 +91,13 @@ def test_the_kernel_path_equals_the_reference_path_through_strict_standins(with_
 def test_check_gpu_rows_pass_through_the_standins_and_a_kernel_that_ignores_the_boundaries_is_refused(
     with_standins,
 ):
-    # check-gpu's rows: every family whose kernels are handed the boundaries PASSes; Kimi Linear (KDA)
-    # and Jamba (Mamba v1) SKIP, naming why
+    # check-gpu's rows: every family whose kernels are handed the boundaries PASSes; Jamba (its Mamba
+    # v1 scan takes none) SKIPs, naming why
     assert with_standins["rows"] == {
         "qwen3_5_text Qwen3_5GatedDeltaNet": "PASS",
         "qwen3_next Qwen3NextGatedDeltaNet": "PASS",
         "olmo_hybrid OlmoHybridGatedDeltaNet": "PASS",
-        "kimi_linear KimiLinearDeltaAttention": "SKIP",
+        "kimi_linear KimiLinearDeltaAttention": "PASS",
         "nemotron_h NemotronHMamba2Mixer": "PASS",
         "falcon_h1 FalconH1Mixer": "PASS",
         "granitemoehybrid GraniteMoeHybridMambaLayer": "PASS",
@@ -100,8 +106,7 @@ def test_check_gpu_rows_pass_through_the_standins_and_a_kernel_that_ignores_the_
         "lfm2 Lfm2ShortConv": "PASS",
     }
     assert with_standins["row_details"] == {
-        "kimi_linear KimiLinearDeltaAttention": f"KimiLinearDeltaAttention{NO_BOUNDARIES['kimi_linear'][1]}",
-        "jamba JambaMambaMixer": f"JambaMambaMixer{NO_BOUNDARIES['jamba'][1]}",
+        "jamba JambaMambaMixer": f"JambaMambaMixer{NO_BOUNDARIES['jamba'][1]}"
     }
     # kernels that ignore the boundaries differ from the reference path: refused
     for model_type, (name, _, _) in FAMILY_KERNELS.items():
@@ -114,31 +119,24 @@ def test_check_gpu_rows_pass_through_the_standins_and_a_kernel_that_ignores_the_
     assert with_standins["refused"]["mamba_chunk_scan_combined qwen3_5_text"] is None  # no mamba-ssm call
 
 
-# mixers whose installed kernels are not handed the boundaries: their class, why (the kernels named), and
-# the kernel that carries a state across them. mamba-ssm's Mamba (v1) scan, fused or not, takes no
-# boundaries (a Jamba mixer calls no fused kernel); flash-linear-attention's KDA takes cu_seqlens,
-# but Kimi Linear hands it the forward's keywords only, where the row's offsets are cu_seq_lens_q
+# Mamba (v1) mixers: their class and why automodel keeps their kernels off packed rows (mamba-ssm's
+# selective scan, fused or not, takes no sample boundaries; a Jamba mixer calls no fused kernel)
 NO_BOUNDARIES = {
-    model_type: (
-        name,
-        f"'s kernels take no sample boundaries: {blind} handed neither cu_seqlens nor seq_idx",
-        scan,
-    )
-    for model_type, name, blind, scan in (
-        ("mamba", "MambaMixer", "mamba_inner_fn, selective_scan_fn are", "selective_scan_fn"),
-        ("falcon_mamba", "FalconMambaMixer", "mamba_inner_fn, selective_scan_fn are", "selective_scan_fn"),
-        ("jamba", "JambaMambaMixer", "selective_scan_fn is", "selective_scan_fn"),
-        ("kimi_linear", "KimiLinearDeltaAttention", "chunk_kda, fused_recurrent_kda are", "chunk_kda"),
+    model_type: (name, f"'s kernels take no sample boundaries: {blind} handed neither cu_seqlens nor seq_idx")
+    for model_type, name, blind in (
+        ("mamba", "MambaMixer", "mamba_inner_fn, selective_scan_fn are"),
+        ("falcon_mamba", "FalconMambaMixer", "mamba_inner_fn, selective_scan_fn are"),
+        ("jamba", "JambaMambaMixer", "selective_scan_fn is"),
     )
 }
 
 
 @pytest.mark.parametrize("model_type", NO_BOUNDARIES)
-def test_installed_kernels_not_handed_the_boundaries_are_never_chosen_and_kernels_is_refused_naming_why(
+def test_installed_kernels_that_take_no_boundaries_are_never_chosen_and_kernels_is_refused_naming_why(
     with_standins, model_type
 ):
     found = with_standins["no_boundaries"][model_type]
-    name, reason, scan = NO_BOUNDARIES[model_type]
+    name, reason = NO_BOUNDARIES[model_type]
     why = f"{name}{reason}"
     assert found["class"] == name and found["missing"] == why
     assert found["auto"] == []  # auto on a GPU: the reference path, per sample
@@ -148,10 +146,8 @@ def test_installed_kernels_not_handed_the_boundaries_are_never_chosen_and_kernel
     assert found["setup"] == (
         f"model.mixer_backend='kernels': {why}; use model.mixer_backend=auto or reference (per sample, in torch)"
     )
-    # what the refusal keeps away: forced onto the row, the kernel runs without the boundaries and
-    # carries a sample's state into the next
-    assert scan in found["forced_calls"] and f"{scan} with boundaries" not in found["forced_calls"]
-    assert found["forced_error"] > 0.1
+    # what the refusal keeps away: forced onto the row, the scan carries a sample's state into the next
+    assert "selective_scan_fn" in found["forced_calls"] and found["forced_error"] > 0.1
 
 
 def test_the_mamba_v1_standins_scan_as_transformers_and_the_fused_kernel_as_the_scan_apart(with_standins):
