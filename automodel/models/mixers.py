@@ -316,6 +316,8 @@ def _hands_layout(call: ast.Call, params: set[str], spread: set[str]) -> bool:
 
 
 def _updates_a_state(implementation: Any) -> bool:
+    """Whether a kernel is a decoding step: a required ``state`` / ``*_state`` parameter (mamba-ssm's
+    ``selective_state_update(state, ...)``, causal-conv1d's ``causal_conv1d_update(x, conv_state, ...)``)."""
     try:
         params = inspect.signature(implementation).parameters.values()
     except (TypeError, ValueError):
