@@ -19,7 +19,9 @@ Two backends, chosen per mixer class (:func:`automodel.models.mixers.mixer_kerne
   transformers hands to the kernels it calls where they are installed (:func:`kernel_keywords`):
   flash-linear-attention's chunked gated delta rule and KDA take ``cu_seqlens``, causal-conv1d's
   convolution and mamba-ssm's Mamba-2 scan take ``seq_idx``. transformers' torch fallbacks refuse
-  those keywords, so the path never silently runs without them.
+  those keywords, and a class with an installed kernel the layout does not reach (mamba-ssm's Mamba
+  scan) is never given this path
+  (:func:`automodel.models.mixers.kernels_missing`), so it never silently runs without them.
 
 How the layout reaches a module that transformers calls without it: :func:`layout_scope` holds it
 in a context variable around the decoder's forward; under activation checkpointing the recompute
@@ -41,7 +43,7 @@ from __future__ import annotations
 import contextvars
 import functools
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -56,7 +58,9 @@ _LAYOUT: contextvars.ContextVar[ThdAttentionMetadata | None] = contextvars.Conte
 _WRAPPED = "_automodel_stateful_mixer"
 # keywords the decoder layers hand down that describe the packed row to attention kernels: the
 # wrapper runs each sequence alone, so none of them may reach the module
-_LAYOUT_KEYWORDS = ("thd_layout", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+_LAYOUT_KEYWORDS = (
+    "thd_layout", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "cu_seqlens",
+)  # fmt: skip
 
 
 class layout_scope:  # noqa: N801  (a context manager used like a function)
@@ -84,19 +88,23 @@ MIXER_BACKENDS = ("auto", "reference", "kernels")
 
 
 def attach_stateful_mixers(
-    model: nn.Module, classes: Iterable[type], kernels: Iterable[type] = ()
+    model: nn.Module, classes: Iterable[type], kernels: Mapping[type, tuple[str, ...]] | None = None
 ) -> list[nn.Module]:
     """Wrap the forward of every module of ``model`` whose class is one of ``classes`` so that each
     sample of the current layout starts from an empty state (:func:`mixer_forward`): through its
-    own kernels, one call per layer, for a class in ``kernels``, else per sequence (the reference
-    path). The module tree, its parameters and ``state_dict()`` names stay as they are. Returns the
-    wrapped modules."""
-    classes, kernels = tuple(classes), tuple(kernels)
+    own kernels, one call per layer with the layout keywords ``kernels`` names for its class
+    (:func:`kernel_keywords`), for a class in ``kernels``, else per sequence (the reference path).
+    The module tree, its parameters and ``state_dict()`` names stay as they are. Returns the wrapped
+    modules."""
+    classes, kernels = tuple(classes), dict(kernels or {})
     wrapped = []
     for module in model.modules():
         if classes and isinstance(module, classes) and not module.__dict__.get(_WRAPPED):
-            backend = "kernels" if kernels and isinstance(module, kernels) else "reference"
-            module.forward = torch.compiler.disable(functools.partial(mixer_forward, module.forward, backend))
+            names = next((n for cls, n in kernels.items() if isinstance(module, cls)), None)
+            backend = "reference" if names is None else "kernels"
+            module.forward = torch.compiler.disable(
+                functools.partial(mixer_forward, module.forward, backend, names or ())
+            )
             module.__dict__[_WRAPPED] = backend
             wrapped.append(module)
     return wrapped
@@ -112,22 +120,37 @@ def mixer_backend_of(module: nn.Module) -> str | None:
     return module.__dict__.get(_WRAPPED)
 
 
-def kernel_keywords(meta: ThdAttentionMetadata, device: torch.device) -> dict[str, Any]:
-    """The layout as the keywords transformers' stateful mixers hand to their kernels: the padded
-    sequences' offsets (``cu_seq_lens_q``/``_k``, int32 ``[N+1]``: flash-linear-attention's
+# the names :func:`kernel_keywords` gives the layout to every kernel path; a kernel called with the
+# forward's ``**kwargs`` gets those of them in its signature (transformers' wrapper drops the rest)
+KERNEL_KEYWORDS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+# for a class whose kernels take ``cu_seqlens`` through the forward's ``**kwargs`` only (Kimi
+# Linear's KDA); never for one that names it in a call beside ``**kwargs`` (twice would be a TypeError)
+CU_SEQLENS = "cu_seqlens"
+
+
+def kernel_keywords(
+    meta: ThdAttentionMetadata, device: torch.device, names: Iterable[str] = KERNEL_KEYWORDS
+) -> dict[str, Any]:
+    """The layout as the keywords ``names`` (of :data:`KERNEL_KEYWORDS` and :data:`CU_SEQLENS`)
+    transformers' stateful mixers hand to their kernels: the padded sequences' offsets
+    (``cu_seq_lens_q``/``_k`` and ``cu_seqlens``, int32 ``[N+1]``: flash-linear-attention's
     ``cu_seqlens``), their longest (``max_length_q``/``_k``) and each token's sequence
     (``seq_idx``, int32 ``[1, T]``: causal-conv1d's and mamba-ssm's)."""
     cu_seqlens = meta.on_device("cu_seqlens_padded", device)
-    return {
+    values = {
         "cu_seq_lens_q": cu_seqlens,
         "cu_seq_lens_k": cu_seqlens,
+        CU_SEQLENS: cu_seqlens,
         "max_length_q": meta.max_seqlen,
         "max_length_k": meta.max_seqlen,
-        "seq_idx": meta.sequence_index(device),
+        "seq_idx": meta.sequence_index(device),  # built once per batch
     }
+    return {name: values[name] for name in names}
 
 
-def mixer_forward(forward: Callable, backend: str, *args: Any, **kwargs: Any) -> Any:
+def mixer_forward(
+    forward: Callable, backend: str, keywords: tuple[str, ...], *args: Any, **kwargs: Any
+) -> Any:
     """``forward`` (a stateful mixer's own) with every sample of the current layout starting from an
     empty state, with no cache and no attention mask.
 
@@ -136,7 +159,8 @@ def mixer_forward(forward: Callable, backend: str, *args: Any, **kwargs: Any) ->
     sequences; those of one padded length go through ``forward`` as one batch ``[k, L, ...]``;
     per-token outputs ``[k, L, ...]`` are put back in row order, any other tensor output (a final
     state ``[k, ...]``) comes back per sequence, in sequence order. ``kernels``: one call on the
-    row with :func:`kernel_keywords`. Under CP the per-token outputs keep this rank's tokens."""
+    row with :func:`kernel_keywords` of ``keywords``. Under CP the per-token outputs keep this rank's
+    tokens."""
     meta = _LAYOUT.get()
     if meta is None:
         raise ValueError(
@@ -164,7 +188,7 @@ def mixer_forward(forward: Callable, backend: str, *args: Any, **kwargs: Any) ->
             leaves[i] = gather_tokens(leaves[i][0], meta.cp_group)[order][None]
     if backend == "kernels":
         row_args, row_kwargs = rebuild(leaves)
-        out = forward(*row_args, **row_kwargs, **kernel_keywords(meta, device))
+        out = forward(*row_args, **row_kwargs, **kernel_keywords(meta, device, keywords))
         return _local(out, meta, device)
     groups = _sequences_by_length(meta)
     outputs, rows = [], []

@@ -61,7 +61,7 @@ from automodel.models.hf_io import (
     publish,
 )
 from automodel.models.lora import LoraConfig, export_adapter
-from automodel.models.mixers import decoder_of, mixer_kernel_classes, stateful_mixer_classes
+from automodel.models.mixers import decoder_of, layout_keywords, mixer_kernel_classes, stateful_mixer_classes
 from automodel.models.router_aux import RouterAuxLoss, router_statistics
 from automodel.models.sharded_init import UninitializedTensor, init_sharded
 from automodel.models.spec import ModelSpec
@@ -412,7 +412,7 @@ def attach_mixers(
         return
     if classes:
         kernels = mixer_kernel_classes(config, spec.mixer_backend, device, spec.trust_remote_code)
-        attach_stateful_mixers(hf, classes, kernels=kernels)
+        attach_stateful_mixers(hf, classes, kernels={c: layout_keywords(c) for c in kernels})
         logger.info(
             "stateful token mixers run per sample: %s",
             ", ".join(f"{c.__name__} ({'kernels' if c in kernels else 'reference'})" for c in classes),

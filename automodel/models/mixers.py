@@ -17,11 +17,13 @@ Shape legend: T = the probe's tokens.
 
 from __future__ import annotations
 
+import ast
 import copy
 import inspect
 import logging
-import re
 import sys
+import textwrap
+from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +39,13 @@ from automodel.attention.hf import (
     attention_callers,
     register_thd_attention,
 )
-from automodel.attention.mixers import MIXER_BACKENDS, layout_scope, mixer_forward
+from automodel.attention.mixers import (
+    CU_SEQLENS,
+    KERNEL_KEYWORDS,
+    MIXER_BACKENDS,
+    layout_scope,
+    mixer_forward,
+)
 from automodel.models.tiny import width_config
 
 logger = logging.getLogger(__name__)
@@ -218,51 +226,130 @@ class KernelFunction:
     """A function a mixer class calls that transformers takes from a package where installed
     (``use_kernel_func_from_hub_with_fallback``), else its torch fallback."""
 
-    name: str
+    name: str  # the package's name of it (``selective_scan_fn``), not the module's
     package: str
     installed: bool
-    takes_layout: bool  # its installed implementation takes cu_seqlens or seq_idx
+    # its installed implementation takes cu_seqlens or seq_idx AND every call of it in the class hands
+    # it one of them (by name, or in the forward's ``**kwargs`` passed on): a signature alone does not
+    # say a kernel sees the boundaries
+    takes_layout: bool
+    # a decoding step: it updates a state it is handed (a required ``state`` / ``*_state``
+    # parameter), one token at a time, called only with a cache, which the THD path turns off
+    decodes: bool = False
 
 
 def kernel_functions(cls: type) -> list[KernelFunction]:
     """The package kernels ``cls``'s code calls, read from transformers' fallback wrappers in its
-    module (their closure holds the package and whether it was found)."""
-    try:
-        source = inspect.getsource(cls)
-    except (OSError, TypeError):
-        return []
-    namespace = vars(sys.modules[cls.__module__])
-    found = []
-    for name in sorted(set(re.findall(r"\b([A-Za-z_]\w*)\(", source))):
-        function = namespace.get(name)
-        if not callable(function) or getattr(function, "__closure__", None) is None:
-            continue
-        cells = inspect.getclosurevars(function).nonlocals
-        if "is_new_implementation" not in cells or "package" not in cells:
-            continue
-        params = set(cells.get("applicable_params") or ())
-        found.append(
-            KernelFunction(
-                name, cells["package"], bool(cells["is_new_implementation"]), bool(params & LAYOUT_PARAMS)
-            )
+    module (their closure holds the package, the implementation and whether it was found) and from
+    the calls of them in ``cls``'s source (whether each hands the layout on)."""
+    kernels = _kernel_calls(cls)
+    spread = set(_spread_keywords(kernels))
+    return [
+        KernelFunction(
+            cells.get("func_name", name),
+            cells["package"],
+            bool(cells["is_new_implementation"]),
+            all(_hands_layout(call, _params(cells), spread) for call in calls),
+            _updates_a_state(cells.get("implementation")),
         )
-    return found
+        for name, cells, calls in kernels
+    ]
 
 
 LAYOUT_PARAMS = {"cu_seqlens", "seq_idx"}
 
 
+def _kernel_calls(cls: type) -> list[tuple[str, dict[str, Any], list[ast.Call]]]:
+    """Each transformers kernel wrapper ``cls``'s source calls by name: (its name in the module, its
+    closure's cells, the calls of it)."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return []
+    namespace = vars(sys.modules[cls.__module__])
+    calls: dict[str, list[ast.Call]] = defaultdict(list)
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            calls[node.func.id].append(node)
+    found = []
+    for name in sorted(calls):
+        function = namespace.get(name)
+        if not callable(function) or getattr(function, "__closure__", None) is None:
+            continue
+        cells = inspect.getclosurevars(function).nonlocals
+        if "is_new_implementation" in cells and "package" in cells:
+            found.append((name, cells, calls[name]))
+    return found
+
+
+def _params(cells: dict[str, Any]) -> set[str]:
+    """The parameters of a kernel wrapper's implementation (the package's function where found)."""
+    return set(cells.get("applicable_params") or ())
+
+
+def layout_keywords(cls: type) -> tuple[str, ...]:
+    """The layout keywords ``cls``'s forward gets on the kernel path
+    (:func:`~automodel.attention.mixers.kernel_keywords`): :data:`KERNEL_KEYWORDS`, and ``cu_seqlens``
+    where a kernel takes it but not ``seq_idx`` and gets only the forward's ``**kwargs`` (Kimi
+    Linear's KDA: the offsets there are ``cu_seq_lens_q``, which transformers' wrapper drops)."""
+    return _spread_keywords(_kernel_calls(cls))
+
+
+def _spread_keywords(kernels: list[tuple[str, dict[str, Any], list[ast.Call]]]) -> tuple[str, ...]:
+    needs = any(
+        CU_SEQLENS in _params(cells)
+        and "seq_idx" not in _params(cells)
+        and all(any(k.arg is None for k in call.keywords) for call in calls)
+        for _, cells, calls in kernels
+    )
+    # a call that names cu_seqlens beside **kwargs would get it twice (a TypeError)
+    named = any(k.arg == CU_SEQLENS for _, _, calls in kernels for call in calls for k in call.keywords)
+    return (*KERNEL_KEYWORDS, CU_SEQLENS) if needs and not named else KERNEL_KEYWORDS
+
+
+def _hands_layout(call: ast.Call, params: set[str], spread: set[str]) -> bool:
+    """Whether a call hands a kernel whose signature has ``params`` the layout: a layout keyword it
+    takes, passed by name, or spread from a dict (the forward's ``**kwargs``) holding ``spread``
+    (:func:`layout_keywords`)."""
+    taken = params & LAYOUT_PARAMS
+    return any(k.arg in taken if k.arg else bool(taken & spread) for k in call.keywords)
+
+
+def _updates_a_state(implementation: Any) -> bool:
+    """Whether a kernel is a decoding step: a required ``state`` / ``*_state`` parameter (mamba-ssm's
+    ``selective_state_update(state, ...)``, causal-conv1d's ``causal_conv1d_update(x, conv_state, ...)``)."""
+    try:
+        params = inspect.signature(implementation).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(
+        p.default is inspect.Parameter.empty and (p.name == "state" or p.name.endswith("_state"))
+        for p in params
+    )
+
+
+def packages_missing(cls: type) -> list[str]:
+    """The packages of ``cls``'s kernels that are not installed (sorted)."""
+    return sorted({f.package for f in kernel_functions(cls) if not f.installed})
+
+
 def kernels_missing(cls: type) -> str | None:
     """Why ``cls`` cannot run through its kernels with the layout here, or None: it calls no package
-    kernel, a package is not installed, or none of its kernels takes ``cu_seqlens`` / ``seq_idx``."""
+    kernel, a package is not installed, or a kernel that carries a state along the row (any but a
+    decoding step) is not handed ``cu_seqlens`` / ``seq_idx``: it would carry one sample's state
+    into the next."""
     functions = kernel_functions(cls)
     if not functions:
         return f"{cls.__name__} calls no package kernel (torch code only)"
-    missing = sorted({f.package for f in functions if not f.installed})
+    missing = packages_missing(cls)
     if missing:
         return f"{cls.__name__} needs {', '.join(missing)} (not installed)"
-    if not any(f.takes_layout for f in functions):
-        return f"{cls.__name__}'s kernels take no sample boundaries (cu_seqlens, seq_idx)"
+    blind = [f.name for f in functions if not f.takes_layout and not f.decodes]
+    if blind:
+        return (
+            f"{cls.__name__}'s kernels take no sample boundaries: {', '.join(blind)} "
+            f"{'is' if len(blind) == 1 else 'are'} handed neither cu_seqlens nor seq_idx"
+        )
     return None
 
 
@@ -303,7 +390,10 @@ def _outputs_and_grads(
         x.requires_grad_()
     module.zero_grad(set_to_none=True)
     with layout_scope(layout):
-        out = _first_per_token(mixer_forward(module.forward, backend, *inputs[0], **inputs[1])).float()
+        keywords = layout_keywords(type(module))
+        out = _first_per_token(
+            mixer_forward(module.forward, backend, keywords, *inputs[0], **inputs[1])
+        ).float()
     weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(device)
     (out * weight).sum().backward()
     grads = [x.grad for x in leaves] + [p.grad for p in module.parameters()]

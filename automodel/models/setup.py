@@ -29,7 +29,7 @@ from automodel.attention.varlen import FLASH_DTYPES, varlen_missing
 from automodel.config import ConfigError
 from automodel.models.build import logit_transform
 from automodel.models.lora import LoraConfig
-from automodel.models.mixers import kernels_missing, stateful_mixer_classes
+from automodel.models.mixers import kernels_missing, packages_missing, stateful_mixer_classes
 from automodel.models.spec import ModelSpec, check_sizes
 from automodel.models.support import config_verdict, table_verdict
 from automodel.models.tiny import config_fields, length_fields
@@ -441,8 +441,9 @@ def check_max_positions(
 
 def check_mixer_backend(spec: ModelSpec, config: PretrainedConfig) -> None:
     """ValueError at setup for ``model.mixer_backend=kernels`` without CUDA, or where a stateful
-    mixer class of the model has no installed kernel that takes sample boundaries
-    (:func:`~automodel.models.mixers.kernels_missing`); ``auto`` and ``reference`` run anywhere."""
+    mixer class of the model cannot run its kernels on packed rows: not installed, or one of them is
+    handed no sample boundaries (:func:`~automodel.models.mixers.kernels_missing`); ``auto`` and
+    ``reference`` run anywhere."""
     if spec.mixer_backend != "kernels":
         return
     if not torch.cuda.is_available():
@@ -453,9 +454,13 @@ def check_mixer_backend(spec: ModelSpec, config: PretrainedConfig) -> None:
     for cls in stateful_mixer_classes(config, spec.trust_remote_code):
         why = kernels_missing(cls)
         if why is not None:
-            raise ValueError(
-                f"model.mixer_backend='kernels': {why}; pip install 'automodel[mixers]', or use model.mixer_backend=auto"
+            # installing helps only where a package is missing, not where its kernels take no boundaries
+            fix = (
+                "pip install 'automodel[mixers]', or use model.mixer_backend=auto"
+                if packages_missing(cls)
+                else "use model.mixer_backend=auto or reference (per sample, in torch)"
             )
+            raise ValueError(f"model.mixer_backend='kernels': {why}; {fix}")
 
 
 def check_backend_device(backend: str, compute_dtype: torch.dtype) -> None:

@@ -45,13 +45,19 @@ def with_standins() -> dict:
 
 
 # each family's mixer class and the kernels one training step and one eval step (validation) call: a
-# Gated DeltaNet's delta rule and convolution; a Mamba-2 mixer's fused convolution and scan when
-# training, its convolution and scan apart in eval
+# Gated DeltaNet's delta rule and convolution; KDA's chunked form and convolution (its kernels take
+# cu_seqlens through the forward's **kwargs only: automodel puts it there); a Mamba-2 mixer's fused
+# convolution and scan when training, its convolution and scan apart in eval
 FAMILY_KERNELS = {
     "qwen3_5_text": (
         "Qwen3_5GatedDeltaNet",
         {"chunk_gated_delta_rule", "causal_conv1d_fn"},
         {"chunk_gated_delta_rule", "causal_conv1d_fn"},
+    ),
+    "kimi_linear": (
+        "KimiLinearDeltaAttention",
+        {"chunk_kda", "causal_conv1d_fn"},
+        {"chunk_kda", "causal_conv1d_fn"},
     ),
     "mamba2": (
         "Mamba2Mixer",
@@ -85,19 +91,22 @@ def test_the_kernel_path_equals_the_reference_path_through_strict_standins(with_
 def test_check_gpu_rows_pass_through_the_standins_and_a_kernel_that_ignores_the_boundaries_is_refused(
     with_standins,
 ):
-    # check-gpu's rows: every family with stand-ins PASSes; KDA (no fla stand-in of chunk_kda) and
-    # Jamba (no stand-in of mamba-ssm's Mamba v1 scan) SKIP
+    # check-gpu's rows: every family whose kernels are handed the boundaries PASSes; Jamba (its Mamba
+    # v1 scan takes none) SKIPs, naming why
     assert with_standins["rows"] == {
         "qwen3_5_text Qwen3_5GatedDeltaNet": "PASS",
         "qwen3_next Qwen3NextGatedDeltaNet": "PASS",
         "olmo_hybrid OlmoHybridGatedDeltaNet": "PASS",
-        "kimi_linear KimiLinearDeltaAttention": "SKIP",
+        "kimi_linear KimiLinearDeltaAttention": "PASS",
         "nemotron_h NemotronHMamba2Mixer": "PASS",
         "falcon_h1 FalconH1Mixer": "PASS",
         "granitemoehybrid GraniteMoeHybridMambaLayer": "PASS",
         "bamba BambaMixer": "PASS",
         "jamba JambaMambaMixer": "SKIP",
         "lfm2 Lfm2ShortConv": "PASS",
+    }
+    assert with_standins["row_details"] == {
+        "jamba JambaMambaMixer": f"JambaMambaMixer{NO_BOUNDARIES['jamba'][1]}"
     }
     # kernels that ignore the boundaries differ from the reference path: refused
     for model_type, (name, _, _) in FAMILY_KERNELS.items():
@@ -108,6 +117,55 @@ def test_check_gpu_rows_pass_through_the_standins_and_a_kernel_that_ignores_the_
         refused = with_standins["refused"][f"mamba_chunk_scan_combined {model_type}"]
         assert f"{FAMILY_KERNELS[model_type][0]}'s kernels differ from its reference path" in refused
     assert with_standins["refused"]["mamba_chunk_scan_combined qwen3_5_text"] is None  # no mamba-ssm call
+
+
+# Mamba (v1) mixers: their class and why automodel keeps their kernels off packed rows (mamba-ssm's
+# selective scan, fused or not, takes no sample boundaries; a Jamba mixer calls no fused kernel)
+NO_BOUNDARIES = {
+    model_type: (name, f"'s kernels take no sample boundaries: {blind} handed neither cu_seqlens nor seq_idx")
+    for model_type, name, blind in (
+        ("mamba", "MambaMixer", "mamba_inner_fn, selective_scan_fn are"),
+        ("falcon_mamba", "FalconMambaMixer", "mamba_inner_fn, selective_scan_fn are"),
+        ("jamba", "JambaMambaMixer", "selective_scan_fn is"),
+    )
+}
+
+
+@pytest.mark.parametrize("model_type", NO_BOUNDARIES)
+def test_installed_kernels_that_take_no_boundaries_are_never_chosen_and_kernels_is_refused_naming_why(
+    with_standins, model_type
+):
+    found = with_standins["no_boundaries"][model_type]
+    name, reason = NO_BOUNDARIES[model_type]
+    why = f"{name}{reason}"
+    assert found["class"] == name and found["missing"] == why
+    assert found["auto"] == []  # auto on a GPU: the reference path, per sample
+    assert (
+        found["kernels"] == f"model.mixer_backend=kernels: {why}; use model.mixer_backend=auto or reference"
+    )
+    assert found["setup"] == (
+        f"model.mixer_backend='kernels': {why}; use model.mixer_backend=auto or reference (per sample, in torch)"
+    )
+    # what the refusal keeps away: forced onto the row, the scan carries a sample's state into the next
+    assert "selective_scan_fn" in found["forced_calls"] and found["forced_error"] > 0.1
+
+
+def test_the_mamba_v1_standins_scan_as_transformers_and_the_fused_kernel_as_the_scan_apart(with_standins):
+    # selective_scan_fn == transformers' torch scan (output and last state)
+    assert with_standins["selective_scan_error"] <= 1e-5
+    # a Mamba mixer in training calls the fused mamba_inner_fn, in eval the scan apart: the same output
+    assert with_standins["inner_calls_True"] == ["mamba_inner_fn"]
+    assert with_standins["inner_calls_False"] == ["selective_scan_fn"]
+    assert with_standins["inner_error"] <= 1e-5
+    assert with_standins["half_D"] == "D must be float32 [d]"  # the extension's dtype check
+
+
+def test_the_kda_standins_restart_at_each_cu_seqlens_boundary(with_standins):
+    # chunk_kda and fused_recurrent_kda with cu_seqlens on a row of three sequences == transformers'
+    # torch KDA on each alone; without cu_seqlens the row is one sequence
+    assert with_standins["chunk_kda_error"] <= 1e-5 and with_standins["fused_recurrent_kda_error"] <= 1e-5
+    assert with_standins["kda_without_cu_seqlens_error"] > 0.1
+    assert with_standins["kda_short_g"] == "g must have shape [B, T, HV, K]=[1, 13, 2, 4], got [1, 13, 2, 3]"
 
 
 def test_the_mamba_ssm_standin_restarts_its_scan_where_seq_idx_changes_and_decodes_as_it_scans(with_standins):
