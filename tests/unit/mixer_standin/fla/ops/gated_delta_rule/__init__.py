@@ -3,9 +3,9 @@ checks; each sequence of ``cu_seqlens`` computed alone by transformers' own torc
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from fla.ops._sequences import per_sequence
 
 CALLS: list[dict] = []
 
@@ -42,29 +42,6 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens, kwargs):
             )
 
 
-def _per_sequence(
-    name, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens
-):
-    if scale is not None and scale != k.shape[-1] ** -0.5:
-        raise NotImplementedError("the stand-in computes with the default scale, k.shape[-1] ** -0.5")
-    if os.environ.get("STANDIN_IGNORE_LAYOUT") == "1" or cu_seqlens is None:
-        bounds = [0, q.shape[1]]
-    else:
-        bounds = cu_seqlens.tolist()
-    function, outs, states = _reference(name), [], []
-    for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-        if b == a:
-            continue
-        state = None if initial_state is None else initial_state[i : i + 1]
-        o, s = function(
-            q[:, a:b], k[:, a:b], v[:, a:b], g=g[:, a:b], beta=beta[:, a:b], initial_state=state,
-            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        )  # fmt: skip
-        outs.append(o)
-        states.append(s)
-    return torch.cat(outs, dim=1), (torch.cat(states) if output_final_state else None)
-
-
 def chunk_gated_delta_rule(
     q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
     use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False, cu_seqlens=None,
@@ -79,8 +56,8 @@ def chunk_gated_delta_rule(
     if kwargs.get("chunk_size", 64) not in (16, 32, 64):
         raise ValueError("`chunk_size` must be 16, 32, or 64 for Gated Delta Rule")
     CALLS.append({"fn": "chunk_gated_delta_rule", "cu_seqlens": cu_seqlens is not None})
-    return _per_sequence(
-        "torch_chunk_gated_delta_rule", q, k, v, g, beta, scale, initial_state, output_final_state,
+    return per_sequence(
+        _reference("torch_chunk_gated_delta_rule"), q, k, v, g, beta, scale, initial_state, output_final_state,
         use_qk_l2norm_in_kernel, cu_seqlens,
     )  # fmt: skip
 
@@ -92,7 +69,7 @@ def fused_recurrent_gated_delta_rule(
     """The token-by-token form (decoding), same arguments and results as :func:`chunk_gated_delta_rule`."""
     _check(q, k, v, g, beta, initial_state, cu_seqlens, kwargs)
     CALLS.append({"fn": "fused_recurrent_gated_delta_rule", "cu_seqlens": cu_seqlens is not None})
-    return _per_sequence(
-        "torch_recurrent_gated_delta_rule", q, k, v, g, beta, scale, initial_state, output_final_state,
+    return per_sequence(
+        _reference("torch_recurrent_gated_delta_rule"), q, k, v, g, beta, scale, initial_state, output_final_state,
         use_qk_l2norm_in_kernel, cu_seqlens,
     )  # fmt: skip

@@ -7,9 +7,9 @@ V = value head dim, N = sequences."""
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from fla.ops._sequences import per_sequence
 
 CALLS: list[dict] = []
 
@@ -63,29 +63,6 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens, flags, kwargs):
         raise NotImplementedError("the stand-in computes as many value heads as query heads (no GVA)")
 
 
-def _per_sequence(name, q, k, v, g, beta, scale, initial_state, output_final_state, l2norm, cu_seqlens):
-    """Each sequence of ``cu_seqlens`` (the whole row without, or with ``STANDIN_IGNORE_LAYOUT=1``)
-    from its own initial state (zero when None) -> (o like v, final states ``[N, HV, K, V]`` or None)."""
-    if scale is not None and scale != k.shape[-1] ** -0.5:
-        raise NotImplementedError("the stand-in computes with the default scale, K ** -0.5")
-    if os.environ.get("STANDIN_IGNORE_LAYOUT") == "1" or cu_seqlens is None:
-        bounds = [0, q.shape[1]]
-    else:
-        bounds = cu_seqlens.tolist()
-    function, outs, states = _reference(name), [], []
-    for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-        if b == a:
-            continue
-        state = None if initial_state is None else initial_state[i : i + 1]
-        o, s = function(
-            q[:, a:b], k[:, a:b], v[:, a:b], g=g[:, a:b], beta=beta[:, a:b], initial_state=state,
-            output_final_state=output_final_state, use_qk_l2norm_in_kernel=l2norm,
-        )  # fmt: skip
-        outs.append(o)
-        states.append(s)
-    return torch.cat(outs, dim=1), (torch.cat(states) if output_final_state else None)
-
-
 def chunk_kda(
     q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
     use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False,
@@ -103,8 +80,8 @@ def chunk_kda(
     if chunk_size not in (32, 64):
         raise ValueError(f"`chunk_size` must be either 32 or 64 for KDA, got {chunk_size}.")
     CALLS.append({"fn": "chunk_kda", "cu_seqlens": cu_seqlens is not None})
-    return _per_sequence(
-        "chunk_kimi_delta_attention", q, k, v, g, beta, scale, initial_state, output_final_state,
+    return per_sequence(
+        _reference("chunk_kimi_delta_attention"), q, k, v, g, beta, scale, initial_state, output_final_state,
         use_qk_l2norm_in_kernel, cu_seqlens,
     )  # fmt: skip
 
@@ -118,7 +95,7 @@ def fused_recurrent_kda(
     flags = (use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first)
     _check(q, k, v, g, beta, initial_state, cu_seqlens, flags, {"A_log": A_log, "dt_bias": dt_bias})
     CALLS.append({"fn": "fused_recurrent_kda", "cu_seqlens": cu_seqlens is not None})
-    return _per_sequence(
-        "recurrent_kimi_delta_attention", q, k, v, g, beta, scale, initial_state, output_final_state,
+    return per_sequence(
+        _reference("recurrent_kimi_delta_attention"), q, k, v, g, beta, scale, initial_state, output_final_state,
         use_qk_l2norm_in_kernel, cu_seqlens,
     )  # fmt: skip
