@@ -1,5 +1,6 @@
 """What the stand-ins of fla's delta-rule kernels share: each sequence of ``cu_seqlens`` computed
-alone by transformers' own torch function (not part of flash-linear-attention)."""
+alone by transformers' own torch function, and the checks of ``cu_seqlens`` (not part of
+flash-linear-attention)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,29 @@ import os
 from collections.abc import Callable
 
 import torch
+
+
+def check_cu_seqlens(
+    q: torch.Tensor, initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None
+) -> None:
+    """fla's checks of ``cu_seqlens`` (batch 1, a 1-D integer tensor from 0 to T, one initial
+    state per sequence)."""
+    if cu_seqlens is None:
+        return
+    if q.shape[0] != 1:
+        raise ValueError(
+            f"The batch size is expected to be 1 rather than {q.shape[0]} when using `cu_seqlens`."
+        )
+    if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
+        )
+    if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != q.shape[1]:
+        raise ValueError(f"cu_seqlens must run from 0 to T={q.shape[1]}, got {cu_seqlens.tolist()}")
+    if initial_state is not None and initial_state.shape[0] != len(cu_seqlens) - 1:
+        raise ValueError(
+            "The number of initial states is expected to be equal to the number of input sequences"
+        )
 
 
 def per_sequence(

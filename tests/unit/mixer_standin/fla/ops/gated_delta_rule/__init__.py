@@ -3,9 +3,7 @@ checks; each sequence of ``cu_seqlens`` computed alone by transformers' own torc
 
 from __future__ import annotations
 
-import torch
-
-from fla.ops._sequences import per_sequence
+from fla.ops._sequences import check_cu_seqlens, per_sequence
 
 CALLS: list[dict] = []
 
@@ -25,21 +23,7 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens, kwargs):
         raise ValueError(f"heads: q {q.shape[2]}, k {k.shape[2]}, v {v.shape[2]} (v a multiple of q/k)")
     if g.shape != v.shape[:3] or beta.shape != v.shape[:3]:
         raise ValueError(f"g and beta must be [B, T, HV], got {tuple(g.shape)}, {tuple(beta.shape)}")
-    if cu_seqlens is not None:
-        if q.shape[0] != 1:
-            raise ValueError(
-                f"The batch size is expected to be 1 rather than {q.shape[0]} when using `cu_seqlens`."
-            )
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise ValueError(
-                f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
-            )
-        if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != q.shape[1]:
-            raise ValueError(f"cu_seqlens must run from 0 to T={q.shape[1]}, got {cu_seqlens.tolist()}")
-        if initial_state is not None and initial_state.shape[0] != len(cu_seqlens) - 1:
-            raise ValueError(
-                "The number of initial states is expected to be equal to the number of input sequences"
-            )
+    check_cu_seqlens(q, initial_state, cu_seqlens)
 
 
 def chunk_gated_delta_rule(
