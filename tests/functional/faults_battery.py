@@ -38,6 +38,7 @@ from issue39_battery import (  # noqa: E402
     source,
     with_checkpoint,
 )
+from signal_points import SIGTERM_AT  # noqa: E402
 
 OUTCOMES = ("clear", "late", "opaque", "silent-wrong", "hang")
 
@@ -83,30 +84,6 @@ CHAT_DATA = ["data=chat_jsonl", "data.tokenizer=tiny"]
 
 
 # ---- custom runs -------------------------------------------------------------------------------------
-
-SIGTERM_AT = """
-import functools, importlib, os, signal, sys
-from automodel.cli import main
-
-point, at = sys.argv[1].split("@")
-owner, name = point.rsplit(".", 1)
-module, _, attribute = owner.partition(":")
-holder = importlib.import_module(module)
-holder = getattr(holder, attribute) if attribute else holder
-real, calls = getattr(holder, name), []
-
-
-@functools.wraps(real)
-def signalled(*args, **kwargs):
-    calls.append(1)
-    if len(calls) == int(at):
-        os.kill(os.getpid(), signal.SIGTERM)
-    return real(*args, **kwargs)
-
-
-setattr(holder, name, signalled)
-sys.exit(main(sys.argv[2:]))
-"""
 
 
 def sigterm_at(point: str, command: str):

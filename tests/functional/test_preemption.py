@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from signal_points import SIGTERM_AT
 from torchrun import REPO_ROOT
 
 from automodel.training.metrics import read_metrics
@@ -260,31 +261,6 @@ def test_ctrl_c_during_a_checkpoint_write_is_not_reported_as_a_full_disk(tmp_pat
     else:
         assert newest_checkpoint(output_dir) == 0
         assert "automodel finetune: interrupted (the checkpoint of step 4 was not written)" in result.stderr
-
-
-SIGTERM_AT = """
-import functools, importlib, os, signal, sys
-from automodel.cli import main
-
-point, at = sys.argv[1].split("@")
-owner, name = point.rsplit(".", 1)
-module, _, attribute = owner.partition(":")
-holder = importlib.import_module(module)
-holder = getattr(holder, attribute) if attribute else holder
-real, calls = getattr(holder, name), []
-
-
-@functools.wraps(real)
-def signalled(*args, **kwargs):  # a scheduler's SIGTERM arrives here, at its call number `at`
-    calls.append(1)
-    if len(calls) == int(at):
-        os.kill(os.getpid(), signal.SIGTERM)
-    return real(*args, **kwargs)
-
-
-setattr(holder, name, signalled)
-sys.exit(main(sys.argv[2:]))
-"""
 
 
 @pytest.mark.parametrize("where", ["setup", "export", "tokenize"])
