@@ -29,17 +29,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from recipe_runs import run_specs
 from sharded_io import compare_dirs, reference_model, shard_mismatches
 from torch.distributed.device_mesh import init_device_mesh
 
 from automodel.attention import ThdAttentionMetadata
-from automodel.config import ConfigError, load_recipe
 from automodel.distributed.parallel import expert_device_mesh
 from automodel.models import ModelSpec, build_model, setup_checks
 from automodel.models.hf_io import export_hf, load_sharded
 from automodel.models.parallelize import apply_fsdp
 from automodel.models.router_aux import combined, load_balancing_loss
-from automodel.training.run import run
 
 EP_SIZES = (1, 2, 4)
 TOLERANCE = dict(rtol=1e-5, atol=1e-7)
@@ -148,22 +147,9 @@ def main() -> int:
     for name in ("qwen3_moe", "mixtral"):
         count, found = check_model(name, args.checkpoints / name, args.checkpoints / "out")
         cases, errors = cases + count, errors + found
-    for run_name, spec in json.loads(args.runs.read_text()).items():
-        if dist.get_rank() == 0:
-            print(f"RECIPE-RUN {run_name}", flush=True)
-        try:
-            run(load_recipe(spec["recipe"], spec["overrides"]))
-        except ConfigError as error:
-            if spec["expect_error"] is None or spec["expect_error"] not in str(error):
-                raise
-            if dist.get_rank() == 0:
-                print(f"RECIPE-RUN-ERROR {run_name}: {error}", flush=True)
-        else:
-            if spec["expect_error"] is not None:
-                errors.append(
-                    f"run {run_name} finished; expected a ConfigError with {spec['expect_error']!r}"
-                )
-        cases += 1
+    runs = json.loads(args.runs.read_text())
+    errors += run_specs(runs)
+    cases += len(runs)
     for error in errors:
         print(f"FAIL rank {dist.get_rank()}: {error}", flush=True)
     if dist.get_rank() == 0:

@@ -17,9 +17,11 @@ import torch.distributed as dist
 from automodel.config import ConfigError, load_recipe
 from automodel.training.run import run
 
-if __name__ == "__main__":
-    dist.init_process_group("gloo")
-    runs = json.loads(open(sys.argv[1]).read())
+
+def run_specs(runs: dict[str, dict]) -> list[str]:
+    """Run each of ``runs`` (name -> spec, as in RUNS.json) in this process group; the runs that
+    finished where a ConfigError was expected, in words. An unexpected error is raised."""
+    unexpected = []
     for name, spec in runs.items():
         if dist.get_rank() == 0:
             print(f"RECIPE-RUN {name}", flush=True)
@@ -32,6 +34,16 @@ if __name__ == "__main__":
                 print(f"RECIPE-RUN-ERROR {name}: {error}", flush=True)
         else:
             if spec["expect_error"] is not None:
-                raise SystemExit(f"run {name} finished; expected a ConfigError with {spec['expect_error']!r}")
+                unexpected.append(
+                    f"run {name} finished; expected a ConfigError with {spec['expect_error']!r}"
+                )
+    return unexpected
+
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    unexpected = run_specs(json.loads(open(sys.argv[1]).read()))
+    if unexpected:
+        raise SystemExit(unexpected[0])
     dist.barrier()
     dist.destroy_process_group()
