@@ -289,7 +289,7 @@ def _one_reasoning_field(message: dict, role: str, k: int, field: str) -> None:
     """The message's reasoning trace under ``reasoning_content`` alone (the other names removed); a
     trace on a message other than the assistant's, or two names holding different traces: BadRow."""
     traces = {key: message.pop(key) for key in REASONING_FIELDS if key in message}
-    given = {key: trace for key, trace in traces.items() if trace.strip()}
+    given = {key: trace for key, trace in traces.items() if trace}  # ' ' is a trace a template writes: kept
     if not given:
         return
     if role != "assistant":

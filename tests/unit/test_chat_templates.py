@@ -95,6 +95,22 @@ def test_learned_tokens_are_exactly_the_assistants(name, data):
         assert got_mask == mask, (name, marked, TOKENIZERS[name, False].decode(ids))
 
 
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_a_whitespace_reasoning_trace_is_rendered_as_the_template_writes_it(name):
+    """A trace of one space was dropped before rendering, while harmony's template writes it as an
+    analysis message: the ids were not apply_chat_template's (found by the property test above)."""
+    messages = [
+        {"role": "user", "content": "0"},
+        {"role": "assistant", "content": "0", "reasoning_content": " "},
+    ]
+    policy = ChatPolicy("all", "learn")
+    ids, mask = expected(name, messages, None, policy)
+    got_ids, got_mask, _ = encode_chat(
+        parse_messages(messages, tools=None), TOKENIZERS[name, False], policy, FACTS[name, False], "messages"
+    )
+    assert (got_ids, got_mask) == (ids, mask)
+
+
 # -- worked examples ----------------------------------------------------------------------------------------
 
 WEATHER = [
