@@ -429,7 +429,7 @@ def end_of_turn_token_id(tokenizer: PreTrainedTokenizerBase) -> int | None:
     return found[0] if found else None
 
 
-def turn_start(prompt: str, text: str, header: str = "") -> int | None:
+def turn_start(prompt: str, text: str, header: str = "", after: int = 0) -> int | None:
     """Where, in the whole conversation ``text``, the assistant turn after ``prompt`` (the messages
     before it rendered with a generation prompt, which adds ``header``) starts; None when it cannot
     be found.
@@ -441,7 +441,10 @@ def turn_start(prompt: str, text: str, header: str = "") -> int | None:
     next in ``text``; the turn starts where the last piece ends. Others write less in the prompt than
     in the conversation (Hermes closes a tool turn with ``\\n<|im_end|>`` when a turn follows it, with
     ``<|im_end|>`` when it is last): where the pieces do not end with the turn's ``header``, the turn
-    starts after the first ``header`` past the point where the two part.
+    starts after the first ``header`` past the point where the two part. Where neither finds it (Mistral
+    writes the tools before every user message equal to the last one, so they stand in ``text`` where
+    the prompt has none), the turn starts after the first occurrence past ``after`` (the end of the
+    turn before) of the longest end of the prompt that ``text`` holds there, longer than ``header``.
 
     Example: prompt ``"A[T][I] s Q[/I]"``, text ``"A[I] Q[/I] x</s>[T][I] s R[/I] y</s>"``: pieces
     ``"[I] "`` and ``"Q[/I]"`` -> 10 (after ``Q[/I]``). Prompt ``"r</t>E<s>a\\n"``, text
@@ -455,7 +458,21 @@ def turn_start(prompt: str, text: str, header: str = "") -> int | None:
     if header and (start is None or not text.startswith(header, start - len(header))):
         found = text.find(header, max(0, at - len(header) + 1))
         start = None if found < 0 else found + len(header)
-    return start
+    return start if start is not None else _suffix_end(prompt, text, after, len(header) + 1)
+
+
+def _suffix_end(prompt: str, text: str, after: int, shortest: int) -> int | None:
+    """Where the first occurrence in ``text[after:]`` of the longest end of ``prompt`` found there (at
+    least ``shortest`` characters) ends; None when not even that one occurs."""
+    low, high, found = shortest, len(prompt), None  # an end that occurs makes its every end occur
+    while low <= high:
+        middle = (low + high) // 2
+        where = text.find(prompt[-middle:], after)
+        if where >= 0:
+            low, found = middle + 1, where + middle
+        else:
+            high = middle - 1
+    return found
 
 
 def _pieces_end(prompt: str, text: str, at: int) -> int | None:
@@ -613,7 +630,7 @@ def _located_turns(
             boundaries[j] = len(before) if before is not None and text.startswith(before) else None
         return boundaries[j]
 
-    turns = {}
+    turns, previous_end = {}, 0
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
@@ -623,7 +640,10 @@ def _located_turns(
             raise BadRow(field, f"message {i}: the chat template fails on the conversation before this assistant "
                          f"turn ({_reason(error)})") from None  # fmt: skip
         start = turn_start(
-            prompt, text, "" if text.startswith(prompt) else _header(template, messages[:i], prompt)
+            prompt,
+            text,
+            "" if text.startswith(prompt) else _header(template, messages[:i], prompt),
+            previous_end,
         )
         if start is None:
             raise BadRow(field, f"message {i}: the chat template renders the conversation before this assistant turn "
@@ -640,7 +660,7 @@ def _located_turns(
             raise BadRow(field, f"message {i}: the end of this assistant turn cannot be found in the rendered "
                          "conversation; add {% generation %}...{% endgeneration %} around assistant output in the "
                          "template")  # fmt: skip
-        turns[i] = [(start, end)]
+        turns[i], previous_end = [(start, end)], end
     return turns
 
 

@@ -111,6 +111,23 @@ def test_a_whitespace_reasoning_trace_is_rendered_as_the_template_writes_it(name
     assert (got_ids, got_mask) == (ids, mask)
 
 
+def test_mistral_tools_before_every_user_message_equal_to_the_last_do_not_lose_the_turn():
+    """Mistral's template writes the tools before each user message equal to the last one: with the
+    first and last user messages alike the prompt of the middle turn matched the conversation nowhere
+    and the row was refused (found by the property test above)."""
+    messages = [{"role": "user", "content": "00"}, {"role": "assistant", "content": "0"},
+                {"role": "user", "content": "0"}, {"role": "assistant", "content": "0"},
+                {"role": "user", "content": "00"}, {"role": "assistant", "content": "0"}]  # fmt: skip
+    policy = ChatPolicy("all", "learn")
+    ids, mask = expected("mistral_tool", messages, TOOLS, policy)
+    tokenizer = TOKENIZERS["mistral_tool", False]
+    got_ids, got_mask, _ = encode_chat(
+        parse_messages(messages, tools=TOOLS), tokenizer, policy, FACTS["mistral_tool", False], "messages"
+    )
+    assert (got_ids, got_mask) == (ids, mask)
+    assert sum(mask) > 0 and tokenizer.decode([t for t, m in zip(ids, mask) if m]).count("</s>") == 3
+
+
 # -- worked examples ----------------------------------------------------------------------------------------
 
 WEATHER = [

@@ -257,16 +257,23 @@ def test_fallback_finds_turns_after_a_block_the_prompt_has_elsewhere():
     assert row["loss_mask"] == [0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1]
 
 
-@pytest.mark.parametrize(
-    "template",
-    [
-        "{{ messages | length }}"
-        + strip_generation_tags(WORD_TEMPLATE),  # a count that changes with every prefix
-        strip_generation_tags(WORD_TEMPLATE).replace("in messages", "in messages | reverse"),  # last to first
-    ],
-    ids=["count", "reversed"],
-)
-def test_fallback_names_the_row_whose_turns_cannot_be_located(template):
+def test_fallback_finds_turns_after_a_prefix_that_changes_with_every_prompt():
+    # A count of the messages first: no prompt is a prefix of the conversation, but each prompt's end
+    # (the turns before and the generation prompt) stands in it once, and the turn starts there.
+    template = "{{ messages | length }}" + strip_generation_tags(WORD_TEMPLATE)
+    dataset = datasets.Dataset.from_dict({"messages": [CONVERSATION[:3], CONVERSATION]})
+    tokenizer = word_tokenizer(template)
+    learned = [
+        tokenizer.decode([label for label, m in zip(row["labels"], row["loss_mask"]) if m])
+        for row in rows(tokenize_sft_dataset(dataset, tokenizer, format="messages"))
+    ]
+    assert learned == ["four </s>", "four </s> ok </s>"]
+
+
+def test_fallback_names_the_row_whose_turns_cannot_be_located():
+    template = strip_generation_tags(WORD_TEMPLATE).replace(
+        "in messages", "in messages | reverse"
+    )  # last first
     dataset = datasets.Dataset.from_dict({"messages": [CONVERSATION[:3], CONVERSATION]})
     with pytest.raises(
         ValueError, match=r"row [12]: field 'messages' .*message [24]: .* add \{% generation %\}"
